@@ -1,0 +1,50 @@
+# Two commands do all the set-up on a fresh machine:  `make demo`  and  `make test`.
+# The virtual environment lives in .venv. torch is installed only when no torch is importable: a user who already
+# has a (CUDA) torch in the Python that makes the venv keeps it, through --system-site-packages.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint typecheck pytest clean
+
+$(BIN)/python:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "make: using the torch already installed for $(PYTHON) (not replaced)"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade --quiet pip
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "make: torch $$($(BIN)/python -c 'import torch; print(torch.__version__)') found, keeping it"; \
+	else \
+		$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install --quiet -e ".[all,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/speedkit demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+# pytest's exit code 5 means no test ran: that is a failure, never a pass.
+pytest: install
+	@WANDB_MODE=disabled WANDB_SILENT=true $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

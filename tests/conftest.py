@@ -1,0 +1,88 @@
+"""Shared test fixtures: tiny models and data that train in well under a second on CPU."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+class TinyClassifier(L.LightningModule):
+    """A two-layer MLP on 16 features and 4 classes; ``lr`` and ``batch_size`` are hyperparameters."""
+
+    def __init__(self, lr: float = 0.1, batch_size: int = 8, num_samples: int = 64, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr = lr
+        self.batch_size = batch_size
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.example_input_array = torch.zeros(2, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams["optimizer"] == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def _data(self, seed: int) -> TensorDataset:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(self.hparams["num_samples"], 16, generator=g)
+        return TensorDataset(x, (x[:, :4].argmax(dim=1)))
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self._data(0), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self._data(1), batch_size=self.batch_size)
+
+
+def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
+    """A quiet CPU Trainer for tests; keyword arguments override the defaults."""
+    defaults: dict[str, object] = {
+        "default_root_dir": tmp_path,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+    }
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def tiny_model() -> TinyClassifier:
+    """A fresh, seeded TinyClassifier."""
+    L.seed_everything(0, verbose=False)
+    return TinyClassifier()
+
+
+@pytest.fixture
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A per-session cache directory for generated demo images (so tests never write to the user's cache)."""
+    path = tmp_path_factory.getbasetemp() / "demo_cache"
+    path.mkdir(exist_ok=True)
+    yield path
