@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -27,19 +27,23 @@ class TinyClassifier(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         self.example_input_array = torch.zeros(2, 16)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams["optimizer"] == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -50,9 +54,11 @@ class TinyClassifier(L.LightningModule):
         x = torch.randn(self.hparams["num_samples"], 16, generator=g)
         return TensorDataset(x, (x[:, :4].argmax(dim=1)))
 
+    @override
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
         return DataLoader(self._data(0), batch_size=self.batch_size, shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
         return DataLoader(self._data(1), batch_size=self.batch_size)
 
@@ -80,9 +86,7 @@ def tiny_model() -> TinyClassifier:
     return TinyClassifier()
 
 
-@pytest.fixture
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A per-session cache directory for generated demo images (so tests never write to the user's cache)."""
-    path = tmp_path_factory.getbasetemp() / "demo_cache"
-    path.mkdir(exist_ok=True)
-    yield path
+    return tmp_path_factory.mktemp("demo_cache")

@@ -1,0 +1,259 @@
+"""Generated shape images on disk, decoded per sample: a data pipeline that behaves like a real one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLASSES",
+    "DemoDataModule",
+    "ShapesDataset",
+    "default_cache_dir",
+    "ensure_shapes",
+    "render_shape",
+]
+
+CLASSES = ("circle", "square", "triangle", "plus", "ring", "hbar", "vbar", "diamond", "cross", "frame")
+_FORMAT_VERSION = 2
+_MEAN = 0.5
+_STD = 0.25
+
+
+def render_shape(index: int, image_size: int = 64, seed: int = 0) -> tuple[Image.Image, int]:
+    """Draw sample ``index``: one of ten shapes with random colours, size, position and pixel noise.
+
+    The result depends only on ``(index, image_size, seed)``, so every process draws the same data set.
+
+    Example:
+        >>> image, label = render_shape(3, image_size=64)
+        >>> image.size, CLASSES[label]
+        ((64, 64), 'plus')
+    """
+    label = index % len(CLASSES)
+    rng = np.random.default_rng([seed, index])
+    background = rng.integers(0, 256, size=3)
+    # Every channel of the foreground differs from the background by at least 64, so the shape stays visible.
+    foreground = (background + rng.integers(64, 193, size=3)) % 256
+    image = Image.new("RGB", (image_size, image_size), tuple(int(c) for c in background))
+    draw = ImageDraw.Draw(image)
+    fill = tuple(int(c) for c in foreground)
+
+    margin = image_size // 8 + 1  # keeps the shape inside any random crop of 7/8 of the image
+    radius = int(rng.integers(image_size // 8, image_size // 4 - 1))
+    cx = int(rng.integers(margin + radius, image_size - margin - radius + 1))
+    cy = int(rng.integers(margin + radius, image_size - margin - radius + 1))
+    r, t = radius, max(2, radius // 3)
+    box = (cx - r, cy - r, cx + r, cy + r)
+    name = CLASSES[label]
+    if name == "circle":
+        draw.ellipse(box, fill=fill)
+    elif name == "square":
+        draw.rectangle(box, fill=fill)
+    elif name == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    elif name == "plus":
+        draw.rectangle((cx - r, cy - t // 2, cx + r, cy + t // 2), fill=fill)
+        draw.rectangle((cx - t // 2, cy - r, cx + t // 2, cy + r), fill=fill)
+    elif name == "ring":
+        draw.ellipse(box, outline=fill, width=t)
+    elif name == "hbar":
+        draw.rectangle((cx - r, cy - t, cx + r, cy + t), fill=fill)
+    elif name == "vbar":
+        draw.rectangle((cx - t, cy - r, cx + t, cy + r), fill=fill)
+    elif name == "diamond":
+        draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
+    elif name == "cross":
+        draw.line((cx - r, cy - r, cx + r, cy + r), fill=fill, width=t)
+        draw.line((cx - r, cy + r, cx + r, cy - r), fill=fill, width=t)
+    else:  # frame
+        draw.rectangle(box, outline=fill, width=t)
+
+    noise = rng.normal(0.0, float(rng.uniform(4.0, 16.0)), size=(image_size, image_size, 3))
+    pixels = np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels), label
+
+
+def default_cache_dir() -> Path:
+    """Where generated data lives: ``$SPEEDKIT_CACHE_DIR``, else ``~/.cache/lightning_speedkit``."""
+    env = os.environ.get("SPEEDKIT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lightning_speedkit"
+
+
+def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: str | Path | None = None) -> Path:
+    """Write ``num_images`` JPEG files and a manifest once; later calls (and other processes) reuse them.
+
+    The files are written into a private temporary directory that is renamed into place in one step, so a crash
+    or a concurrent writer never leaves a half-written data set behind.
+
+    Returns:
+        The directory holding ``00000.jpg ...`` and ``manifest.json``.
+
+    Raises:
+        ValueError: if ``num_images`` is smaller than the number of classes or ``image_size`` is below 16.
+    """
+    if num_images < len(CLASSES):
+        raise ValueError(f"`num_images` must be at least {len(CLASSES)} (one per class), got {num_images}.")
+    if image_size < 16:
+        raise ValueError(f"`image_size` must be at least 16, got {image_size}.")
+    root = Path(root) if root is not None else default_cache_dir()
+    final = root / f"shapes-v{_FORMAT_VERSION}-n{num_images}-s{image_size}-seed{seed}"
+    if (final / "manifest.json").is_file():
+        return final
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        labels = []
+        for index in range(num_images):
+            image, label = render_shape(index, image_size, seed)
+            image.save(tmp / f"{index:05d}.jpg", format="JPEG", quality=90)
+            labels.append(label)
+        manifest = {"version": _FORMAT_VERSION, "classes": list(CLASSES), "labels": labels, "seed": seed}
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            os.rename(tmp, final)
+            log.info("Generated %d demo images in %s", num_images, final)
+        except OSError:
+            if not (final / "manifest.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class ShapesDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Opens and decodes one JPEG per sample, then crops, flips and normalises it, as a torchvision pipeline would.
+
+    Args:
+        directory: A directory made by :func:`ensure_shapes`.
+        indices: Which samples of the directory belong to this split.
+        crop_size: Side of the square crop fed to the model.
+        train: Random crop and horizontal flip when ``True``; centre crop otherwise.
+    """
+
+    def __init__(self, directory: str | Path, indices: Sequence[int], crop_size: int, train: bool) -> None:
+        self.directory = Path(directory)
+        self.indices = list(indices)
+        self.crop_size = crop_size
+        self.train = train
+        self.labels: list[int] = json.loads((self.directory / "manifest.json").read_text())["labels"]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, item: int) -> tuple[torch.Tensor, int]:
+        index = self.indices[item]
+        with Image.open(self.directory / f"{index:05d}.jpg") as image:
+            pixels = np.asarray(image.convert("RGB"))
+        size, crop = pixels.shape[0], self.crop_size
+        if self.train:
+            top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,)))
+        else:
+            top = left = (size - crop) // 2
+        pixels = pixels[top : top + crop, left : left + crop]
+        if self.train and bool(torch.rand(()) < 0.5):
+            pixels = pixels[:, ::-1]
+        tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
+        return tensor.sub_(_MEAN).div_(_STD), self.labels[index]
+
+
+class DemoDataModule(L.LightningDataModule):
+    """The demo data: ``num_images`` generated shape images, 80/20 train/validation split.
+
+    The defaults are the naive baseline users start from: ``batch_size=32``, ``num_workers=0``, no ``pin_memory``.
+
+    Args:
+        num_images: Images generated (train + validation).
+        image_size: Side of the stored images in pixels.
+        crop_size: Side of the crops fed to the model (default: 7/8 of ``image_size``).
+        batch_size: Samples per batch (a speedkit ``BatchSizeFinder`` may change it).
+        num_workers: DataLoader worker processes.
+        pin_memory: Page-locked host memory for faster host-to-device copies.
+        val_fraction: Share of the images kept for validation.
+        seed: Seed of the generated images and of the split.
+        root: Cache directory for the images (default: :func:`default_cache_dir`).
+
+    Example:
+        >>> import tempfile
+        >>> dm = DemoDataModule(num_images=20, batch_size=4, root=tempfile.mkdtemp())
+        >>> dm.prepare_data(); dm.setup("fit")
+        >>> x, y = next(iter(dm.train_dataloader()))
+        >>> tuple(x.shape), tuple(y.shape)
+        ((4, 3, 56, 56), (4,))
+    """
+
+    def __init__(
+        self,
+        num_images: int = 5000,
+        image_size: int = 64,
+        crop_size: int | None = None,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        root: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        crop_size = crop_size if crop_size is not None else image_size * 7 // 8
+        if not 0 < crop_size <= image_size:
+            raise ValueError(f"`crop_size` must be in (0, image_size={image_size}], got {crop_size}.")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}.")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int, got {batch_size}.")
+        if num_workers < 0:
+            raise ValueError(f"`num_workers` must be >= 0, got {num_workers}.")
+        self.save_hyperparameters(ignore=["root"])
+        self.num_images, self.image_size, self.crop_size = num_images, image_size, crop_size
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        self.val_fraction, self.seed, self.root = val_fraction, seed, root
+        self.train_set: ShapesDataset | None = None
+        self.val_set: ShapesDataset | None = None
+
+    def prepare_data(self) -> None:
+        """Generate the images once (Lightning calls this on one process per node)."""
+        ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
+
+    def setup(self, stage: str) -> None:
+        """Split the images into train and validation sets, the same way on every rank."""
+        directory = ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
+        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(self.seed)).tolist()
+        num_val = max(1, int(self.num_images * self.val_fraction))
+        self.train_set = ShapesDataset(directory, order[num_val:], self.crop_size, train=True)
+        self.val_set = ShapesDataset(directory, order[:num_val], self.crop_size, train=False)
+
+    def _loader(self, dataset: ShapesDataset | None, shuffle: bool) -> DataLoader[tuple[torch.Tensor, int]]:
+        if dataset is None:
+            raise RuntimeError("DemoDataModule: call `setup()` before asking for a dataloader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, int]]:
+        """Shuffled training batches with per-sample augmentation."""
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, int]]:
+        """Validation batches, centre-cropped, in a fixed order."""
+        return self._loader(self.val_set, shuffle=False)
