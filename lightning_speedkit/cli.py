@@ -1,0 +1,82 @@
+"""The ``speedkit`` command: ``doctor`` (what this machine has) and ``demo`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from lightning_speedkit.__about__ import __version__
+
+__all__ = ["build_parser", "main"]
+
+_DESCRIPTION = "lightning_speedkit: make PyTorch Lightning training fast without rewriting the model."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one sub-parser per subcommand."""
+    parser = argparse.ArgumentParser(prog="speedkit", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="show this machine's hardware and software and what speedkit would choose",
+        description="Print torch/lightning/CUDA versions, each GPU (compute capability, memory, bf16, tensor cores),"
+        " whether NVML answers, CPU cores and bf16-relevant ISA features, and the recommended precision, strategy"
+        " and num_workers.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+
+    demo = commands.add_parser(
+        "demo",
+        help="train the embedded demo workload to a target accuracy and report time and accuracy",
+        description="Generate the demo images (cached after the first run), train the small ResNet with the naive"
+        " baseline settings (batch 32, num_workers 0, fp32) until val_acc reaches the target, print a summary and"
+        " write demo.json.",
+    )
+    demo.add_argument("--quick", action="store_true", help="a tiny configuration that finishes in seconds")
+    demo.add_argument("--out", default="speedkit_out", help="directory for demo.json (default: %(default)s)")
+    demo.add_argument("--num-images", type=int, help="images generated (train + validation)")
+    demo.add_argument("--max-epochs", type=int, help="stop after this many epochs")
+    demo.add_argument("--target-acc", type=float, help="stop when val_acc reaches this")
+    demo.add_argument("--batch-size", type=int, help="samples per batch")
+    demo.add_argument("--num-workers", type=int, help="DataLoader worker processes")
+    demo.add_argument("--width", type=int, help="channels of the model's first stage")
+    demo.add_argument("--seed", type=int, help="seed for data, split and weights")
+    demo.add_argument("--cache-dir", help="where generated images are kept (default: $SPEEDKIT_CACHE_DIR or ~/.cache)")
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lightning_speedkit.demo.run import DemoConfig, format_report, run_demo
+
+    overrides = {
+        key: value
+        for key, value in {
+            "num_images": args.num_images,
+            "max_epochs": args.max_epochs,
+            "target_acc": args.target_acc,
+            "batch_size": args.batch_size,
+            "num_workers": args.num_workers,
+            "width": args.width,
+            "seed": args.seed,
+            "cache_dir": args.cache_dir,
+        }.items()
+        if value is not None
+    }
+    config = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
+    print(f"speedkit demo: training the demo workload to val_acc {config.target_acc:.2f} ...", flush=True)
+    report = run_demo(config, out_dir=args.out)
+    print(format_report(report))
+    print(f"wrote {args.out}/demo.json")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``speedkit`` command; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from lightning_speedkit import doctor
+
+        return doctor.main(json_output=args.json)
+    return _demo(args)
