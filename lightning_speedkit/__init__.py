@@ -5,5 +5,6 @@ Users write ``import lightning_speedkit as speedkit``.
 
 from lightning_speedkit import demo
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.warmup import WarmupScheduler
 
-__all__ = ["__version__", "demo"]
+__all__ = ["WarmupScheduler", "__version__", "demo"]

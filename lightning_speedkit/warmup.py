@@ -1,0 +1,340 @@
+"""Step-based LR warmup then decay that multiplies on top of the user's own scheduler and resumes exactly."""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_speedkit.lr import scale_trainer_lrs
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+    from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
+
+DECAYS = ("constant", "cosine", "linear")
+"""The decays after warmup that `warmup_factor` and `WarmupScheduler` accept."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_warmup(warmup: int | float) -> None:
+    """Raise ``ValueError`` unless ``warmup`` is an int >= 0 (steps) or a float in (0, 1) (fraction)."""
+    if not (_is_int(warmup) and warmup >= 0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
+        raise ValueError(f"`warmup` must be an int >= 0 (steps) or a float in (0, 1) (fraction), got {warmup!r}.")
+
+
+def _check_schedule(
+    warmup_steps: int,
+    total_steps: int | None,
+    decay: str,
+    min_lr_ratio: float,
+    start_factor: float,
+    warmup_name: str = "warmup_steps",
+) -> None:
+    """Raise ``ValueError`` naming the argument and its value if the schedule is not valid."""
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"`{warmup_name}` must be a non-negative int, got {warmup_steps!r}.")
+    if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+        raise ValueError(f"`total_steps` must be a positive int or None, got {total_steps!r}.")
+    if total_steps is not None and warmup_steps > total_steps:
+        raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
+    if decay not in DECAYS:
+        raise ValueError(f"`decay` must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}.")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
+    if not 0.0 <= start_factor <= 1.0:
+        raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
+
+
+def warmup_factor(
+    step: int,
+    warmup_steps: int,
+    total_steps: int | None = None,
+    decay: str = "cosine",
+    min_lr_ratio: float = 0.0,
+    start_factor: float = 0.0,
+) -> float:
+    """LR multiplier at optimizer step ``step`` of a linear warmup followed by a decay.
+
+    For ``step < warmup_steps`` it is ``start_factor + (1 - start_factor) * step / warmup_steps`` (torch's
+    ``LinearLR``). After that, with ``p = (step - warmup_steps) / (total_steps - warmup_steps)`` (held at 1 past
+    ``total_steps``), it is ``min_lr_ratio + (1 - min_lr_ratio) * d`` with ``d = (1 + cos(pi * p)) / 2`` for
+    ``"cosine"`` (torch's ``CosineAnnealingLR``) or ``d = 1 - p`` for ``"linear"``; ``"constant"`` gives 1.
+
+    Args:
+        step: Optimizer steps since the schedule started (0 for the first step).
+        warmup_steps: Steps of linear warmup; 0 for none.
+        total_steps: Steps of warmup plus decay; may be None only for ``decay="constant"``.
+        decay: One of `DECAYS`.
+        min_lr_ratio: Floor of the decay, as a fraction of the base LR.
+        start_factor: Multiplier at step 0 of the warmup.
+
+    Raises:
+        ValueError: If an argument is out of range (the message names it and its value).
+
+    Example:
+        >>> [round(warmup_factor(k, warmup_steps=2, total_steps=6), 3) for k in range(7)]
+        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
+        >>> warmup_factor(1, warmup_steps=4, decay="constant", start_factor=0.2)
+        0.4
+        >>> warmup_factor(5, warmup_steps=4, total_steps=6, decay="linear", min_lr_ratio=0.5)
+        0.75
+    """
+    _check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor)
+    if total_steps is None and decay != "constant":
+        raise ValueError(f"`total_steps` is needed for decay={decay!r}, got None.")
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
+    if step < warmup_steps:
+        return start_factor + (1.0 - start_factor) * step / warmup_steps
+    if decay == "constant" or total_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    remaining = (1.0 + math.cos(math.pi * progress)) / 2.0 if decay == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
+
+
+class _Schedule(NamedTuple):
+    warmup_steps: int
+    total_steps: int | None
+    start_step: int
+
+
+class WarmupScheduler(Callback):
+    """Linear LR warmup over optimizer steps, then a cosine, linear or constant decay, on every param group.
+
+    The step is ``trainer.global_step`` (optimizer steps), so gradient accumulation is counted right and an epoch
+    ``interval`` cannot stretch the warmup. The multiplier is `warmup_factor` of the steps since the schedule
+    started; ``total_steps`` defaults to the Trainer's remaining ``estimated_stepping_batches``.
+
+    How it composes with your scheduler: the multiplier is applied only *inside* each ``optimizer.step()`` (torch
+    step pre/post hooks on every optimizer): each group's LR is multiplied just before the update and put back
+    just after. Everywhere else (your ``lr_scheduler`` stepping per step or per epoch, ``ReduceLROnPlateau``,
+    manual optimization, checkpoints, ``LearningRateMonitor``) the groups hold your own scheduled LR, untouched.
+    So the effective LR is ``your_lr(step) * factor(step)``: a chainable ``StepLR``/``ExponentialLR`` and a
+    closed-form ``LambdaLR``/``OneCycleLR`` both keep their own curve and never see ours. If your scheduler already
+    decays, pass ``decay="constant"`` to add only the warmup; otherwise the two decays multiply, and a one-line
+    warning says so. If something else writes a group's LR *during* ``optimizer.step()``, its value is kept (not
+    overwritten) and a warning says so.
+
+    Cooperation (for other callbacks, found by type in ``trainer.callbacks``): `rescale_base_lrs` multiplies every
+    LR of the optimizers and their schedulers (through `lightning_speedkit.lr`), `set_warmup_steps` changes the
+    warmup length, `restart` starts a new warmup and decay from the next batch (for fine-tuning after pruning).
+    Call them from ``on_fit_start`` or later, outside ``optimizer.step()`` (not from ``on_before_optimizer_step``):
+    each fit starts again from the constructor arguments at ``setup``, and a resume continues the schedule saved in
+    the checkpoint (``state_dict``: the resolved warmup and total steps and the step the schedule started at). The
+    base LRs themselves are never stored here: they are the optimizers' and schedulers' own, checkpointed by
+    Lightning, and they hold no multiplier outside ``optimizer.step()``.
+
+    Args:
+        warmup: Warmup length: an int (optimizer steps, 0 for none) or a float in (0, 1) (fraction of total steps,
+            rounded up).
+        decay: After warmup: ``"cosine"``, ``"linear"`` or ``"constant"``.
+        total_steps: Steps of warmup plus decay; None for the Trainer's estimate of the remaining steps.
+        min_lr_ratio: Floor of the decay as a fraction of the base LR, in [0, 1].
+        start_factor: Multiplier at the first warmup step, in [0, 1].
+
+    Raises:
+        ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
+            batch if ``warmup`` exceeds the resolved ``total_steps`` or the Trainer cannot estimate its steps.
+
+    Logged metrics (to every Trainer logger, rank zero, every ``log_every_n_steps`` optimizer steps, at
+    ``step=trainer.global_step``):
+        - ``speedkit/lr/factor``: the multiplier.
+        - ``speedkit/lr/opt{i}_group{j}``: the effective LR of param group ``j`` of optimizer ``i``.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(logger=False, callbacks=[WarmupScheduler(warmup=100, min_lr_ratio=0.1)])
+    """
+
+    def __init__(
+        self,
+        warmup: int | float = 0.05,
+        decay: str = "cosine",
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        start_factor: float = 0.0,
+    ) -> None:
+        _check_warmup(warmup)
+        steps = warmup if isinstance(warmup, int) else 0
+        _check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup")
+        self.warmup = warmup
+        self.decay = decay
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.start_factor = start_factor
+        self._warmup_spec = warmup
+        self._total_spec = total_steps
+        self._schedule: _Schedule | None = None
+        self._attached: list[Optimizer] = []
+        self._handles: list[RemovableHandle] = []
+        self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
+        self._warned_overwrite = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            warmup=self.warmup,
+            decay=self.decay,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+            start_factor=self.start_factor,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a checkpoint's state, if any, is loaded after this
+            self._warmup_spec, self._total_spec, self._schedule = self.warmup, self.total_steps, None
+            self._warned_overwrite = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._schedule is None:
+            self._resolve(trainer)
+        if len(self._attached) != len(trainer.optimizers) or any(
+            a is not b for a, b in zip(self._attached, trainer.optimizers, strict=False)
+        ):
+            self._detach()
+            for index, optimizer in enumerate(trainer.optimizers):
+                self._handles.append(optimizer.register_step_pre_hook(partial(self._before_step, trainer, index)))
+                self._handles.append(optimizer.register_step_post_hook(partial(self._after_step, index)))
+            self._attached = list(trainer.optimizers)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        schedule = None if self._schedule is None else self._schedule._asdict()
+        return {"warmup": self._warmup_spec, "total_steps": self._total_spec, "schedule": schedule}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._warmup_spec = state_dict.get("warmup", self._warmup_spec)
+        self._total_spec = state_dict.get("total_steps", self._total_spec)
+        schedule = state_dict.get("schedule")
+        self._schedule = None
+        if schedule is not None:
+            self._schedule = _Schedule(schedule["warmup_steps"], schedule["total_steps"], schedule["start_step"])
+
+    @property
+    def schedule(self) -> tuple[int, int | None, int] | None:
+        """``(warmup_steps, total_steps, start_step)`` once resolved at a training batch, else None."""
+        s = self._schedule
+        return None if s is None else (s.warmup_steps, s.total_steps, s.start_step)
+
+    def factor(self, step: int) -> float:
+        """The multiplier applied at ``trainer.global_step == step`` (1.0 before the schedule is resolved)."""
+        s = self._schedule
+        if s is None:
+            return 1.0
+        return warmup_factor(
+            max(0, step - s.start_step), s.warmup_steps, s.total_steps, self.decay, self.min_lr_ratio, self.start_factor
+        )
+
+    def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None:
+        """Multiply the base LR of every param group and scheduler by ``factor``; the warmup applies on top."""
+        scale_trainer_lrs(trainer, factor)
+
+    def set_warmup_steps(self, warmup_steps: int) -> None:
+        """Make the warmup ``warmup_steps`` optimizer steps long (from the schedule's start), keeping its total."""
+        total = None if self._schedule is None else self._schedule.total_steps
+        _check_schedule(warmup_steps, total, "constant", 0.0, 0.0)
+        self._warmup_spec = warmup_steps
+        if self._schedule is not None:
+            self._schedule = self._schedule._replace(warmup_steps=warmup_steps)
+
+    def restart(self, warmup: int | float, total_steps: int | None = None) -> None:
+        """Start a new warmup and decay at the next training batch (``total_steps`` None: the remaining steps)."""
+        _check_warmup(warmup)
+        if total_steps is not None:
+            steps = warmup if isinstance(warmup, int) else 0
+            _check_schedule(steps, total_steps, "constant", 0.0, 0.0, "warmup")
+        self._warmup_spec, self._total_spec, self._schedule = warmup, total_steps, None
+
+    def _resolve(self, trainer: pl.Trainer) -> None:
+        start, total, warmup = trainer.global_step, self._total_spec, self._warmup_spec
+        if total is None:
+            estimated = trainer.estimated_stepping_batches
+            total = None if math.isinf(estimated) else max(1, int(estimated) - start)
+        if not _is_int(warmup):
+            if total is None:
+                raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
+            warmup = math.ceil(warmup * total)
+        if total is None and self.decay != "constant":
+            raise ValueError(
+                f"`total_steps` is needed for decay={self.decay!r}, got None, and the Trainer cannot estimate it"
+                " (max_steps=-1 with an endless dataloader): pass total_steps or set max_steps."
+            )
+        _check_schedule(int(warmup), total, self.decay, self.min_lr_ratio, self.start_factor, "warmup")
+        self._schedule = _Schedule(int(warmup), total, start)
+        rank_zero_info(
+            f"WarmupScheduler: {int(warmup)} warmup steps, then {self.decay} decay over {total} steps in all"
+            f" (floor {self.min_lr_ratio} x base LR), from global step {start}."
+        )
+        names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        if names and self.decay != "constant":
+            rank_zero_warn(
+                f"WarmupScheduler: the {self.decay} decay multiplies on top of your scheduler(s) {', '.join(names)};"
+                " pass decay='constant' to keep only your decay after the warmup."
+            )
+
+    def _before_step(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._schedule is None:
+            return
+        step = trainer.global_step
+        factor = self.factor(step)
+        originals = [group["lr"] for group in optimizer.param_groups]
+        written = [lr * factor for lr in originals]
+        for group, lr in zip(optimizer.param_groups, written, strict=True):
+            group["lr"] = lr
+        self._inflight[index] = (originals, written)
+        if (
+            trainer.is_global_zero
+            and trainer.loggers
+            and step % max(1, int(getattr(trainer, "log_every_n_steps", 1))) == 0
+        ):
+            metrics = {"speedkit/lr/factor": factor}
+            metrics.update({f"speedkit/lr/opt{index}_group{j}": float(lr) for j, lr in enumerate(written)})
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _after_step(self, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        originals, written = self._inflight.pop(index, ([], []))
+        for group, original, ours in zip(optimizer.param_groups, originals, written, strict=False):
+            if group["lr"] is ours:
+                group["lr"] = original
+            elif not self._warned_overwrite:
+                self._warned_overwrite = True
+                rank_zero_warn(
+                    f"WarmupScheduler: optimizer {index}'s LR was changed during optimizer.step(); keeping the new"
+                    " value. Change LRs outside the step (e.g. with `rescale_base_lrs`)."
+                )
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._attached = [], []
+        self._inflight.clear()

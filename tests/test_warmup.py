@@ -1,0 +1,413 @@
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.optim import lr_scheduler as sched
+from typing_extensions import override
+
+from lightning_speedkit.warmup import WarmupScheduler, warmup_factor
+
+BASE_LR = 0.1  # TinyClassifier's default
+STEPS_PER_EPOCH = 8  # 64 samples, batch 8
+
+
+class LRRecorder(Callback):
+    """Records (global_step, optimizer index, LR of every group) inside every optimizer step."""
+
+    def __init__(self, out: Path | None = None) -> None:
+        self.out = out
+        self.steps: list[tuple[int, int, list[float]]] = []
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """Record the LRs the step is about to use."""
+        index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
+        self.steps.append((trainer.global_step, index, [float(g["lr"]) for g in optimizer.param_groups]))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the record to `out` (one file per rank)."""
+        if self.out is not None:
+            (self.out / f"lrs_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+    def lrs(self) -> list[float]:
+        """The first group's LR at each step."""
+        return [lrs[0] for _, _, lrs in self.steps]
+
+
+class ScheduledClassifier(TinyClassifier):
+    """TinyClassifier whose `configure_optimizers` also returns a user scheduler."""
+
+    def __init__(self, scheduler: str = "step", interval: str = "step") -> None:
+        super().__init__()
+        self.scheduler, self.interval = scheduler, interval
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """SGD plus StepLR(3, 0.5) or ExponentialLR(0.8) at the given interval."""
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        s = sched.StepLR(opt, step_size=3, gamma=0.5) if self.scheduler == "step" else sched.ExponentialLR(opt, 0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": self.interval}}
+
+
+def user_lr(step: int, scheduler: str = "step", interval: str = "step") -> float:
+    """The LR the user's own schedule gives at optimizer step `step`."""
+    t = step if interval == "step" else step // STEPS_PER_EPOCH
+    return BASE_LR * 0.5 ** (t // 3) if scheduler == "step" else BASE_LR * 0.8**t
+
+
+def fit(
+    tmp_path: Path, model: L.LightningModule, *callbacks: Callback, ckpt_path: str | None = None, **kwargs: Any
+) -> L.Trainer:
+    """Fit `model` on a quiet CPU Trainer without validation."""
+    trainer = tiny_trainer(tmp_path, callbacks=list(callbacks), limit_val_batches=0, **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+# ---------------------------------------------------------------- the pure function
+
+
+@pytest.mark.parametrize(
+    ("step", "warmup_steps", "total_steps", "decay", "min_lr_ratio", "start_factor", "expected"),
+    [
+        (0, 4, 10, "cosine", 0.0, 0.0, 0.0),
+        (2, 4, 10, "cosine", 0.0, 0.0, 0.5),
+        (0, 4, 10, "cosine", 0.0, 0.2, 0.2),
+        (4, 4, 10, "cosine", 0.0, 0.0, 1.0),
+        (7, 4, 10, "cosine", 0.0, 0.0, 0.5),
+        (7, 4, 10, "cosine", 0.2, 0.0, 0.6),
+        (10, 4, 10, "cosine", 0.1, 0.0, 0.1),
+        (50, 4, 10, "cosine", 0.1, 0.0, 0.1),
+        (7, 4, 10, "linear", 0.0, 0.0, 0.5),
+        (10, 4, 10, "linear", 0.3, 0.0, 0.3),
+        (9, 4, 10, "constant", 0.5, 0.0, 1.0),
+        (10**6, 4, None, "constant", 0.0, 0.0, 1.0),
+        (0, 0, 10, "cosine", 0.0, 0.0, 1.0),
+        (3, 10, 10, "linear", 0.0, 0.5, 0.65),
+    ],
+)
+def test_warmup_factor_table(
+    step: int,
+    warmup_steps: int,
+    total_steps: int | None,
+    decay: str,
+    min_lr_ratio: float,
+    start_factor: float,
+    expected: float,
+) -> None:
+    """Linear warmup from `start_factor`, then the decay to `min_lr_ratio`, held past `total_steps`."""
+    got = warmup_factor(step, warmup_steps, total_steps, decay, min_lr_ratio, start_factor)
+    assert got == pytest.approx(expected)
+
+
+def _torch_curve(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float, start: float) -> list[float]:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=BASE_LR)
+    warm = sched.LinearLR(opt, start_factor=start, total_iters=warmup_steps)
+    if scheduler == "cosine":
+        decay: Any = sched.CosineAnnealingLR(opt, T_max=total_steps - warmup_steps, eta_min=BASE_LR * min_lr_ratio)
+    else:
+        decay = sched.LinearLR(opt, start_factor=1.0, end_factor=min_lr_ratio, total_iters=total_steps - warmup_steps)
+    s = sched.SequentialLR(opt, [warm, decay], milestones=[warmup_steps])
+    lrs = []
+    for _ in range(total_steps + 1):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        s.step()
+    return lrs
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # SequentialLR passes an epoch to step(): deprecated in torch
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+@pytest.mark.parametrize(
+    ("warmup_steps", "total_steps", "min_lr_ratio", "start"), [(5, 20, 0.0, 0.1), (3, 40, 0.2, 0.5)]
+)
+def test_warmup_factor_matches_torch_sequential_lr(
+    decay: str, warmup_steps: int, total_steps: int, min_lr_ratio: float, start: float
+) -> None:
+    """The curve equals torch's SequentialLR(LinearLR, CosineAnnealingLR or LinearLR) step for step."""
+    expected = _torch_curve(decay, warmup_steps, total_steps, min_lr_ratio, start)
+    ours = [
+        BASE_LR * warmup_factor(k, warmup_steps, total_steps, decay, min_lr_ratio, start) for k in range(len(expected))
+    ]
+    assert ours == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1}, "`warmup_steps` must be a non-negative int, got -1"),
+        ({"warmup_steps": 11}, "`warmup_steps` must not exceed `total_steps` \\(10\\), got 11"),
+        ({"total_steps": 0}, "`total_steps` must be a positive int or None, got 0"),
+        ({"total_steps": None}, "`total_steps` is needed for decay='cosine', got None"),
+        ({"decay": "exp"}, "`decay` must be one of 'constant', 'cosine', 'linear', got 'exp'"),
+        ({"min_lr_ratio": 1.5}, "`min_lr_ratio` must be in \\[0, 1\\], got 1.5"),
+        ({"start_factor": -0.1}, "`start_factor` must be in \\[0, 1\\], got -0.1"),
+        ({"step": -2}, "`step` must be a non-negative int, got -2"),
+    ],
+)
+def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    """Each out-of-range argument raises ValueError naming the argument and its value."""
+    arguments: dict[str, Any] = {"step": 0, "warmup_steps": 2, "total_steps": 10, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        warmup_factor(**arguments)
+
+
+# ---------------------------------------------------------------- the callback: arguments and state
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup": -3}, "`warmup` must be an int >= 0 .* got -3"),
+        ({"warmup": 1.0}, "`warmup` must be .* a float in \\(0, 1\\) .* got 1.0"),
+        ({"warmup": 0.0}, "`warmup` must be .* got 0.0"),
+        ({"warmup": True}, "`warmup` must be .* got True"),
+        ({"warmup": 20, "total_steps": 10}, "`warmup` must not exceed `total_steps` \\(10\\), got 20"),
+        ({"total_steps": -5}, "`total_steps` must be a positive int or None, got -5"),
+        ({"min_lr_ratio": -0.5}, "`min_lr_ratio` must be in \\[0, 1\\], got -0.5"),
+        ({"min_lr_ratio": 2}, "`min_lr_ratio` must be in \\[0, 1\\], got 2"),
+        ({"decay": "step"}, "`decay` must be one of 'constant', 'cosine', 'linear', got 'step'"),
+        ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    """Bad constructor input raises ValueError naming the argument and its value."""
+    with pytest.raises(ValueError, match=match):
+        WarmupScheduler(**kwargs)
+
+
+def test_warmup_longer_than_estimated_total_raises_at_first_batch(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """A warmup longer than the Trainer's estimated steps raises ValueError naming `warmup` and both values."""
+    with pytest.raises(ValueError, match="`warmup` must not exceed `total_steps` \\(8\\), got 100"):
+        fit(tmp_path, tiny_model, WarmupScheduler(warmup=100))
+
+
+def test_state_key_and_state_round_trip() -> None:
+    """Two differently configured instances have different state keys; state survives pickle and load."""
+    a, b = WarmupScheduler(warmup=10), WarmupScheduler(warmup=0.1)
+    assert a.state_key != b.state_key
+    a.load_state_dict(
+        {"warmup": 3, "total_steps": 9, "schedule": {"warmup_steps": 3, "total_steps": 9, "start_step": 2}}
+    )
+    clone = pickle.loads(pickle.dumps(a))
+    assert clone.state_dict() == a.state_dict()
+    assert clone.schedule == (3, 9, 2)
+    assert clone.factor(3) == pytest.approx(warmup_factor(1, 3, 9))
+
+
+# ---------------------------------------------------------------- the callback in a Trainer
+
+
+def test_warmup_then_cosine_over_optimizer_steps(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """Each optimizer step uses base LR x factor(global_step); outside the step the group keeps the base LR."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0.25, min_lr_ratio=0.1)
+    fit(tmp_path, tiny_model, warmup, recorder, max_epochs=2)
+    assert warmup.schedule == (4, 16, 0)  # 25% of 2 x 8 estimated steps, rounded up
+    assert [step for step, _, _ in recorder.steps] == list(range(16))
+    assert recorder.lrs() == pytest.approx([BASE_LR * warmup_factor(k, 4, 16, "cosine", 0.1) for k in range(16)])
+    assert tiny_model.optimizers().optimizer.param_groups[0]["lr"] == BASE_LR  # type: ignore[union-attr]
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """With accumulate_grad_batches=2 the warmup lasts 4 optimizer steps (8 batches), total 8 steps."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=4, decay="linear")
+    fit(tmp_path, tiny_model, warmup, recorder, max_epochs=2, accumulate_grad_batches=2)
+    assert warmup.schedule == (4, 8, 0)
+    assert [step for step, _, _ in recorder.steps] == list(range(8))
+    assert recorder.lrs() == pytest.approx([BASE_LR * warmup_factor(k, 4, 8, "linear") for k in range(8)])
+
+
+@pytest.mark.parametrize(("scheduler", "interval"), [("step", "step"), ("exp", "epoch")])
+def test_multiplies_on_top_of_user_scheduler(tmp_path: Path, scheduler: str, interval: str) -> None:
+    """With a user StepLR/ExponentialLR the effective LR is user_lr x factor, and the user's schedule is untouched."""
+    L.seed_everything(0, verbose=False)
+    model, recorder = ScheduledClassifier(scheduler, interval), LRRecorder()
+    fit(tmp_path, model, WarmupScheduler(warmup=5, decay="constant", start_factor=0.1), recorder, max_epochs=2)
+    expected = [user_lr(k, scheduler, interval) * warmup_factor(k, 5, None, "constant", 0.0, 0.1) for k in range(16)]
+    assert recorder.lrs() == pytest.approx(expected)
+    user_scheduler = model.lr_schedulers()
+    assert user_scheduler.get_last_lr() == pytest.approx([user_lr(16, scheduler, interval)])  # type: ignore[union-attr]
+    assert model.optimizers().optimizer.param_groups[0]["lr"] == pytest.approx(user_lr(16, scheduler, interval))  # type: ignore[union-attr]
+
+
+def test_warns_when_two_decays_multiply(tmp_path: Path) -> None:
+    """A cosine decay on top of a user scheduler is not silent: a warning names the scheduler and the fix."""
+    L.seed_everything(0, verbose=False)
+    recorder = LRRecorder()
+    with pytest.warns(UserWarning, match="WarmupScheduler: the cosine decay multiplies on top of .*StepLR"):
+        fit(tmp_path, ScheduledClassifier(), WarmupScheduler(warmup=2), recorder)
+    expected = [user_lr(k) * warmup_factor(k, 2, 8) for k in range(8)]
+    assert recorder.lrs() == pytest.approx(expected)
+
+
+class TwoOptimizerManual(TinyClassifier):
+    """Manual optimization: two optimizers (the first with two param groups), ExponentialLR stepped in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """Two SGD optimizers and two ExponentialLRs."""
+        first, last = self.net[0], self.net[2]
+        opt0 = torch.optim.SGD([{"params": [first.weight]}, {"params": [first.bias], "lr": 0.02}], lr=0.1)
+        opt1 = torch.optim.SGD(last.parameters(), lr=0.3)
+        return [opt0, opt1], [sched.ExponentialLR(opt0, 0.9), sched.ExponentialLR(opt1, 0.5)]
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Step each optimizer, then its scheduler."""
+        x, y = batch
+        for opt, scheduler in zip(self.optimizers(), self.lr_schedulers(), strict=True):  # type: ignore[arg-type]
+            loss = torch.nn.functional.cross_entropy(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            scheduler.step()
+        return loss
+
+
+@pytest.mark.filterwarnings("ignore:WarmupScheduler. the cosine decay multiplies")
+def test_manual_optimization_every_group_of_every_optimizer(tmp_path: Path) -> None:
+    """Manual optimization: every group of every optimizer gets factor(global_step); in-step schedulers keep theirs."""
+    L.seed_everything(0, verbose=False)
+    recorder = LRRecorder()
+    fit(tmp_path, TwoOptimizerManual(), WarmupScheduler(warmup=6, total_steps=16), recorder)
+    assert [(step, index) for step, index, _ in recorder.steps] == [(k, k % 2) for k in range(16)]
+    for step, index, lrs in recorder.steps:
+        bases, gamma = ([0.1, 0.02], 0.9) if index == 0 else ([0.3], 0.5)
+        expected = [base * gamma ** (step // 2) * warmup_factor(step, 6, 16) for base in bases]
+        assert lrs == pytest.approx(expected), (step, index)
+
+
+def test_lr_changed_inside_the_step_is_kept_with_a_warning(tmp_path: Path) -> None:
+    """If something writes a group's LR during optimizer.step(), that value is kept and a warning says so."""
+
+    class SetsLR(TinyClassifier):
+        @override
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.optimizers().optimizer.param_groups[0]["lr"] = 0.05  # type: ignore[union-attr]
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0, verbose=False)
+    model = SetsLR()
+    with pytest.warns(UserWarning, match="WarmupScheduler: optimizer 0's LR was changed during optimizer.step"):
+        fit(tmp_path, model, WarmupScheduler(warmup=2), max_steps=3)
+    assert model.optimizers().optimizer.param_groups[0]["lr"] == 0.05  # type: ignore[union-attr]
+
+
+def test_logs_factor_and_lr_to_the_trainer_loggers(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """`speedkit/lr/factor` and `speedkit/lr/opt0_group0` arrive in a CSVLogger at every logged global step."""
+    logger = CSVLogger(tmp_path, name="csv")
+    fit(tmp_path, tiny_model, WarmupScheduler(warmup=4), logger=logger, log_every_n_steps=1)
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("speedkit/lr/opt0_group0")]
+    assert [int(r["step"]) for r in rows] == list(range(8))
+    assert [float(r["speedkit/lr/opt0_group0"]) for r in rows] == pytest.approx(
+        [BASE_LR * warmup_factor(k, 4, 8) for k in range(8)]
+    )
+    assert [float(r["speedkit/lr/factor"]) for r in rows] == pytest.approx([warmup_factor(k, 4, 8) for k in range(8)])
+
+
+class Cooperator(Callback):
+    """Stands in for the batch-size finder (rescale + longer warmup at fit start) and pruning (re-warm)."""
+
+    def __init__(self, rescale: float | None = None, warmup_steps: int | None = None, rewarm_at_epoch: int = -1):
+        self.rescale, self.warmup_steps, self.rewarm_at_epoch = rescale, warmup_steps, rewarm_at_epoch
+
+    def _warmup(self, trainer: L.Trainer) -> WarmupScheduler:
+        return next(cb for cb in trainer.callbacks if isinstance(cb, WarmupScheduler))  # type: ignore[attr-defined]
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Rescale and set the warmup, as the batch-size finder would."""
+        if self.rescale is not None:
+            self._warmup(trainer).rescale_base_lrs(trainer, self.rescale)
+        if self.warmup_steps is not None:
+            self._warmup(trainer).set_warmup_steps(self.warmup_steps)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Re-warm after an epoch, as pruning would."""
+        if trainer.current_epoch == self.rewarm_at_epoch:
+            self._warmup(trainer).restart(warmup=2)
+
+
+@pytest.mark.parametrize("cooperator_first", [True, False])
+def test_rescale_and_longer_warmup_from_another_callback(tmp_path: Path, cooperator_first: bool) -> None:
+    """Doubling base LRs and a 6-step warmup set at fit start give 2 x user_lr x factor, in either callback order."""
+    L.seed_everything(0, verbose=False)
+    recorder, warmup, cooperator = LRRecorder(), WarmupScheduler(warmup=2, decay="constant"), Cooperator(2.0, 6)
+    callbacks = [cooperator, warmup] if cooperator_first else [warmup, cooperator]
+    fit(tmp_path, ScheduledClassifier(), *callbacks, recorder)
+    assert warmup.schedule == (6, 8, 0)
+    assert recorder.lrs() == pytest.approx([2 * user_lr(k) * warmup_factor(k, 6, 8, "constant") for k in range(8)])
+
+
+def test_restart_rewarms_from_the_next_batch(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """`restart(warmup=2)` at the end of epoch 0 starts a new 2-step warmup and decay over the remaining 8 steps."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=4)
+    fit(tmp_path, tiny_model, warmup, Cooperator(rewarm_at_epoch=0), recorder, max_epochs=2)
+    assert warmup.schedule == (2, 8, 8)
+    expected = [warmup_factor(k, 4, 16) for k in range(8)] + [warmup_factor(k, 2, 8) for k in range(8)]
+    assert recorder.lrs() == pytest.approx([BASE_LR * f for f in expected])
+
+
+@pytest.mark.filterwarnings("ignore:WarmupScheduler. the cosine decay multiplies")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+@pytest.mark.parametrize("scheduler", [None, "step"])
+def test_resume_mid_warmup_gives_the_uninterrupted_lr_sequence(tmp_path: Path, scheduler: str | None) -> None:
+    """Resuming from a checkpoint taken at step 3 of a 6-step warmup replays exactly the uninterrupted LRs."""
+
+    def model() -> L.LightningModule:
+        L.seed_everything(0, verbose=False)
+        return TinyClassifier() if scheduler is None else ScheduledClassifier(scheduler)
+
+    def callbacks() -> list[Callback]:
+        return [WarmupScheduler(warmup=6, min_lr_ratio=0.05, start_factor=0.1), LRRecorder()]
+
+    full = callbacks()
+    checkpoint = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    fit(tmp_path, model(), *full, checkpoint, max_epochs=2, enable_checkpointing=True)
+    resumed = callbacks()
+    fit(tmp_path, model(), *resumed, max_epochs=2, ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
+    full_steps, resumed_steps = full[1].steps, resumed[1].steps  # type: ignore[attr-defined]
+    assert [step for step, _, _ in resumed_steps] == list(range(3, 16))
+    assert resumed_steps == full_steps[3:]  # exactly equal, not approximately
+    assert resumed[0].schedule == full[0].schedule == (6, 16, 0)  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_spawn_two_processes_same_schedule(tmp_path: Path) -> None:
+    """Under 2-process DDP on CPU both ranks apply the same LR at every optimizer step, per the global step."""
+    L.seed_everything(0, verbose=False)
+    fit(
+        tmp_path,
+        TinyClassifier(),
+        WarmupScheduler(warmup=3, decay="linear"),
+        LRRecorder(out=tmp_path),
+        max_epochs=2,
+        strategy="ddp_spawn",
+        devices=2,
+        accumulate_grad_batches=2,
+    )
+    steps_per_epoch = math.ceil(64 / 2 / 8 / 2)  # per-rank batches / accumulation
+    total = 2 * steps_per_epoch
+    expected = [[k, 0, [pytest.approx(BASE_LR * warmup_factor(k, 3, total, "linear"))]] for k in range(total)]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"lrs_rank{rank}.json").read_text()) == expected
