@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -20,7 +22,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CLASSES",
+    "DecodedShapes",
     "DemoDataModule",
+    "ShapeAugment",
     "ShapesDataset",
     "default_cache_dir",
     "ensure_shapes",
@@ -136,6 +140,60 @@ def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: st
     return final
 
 
+class DecodedShapes(Dataset[tuple[np.ndarray[Any, Any], int]]):
+    """Opens and decodes one JPEG per sample: ``(uint8 HxWx3 pixels, label)``, before any augmentation.
+
+    Args:
+        directory: A directory made by :func:`ensure_shapes`.
+        indices: Which samples of the directory belong to this split.
+    """
+
+    def __init__(self, directory: str | Path, indices: Sequence[int]) -> None:
+        self.directory = Path(directory)
+        self.indices = list(indices)
+        self._manifest = (self.directory / "manifest.json").read_text()
+        self.labels: list[int] = json.loads(self._manifest)["labels"]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, item: int) -> tuple[np.ndarray[Any, Any], int]:
+        index = self.indices[item]
+        with Image.open(self.directory / f"{index:05d}.jpg") as image:
+            return np.asarray(image.convert("RGB")), self.labels[index]
+
+    def cache_fingerprint(self) -> str:
+        """Identifies the files and the split, for :class:`~lightning_speedkit.data.CachedDataset`."""
+        return hashlib.sha256(f"{self.directory.resolve()}|{self._manifest}|{self.indices}".encode()).hexdigest()
+
+
+class ShapeAugment:
+    """Crop (random when training, centred otherwise), flip (training only) and normalise decoded pixels.
+
+    Args:
+        crop_size: Side of the square crop fed to the model.
+        train: Random crop and horizontal flip when ``True``.
+    """
+
+    def __init__(self, crop_size: int, train: bool) -> None:
+        self.crop_size = crop_size
+        self.train = train
+
+    def __call__(self, sample: tuple[np.ndarray[Any, Any], int]) -> tuple[torch.Tensor, int]:
+        """Augment one decoded ``(pixels, label)`` sample into ``(normalised CHW tensor, label)``."""
+        pixels, label = sample
+        size, crop = pixels.shape[0], self.crop_size
+        if self.train:
+            top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,)))
+        else:
+            top = left = (size - crop) // 2
+        pixels = pixels[top : top + crop, left : left + crop]
+        if self.train and bool(torch.rand(()) < 0.5):
+            pixels = pixels[:, ::-1]
+        tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
+        return tensor.sub_(_MEAN).div_(_STD), label
+
+
 class ShapesDataset(Dataset[tuple[torch.Tensor, int]]):
     """Opens and decodes one JPEG per sample, then crops, flips and normalises it, as a torchvision pipeline would.
 
@@ -147,29 +205,19 @@ class ShapesDataset(Dataset[tuple[torch.Tensor, int]]):
     """
 
     def __init__(self, directory: str | Path, indices: Sequence[int], crop_size: int, train: bool) -> None:
-        self.directory = Path(directory)
-        self.indices = list(indices)
-        self.crop_size = crop_size
-        self.train = train
-        self.labels: list[int] = json.loads((self.directory / "manifest.json").read_text())["labels"]
+        self.decoded = DecodedShapes(directory, indices)
+        self.augment = ShapeAugment(crop_size, train)
+
+    @property
+    def indices(self) -> list[int]:
+        """The image indices of this split."""
+        return self.decoded.indices
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.decoded)
 
     def __getitem__(self, item: int) -> tuple[torch.Tensor, int]:
-        index = self.indices[item]
-        with Image.open(self.directory / f"{index:05d}.jpg") as image:
-            pixels = np.asarray(image.convert("RGB"))
-        size, crop = pixels.shape[0], self.crop_size
-        if self.train:
-            top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,)))
-        else:
-            top = left = (size - crop) // 2
-        pixels = pixels[top : top + crop, left : left + crop]
-        if self.train and bool(torch.rand(()) < 0.5):
-            pixels = pixels[:, ::-1]
-        tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
-        return tensor.sub_(_MEAN).div_(_STD), self.labels[index]
+        return self.augment(self.decoded[item])
 
 
 class DemoDataModule(L.LightningDataModule):
@@ -187,6 +235,9 @@ class DemoDataModule(L.LightningDataModule):
         val_fraction: Share of the images kept for validation.
         seed: Seed of the generated images and of the split.
         root: Cache directory for the images (default: :func:`default_cache_dir`).
+        cache: Serve decoded images from a packed memory-mapped file
+            (:class:`~lightning_speedkit.data.CachedDataset`, built once next to the images) instead of decoding a
+            JPEG per sample; augmentation still runs per sample.
 
     Example:
         >>> import tempfile
@@ -208,6 +259,7 @@ class DemoDataModule(L.LightningDataModule):
         val_fraction: float = 0.2,
         seed: int = 0,
         root: str | Path | None = None,
+        cache: bool = False,
     ) -> None:
         super().__init__()
         crop_size = crop_size if crop_size is not None else image_size * 7 // 8
@@ -222,9 +274,9 @@ class DemoDataModule(L.LightningDataModule):
         self.save_hyperparameters(ignore=["root"])
         self.num_images, self.image_size, self.crop_size = num_images, image_size, crop_size
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
-        self.val_fraction, self.seed, self.root = val_fraction, seed, root
-        self.train_set: ShapesDataset | None = None
-        self.val_set: ShapesDataset | None = None
+        self.val_fraction, self.seed, self.root, self.cache = val_fraction, seed, root, cache
+        self.train_set: Dataset[tuple[torch.Tensor, int]] | None = None
+        self.val_set: Dataset[tuple[torch.Tensor, int]] | None = None
 
     def prepare_data(self) -> None:
         """Generate the images once (Lightning calls this on one process per node)."""
@@ -235,10 +287,20 @@ class DemoDataModule(L.LightningDataModule):
         directory = ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
         order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(self.seed)).tolist()
         num_val = max(1, int(self.num_images * self.val_fraction))
-        self.train_set = ShapesDataset(directory, order[num_val:], self.crop_size, train=True)
-        self.val_set = ShapesDataset(directory, order[:num_val], self.crop_size, train=False)
+        self.train_set = self._split(directory, order[num_val:], train=True)
+        self.val_set = self._split(directory, order[:num_val], train=False)
 
-    def _loader(self, dataset: ShapesDataset | None, shuffle: bool) -> DataLoader[tuple[torch.Tensor, int]]:
+    def _split(self, directory: Path, indices: Sequence[int], train: bool) -> Dataset[tuple[torch.Tensor, int]]:
+        if not self.cache:
+            return ShapesDataset(directory, indices, self.crop_size, train)
+        from lightning_speedkit.data import CachedDataset
+
+        augment = ShapeAugment(self.crop_size, train)
+        return CachedDataset(DecodedShapes(directory, indices), directory / "packed", transform=augment)
+
+    def _loader(
+        self, dataset: Dataset[tuple[torch.Tensor, int]] | None, shuffle: bool
+    ) -> DataLoader[tuple[torch.Tensor, int]]:
         if dataset is None:
             raise RuntimeError("DemoDataModule: call `setup()` before asking for a dataloader.")
         return DataLoader(

@@ -1,0 +1,209 @@
+"""Tests of the packed, memory-mapped cache of decoded samples."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_speedkit.data import CacheBudgetError, CachedDataset, callable_fingerprint, dataset_fingerprint
+from lightning_speedkit.demo.data import DemoDataModule
+
+
+class Source:
+    """A small decoded dataset: ``(uint8 4x4x3 array, float tensor, int label)``; ``offset`` changes its content."""
+
+    def __init__(self, n: int = 12, offset: int = 0, log: Path | None = None) -> None:
+        self.n, self.offset, self.log = n, offset, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray[Any, Any], torch.Tensor, int]:
+        if self.log is not None:
+            with open(self.log, "a") as handle:
+                handle.write(f"{i}\n")
+        pixels = np.full((4, 4, 3), (i * 7 + self.offset) % 256, dtype=np.uint8)
+        return pixels, torch.arange(3, dtype=torch.float32) + i, i % 3
+
+
+def double_first(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (sample[0] * 2, *sample[1:])
+
+
+def triple_first(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (sample[0] * 3, *sample[1:])
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) and type(x) is type(y) for x, y in zip(a, b, strict=True))
+
+
+def test_cache_returns_the_source_samples(tmp_path: Path) -> None:
+    """Every cached sample equals the source sample, field by field, with the same types."""
+    source = Source()
+    cached = CachedDataset(source, tmp_path)
+    assert len(cached) == len(source)
+    assert all(_same(cached[i], source[i]) for i in range(len(source)))
+
+
+def test_transform_runs_after_the_cache_and_pre_transform_before(tmp_path: Path) -> None:
+    """``pre_transform`` output is what is stored; ``transform`` runs on every access."""
+    calls: list[int] = []
+
+    def transform(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+        calls.append(1)
+        return sample
+
+    cached = CachedDataset(Source(), tmp_path, pre_transform=double_first, transform=transform)
+    assert np.array_equal(cached[5][0], Source()[5][0] * 2)
+    cached[5]
+    assert len(calls) == 2
+
+
+def test_single_field_samples(tmp_path: Path) -> None:
+    """A dataset of bare tensors comes back as bare tensors."""
+    source = [torch.full((2,), float(i)) for i in range(5)]
+    cached = CachedDataset(source, tmp_path)
+    assert torch.equal(cached[4], source[4])
+
+
+def test_second_use_reuses_the_cache(tmp_path: Path) -> None:
+    """A second CachedDataset over the same source and pre-transform reads the existing files instead of decoding."""
+    log = tmp_path / "calls.txt"
+    first = CachedDataset(Source(log=log), tmp_path / "cache", pre_transform=double_first)
+    decoded = log.read_text().count("\n")
+    second = CachedDataset(Source(log=log), tmp_path / "cache", pre_transform=double_first)
+    assert second.directory == first.directory
+    assert log.read_text().count("\n") - decoded <= 8  # only the fingerprint's probes, no rebuild
+
+
+def test_cache_is_rebuilt_when_source_or_pre_transform_changes(tmp_path: Path) -> None:
+    """A changed source or a changed pre-transform gets a new cache; the old one is not served."""
+    base = CachedDataset(Source(), tmp_path, pre_transform=double_first)
+    changed_source = CachedDataset(Source(offset=1), tmp_path, pre_transform=double_first)
+    changed_transform = CachedDataset(Source(), tmp_path, pre_transform=triple_first)
+    assert len({base.directory, changed_source.directory, changed_transform.directory}) == 3
+    assert np.array_equal(changed_source[3][0], Source(offset=1)[3][0] * 2)
+    assert np.array_equal(changed_transform[3][0], Source()[3][0] * 3)
+
+
+def test_fingerprints_are_stable_and_sensitive() -> None:
+    """Fingerprints repeat for the same input and differ for different content or transforms."""
+    assert dataset_fingerprint(Source()) == dataset_fingerprint(Source())
+    assert dataset_fingerprint(Source()) != dataset_fingerprint(Source(offset=1))
+    assert callable_fingerprint(double_first) != callable_fingerprint(triple_first)
+
+
+def test_two_workers_read_the_same_samples(tmp_path: Path) -> None:
+    """DataLoader worker processes map the files themselves and return what the main process reads."""
+    cached = CachedDataset(Source(), tmp_path)
+    serial = list(DataLoader(cached, batch_size=4))
+    parallel = list(DataLoader(cached, batch_size=4, num_workers=2))
+    for a, b in zip(serial, parallel, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _build(args: tuple[str, str]) -> str:
+    root, log = args
+    return str(CachedDataset(Source(n=40, log=Path(log)), root, pre_transform=double_first).directory)
+
+
+def test_racing_processes_build_once(tmp_path: Path) -> None:
+    """Two processes that build the same cache at once share one build and one directory."""
+    log = tmp_path / "calls.txt"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = pool.map(_build, [(str(tmp_path / "cache"), str(log))] * 2)
+    assert results[0] == results[1]
+    # Each process reads 8 fingerprint probes; the single build decodes all 40 samples once.
+    assert log.read_text().count("\n") == 40 + 2 * 8
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [Path(results[0]).name]
+
+
+_SLOW_BUILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_data_cache import Source
+from lightning_speedkit.data import CachedDataset
+
+class Slow(Source):
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+
+CachedDataset(Slow(n=400), {root!r}, fingerprint="fixed")
+"""
+
+
+@pytest.mark.slow
+def test_killed_build_is_detected_and_rebuilt(tmp_path: Path) -> None:
+    """A build killed half-way leaves no cache; the next use removes its remains and builds a complete cache."""
+    code = _SLOW_BUILD.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(600):
+            if any(p.name.startswith(".cache-") and ".tmp-" in p.name for p in tmp_path.iterdir()):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the build never started")
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    assert not list(tmp_path.glob("cache-v*"))
+    cached = CachedDataset(Source(n=400), tmp_path, fingerprint="fixed")
+    assert _same(cached[399], Source(n=400)[399])
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_disk_budget_is_refused_clearly(tmp_path: Path) -> None:
+    """A cache larger than ``max_disk_bytes`` is refused before anything is written."""
+    with pytest.raises(CacheBudgetError, match="max_disk_bytes"):
+        CachedDataset(Source(), tmp_path, max_disk_bytes=100)
+    assert not list(tmp_path.glob("cache-v*"))
+
+
+def test_memory_budget_and_in_memory_mode(tmp_path: Path) -> None:
+    """``in_memory`` loads the arrays into RAM within the budget and refuses beyond it."""
+    cached = CachedDataset(Source(), tmp_path, in_memory=True)
+    assert _same(cached[2], Source()[2])
+    with pytest.raises(CacheBudgetError, match="max_memory_bytes"):
+        CachedDataset(Source(), tmp_path, in_memory=True, max_memory_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"max_disk_bytes": 0}, "`max_disk_bytes`"), ({"max_memory_bytes": -1}, "`max_memory_bytes`")],
+)
+def test_bad_budgets_are_refused(tmp_path: Path, kwargs: dict[str, int], match: str) -> None:
+    """Non-positive budgets are refused with the argument's name."""
+    with pytest.raises(ValueError, match=match):
+        CachedDataset(Source(), tmp_path, **kwargs)
+
+
+def test_empty_source_is_refused(tmp_path: Path) -> None:
+    """An empty dataset cannot be cached."""
+    with pytest.raises(ValueError, match="`source`"):
+        CachedDataset([], tmp_path)
+
+
+def test_demo_datamodule_cache_serves_the_same_validation_batches(demo_cache: Path) -> None:
+    """The demo's cached pipeline gives exactly the validation batches of the decoding pipeline."""
+    plain = DemoDataModule(num_images=40, batch_size=8, root=demo_cache)
+    cached = DemoDataModule(num_images=40, batch_size=8, root=demo_cache, cache=True)
+    for dm in (plain, cached):
+        dm.prepare_data()
+        dm.setup("fit")
+    for (xa, ya), (xb, yb) in zip(plain.val_dataloader(), cached.val_dataloader(), strict=True):
+        assert torch.equal(xa, xb)
+        assert torch.equal(ya, yb)
