@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -8,11 +9,17 @@ import torch
 
 from lightning_speedkit.hardware import (
     BF16_CPU_FLAGS,
+    DeviceSample,
+    DeviceSampler,
     GpuInfo,
+    NvmlSampler,
+    ProcessSampler,
+    SamplerThread,
     cpu_info,
     gpu_infos,
     has_tensor_cores,
     nvml_status,
+    open_sampler,
     parse_cpu_flags,
     supports_bf16,
 )
@@ -148,3 +155,109 @@ def test_real_gpu_info_and_nvml() -> None:
     ok, reason = nvml_status()
     assert ok, reason
     assert reason.startswith("driver ")
+
+
+class FlakySampler:
+    """Stands in for NVML at the `DeviceSampler` seam: one GPU-like reading, then the driver fails."""
+
+    def __init__(self, good: int = 1) -> None:
+        self.good = good
+        self.calls = 0
+        self.closed = 0
+
+    def sample(self) -> list[DeviceSample]:
+        """A reading while calls remain, then an NVML-like error."""
+        self.calls += 1
+        if self.calls > self.good:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return [DeviceSample("cuda:0", time.monotonic(), 0.5, 2**30, 2**34, 250.0, 60.0, 1800.0)]
+
+    def close(self) -> None:
+        """Count the closes."""
+        self.closed += 1
+
+
+def test_process_sampler_reads_this_process() -> None:
+    """Without a GPU the process reading gives a CPU share in [0, 1] and a resident size within the machine's memory."""
+    sampler = ProcessSampler()
+    assert isinstance(sampler, DeviceSampler)
+    (reading,) = sampler.sample()
+    assert reading.device == "cpu"
+    assert reading.utilization is not None
+    assert 0.0 <= reading.utilization <= 1.0
+    assert reading.memory_used_bytes is not None
+    assert reading.memory_total_bytes is not None
+    assert 0 < reading.memory_used_bytes < reading.memory_total_bytes
+    assert reading.power_w is None
+    assert reading.temperature_c is None
+    assert reading.sm_clock_mhz is None
+    sampler.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_open_sampler_falls_back_without_nvml() -> None:
+    """Asking for a CUDA device where NVML cannot start gives the process sampler, not an error."""
+    assert isinstance(open_sampler("cpu"), ProcessSampler)
+    assert isinstance(open_sampler("cuda:0"), ProcessSampler)
+    with pytest.raises(RuntimeError, match="nvmlInit"):
+        NvmlSampler([0])
+
+
+def test_sampler_thread_collects_and_stops() -> None:
+    """Readings come out once each through `drain`; `stop` ends the thread, closes the sampler once, and repeats."""
+    sampler = FlakySampler(good=10**9)
+    thread = SamplerThread(sampler, interval_s=0.001)
+    thread.start()
+    while sampler.calls < 3:
+        time.sleep(0.001)
+    thread.stop()
+    thread.stop()
+    first = thread.drain()
+    assert len(first) >= 3
+    assert all(reading.utilization == 0.5 for reading in first)
+    assert thread.drain() == []
+    assert not thread.is_alive()
+    assert (thread.error, sampler.closed) == (None, 1)
+
+
+def test_sampler_thread_survives_a_failing_driver() -> None:
+    """A sampler that raises mid-run ends the thread with the error recorded and the sampler closed, never raising."""
+    sampler = FlakySampler(good=2)
+    thread = SamplerThread(sampler, interval_s=0.001)
+    thread.start()
+    thread._thread.join(timeout=30)  # it ends by itself once the sampler raises
+    assert not thread.is_alive()
+    assert thread.error == "RuntimeError: NVML_ERROR_GPU_IS_LOST"
+    assert len(thread.drain()) == 2
+    thread.stop()
+    assert sampler.closed == 1
+
+
+def test_sampler_thread_checks_its_interval() -> None:
+    """A non-positive interval is refused with the argument's name."""
+    with pytest.raises(ValueError, match="`interval_s`"):
+        SamplerThread(ProcessSampler(), interval_s=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_nvml_sampler() -> None:
+    """On a real GPU, NVML gives utilisation, memory, power, temperature and SM clock in plausible ranges."""
+    assert isinstance(open_sampler("cuda:0"), NvmlSampler)
+    sampler = NvmlSampler([0])
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        x = (x @ x).clamp_(-1, 1)
+    (reading,) = sampler.sample()
+    sampler.close()
+    assert reading.device == "cuda:0"
+    assert reading.utilization is not None
+    assert 0.0 <= reading.utilization <= 1.0
+    assert reading.memory_total_bytes == pytest.approx(torch.cuda.get_device_properties(0).total_memory, rel=0.1)
+    assert reading.memory_used_bytes is not None
+    assert 0 < reading.memory_used_bytes <= reading.memory_total_bytes
+    assert reading.temperature_c is not None
+    assert 0 < reading.temperature_c < 120
+    assert reading.sm_clock_mhz is not None
+    assert reading.sm_clock_mhz > 0
+    assert reading.power_w is None or reading.power_w > 0
