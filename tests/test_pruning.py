@@ -1,0 +1,289 @@
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_speedkit.demo import DemoClassifier, DemoResNet
+from lightning_speedkit.pruning import (
+    StructuredPruning,
+    apply_pruning_history,
+    channel_step_ratio,
+    count_macs_params,
+    load_pruned_checkpoint,
+    output_layer_names,
+    plan_pruning,
+    pruning_history,
+    unsupported_layer_names,
+)
+from lightning_speedkit.warmup import WarmupScheduler
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class OrderedTiny(TinyClassifier):
+    """TinyClassifier without shuffling, so a resumed run sees the same batches as an uninterrupted one."""
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self._data(0), batch_size=self.batch_size)
+
+
+class Probe(Callback):
+    """Snapshots the parameters right after the pruning step and records the LR of every optimizer step."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.snapshot: dict[str, torch.Tensor] = {}
+        self.lrs: list[tuple[int, float]] = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Copy the pruned parameters at the first batch of the pruning epoch."""
+        if trainer.current_epoch == self.epoch and batch_idx == 0:
+            self.snapshot = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """Record the LR this step uses."""
+        self.lrs.append((trainer.global_step, float(optimizer.param_groups[0]["lr"])))
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize(("amount", "steps"), [(0.5, 1), (0.5, 2), (0.3, 3), (0.9, 4)])
+def test_channel_step_ratios_compound_to_amount(amount: float, steps: int) -> None:
+    """The per-step ratios of the current channels remove `amount` of the original channels in all."""
+    kept = 1.0
+    for step in range(steps):
+        kept *= 1.0 - channel_step_ratio(amount, step, steps)
+    assert kept == pytest.approx(1.0 - amount)
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4), nn.Softmax(-1)), ["2"]),
+        (DemoResNet(width=8), ["classifier"]),
+    ],
+)
+def test_output_layer_names(model: nn.Module, expected: list[str]) -> None:
+    """The layers that produce the model output are found, through activations and pooling."""
+    x = torch.zeros(1, 16) if isinstance(model, nn.Sequential) else torch.zeros(1, 3, 32, 32)
+    assert output_layer_names(model, x) == expected
+
+
+def test_plan_and_apply_shrink_for_real_and_replay_exactly() -> None:
+    """Channels are removed from the tensors, and a fresh model replays the history and loads the weights exactly."""
+    torch.manual_seed(0)
+    model, x = DemoResNet(width=8), torch.randn(2, 3, 32, 32)
+    macs, params = count_macs_params(model, x)
+    plan = plan_pruning(model, x, 0.5, ["classifier"], round_to=None)
+    assert count_macs_params(model, x) == (macs, params)  # planning works on a copy
+    apply_pruning_history(model, x, plan)
+    new_macs, new_params = count_macs_params(model, x)
+    assert new_params < 0.4 * params
+    assert new_macs < 0.4 * macs
+    assert model.stem[0].out_channels == 4
+    assert model.classifier.out_features == 10
+    fresh = DemoResNet(width=8)
+    apply_pruning_history(fresh, x, pruning_history(model))
+    fresh.load_state_dict(model.state_dict())
+    model.eval(), fresh.eval()
+    assert torch.equal(fresh(x), model(x))
+
+
+class _NumpyRound(nn.Module):
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(x.numpy().round())  # fine under no_grad, untraceable with autograd on
+
+
+def test_untraceable_model_names_the_layer() -> None:
+    """A submodule that cannot run with autograd on (as tracing needs) fails planning with an error naming it."""
+    model = nn.Sequential(nn.Linear(4, 8), _NumpyRound(), nn.Linear(8, 2))
+    with pytest.raises(RuntimeError, match="`1` \\(_NumpyRound\\)"):
+        plan_pruning(model, torch.zeros(1, 4), 0.5, ["2"], round_to=None)
+
+
+def test_multihead_attention_is_reported_unsupported() -> None:
+    """`nn.MultiheadAttention` is listed, so the callback leaves it whole."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2))
+    assert unsupported_layer_names(model) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "`amount` and `target_speedup`"),
+        ({"amount": 0.5, "target_speedup": 2.0}, "`amount` and `target_speedup`"),
+        ({"amount": 1.0}, "`amount`"),
+        ({"amount": 0.0}, "`amount`"),
+        ({"target_speedup": 1.0}, "`target_speedup`"),
+        ({"target_speedup": 0.5}, "`target_speedup`"),
+        ({"amount": 0.5, "iterative_steps": 0}, "`iterative_steps`"),
+        ({"amount": 0.5, "start_epoch": -1}, "`start_epoch`"),
+        ({"amount": 0.5, "finetune_epochs": -1}, "`finetune_epochs`"),
+        ({"amount": 0.5, "importance": "taylor"}, "`importance`"),
+        ({"amount": 0.5, "round_to": 0}, "`round_to`"),
+        ({"amount": 0.5, "rewarm": 1.5}, "`rewarm`"),
+        ({"amount": 0.5, "latency_batch_sizes": (0,)}, "`latency_batch_sizes`"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
+    """Bad constructor arguments raise ValueError naming them."""
+    with pytest.raises(ValueError, match=match):
+        StructuredPruning(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "cb_kwargs", "match"),
+    [
+        ({"max_epochs": 2}, {"start_epoch": 1, "finetune_epochs": 1}, "`max_epochs` >= 3"),
+        ({"strategy": "ddp_spawn", "devices": 2}, {}, "ddp_spawn"),
+        ({"max_epochs": 3}, {"ignored_layers": ["nope"]}, "`ignored_layers`"),
+    ],
+)
+def test_setup_checks(tmp_path: Path, trainer_kwargs: dict[str, Any], cb_kwargs: dict[str, Any], match: str) -> None:
+    """Too few epochs, a spawn strategy or an unknown layer name fail in setup, saying what to do."""
+    trainer = tiny_trainer(tmp_path, **trainer_kwargs)
+    callback = StructuredPruning(amount=0.5, **cb_kwargs)
+    with pytest.raises(ValueError, match=match):
+        callback.setup(trainer, TinyClassifier(), "fit")
+
+
+# ---------------------------------------------------------------- the callback in real fits
+
+
+def test_fit_shrinks_and_rebuilt_optimizer_updates_every_parameter(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """After pruning the optimizer holds exactly the new parameters, and training changes every one of them."""
+    probe = Probe(epoch=1)
+    pruning = StructuredPruning(amount=0.5, start_epoch=1, finetune_epochs=1, round_to=None, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[pruning, probe])
+    trainer.fit(tiny_model)
+    assert tiny_model.net[0].out_features == 16
+    assert tiny_model.net[2].in_features == 16
+    assert {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]} == {
+        id(p) for p in tiny_model.parameters()
+    }
+    for name, param in tiny_model.named_parameters():
+        assert param.shape == probe.snapshot[name].shape
+        assert not torch.equal(param, probe.snapshot[name]), name
+    report = pruning.report()
+    assert report["finished"]
+    assert report["params_after"] < report["params_before"]
+    assert report["metric_before"] is not None
+    assert report["metric_after"] is not None
+    assert pickle.loads(pickle.dumps(pruning)).amount == 0.5
+
+
+def _image_loader(n: int, seed: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)), batch_size=8
+    )
+
+
+def test_target_speedup_on_a_resnet_logs_the_report(tmp_path: Path) -> None:
+    """On the demo ResNet, target_speedup=2 gives >= 2x fewer MACs, logged under speedkit/pruning/."""
+    L.seed_everything(0, verbose=False)
+    model = DemoClassifier(width=8, crop_size=32)
+    pruning = StructuredPruning(target_speedup=2.0, start_epoch=1, round_to=2, monitor="val_acc")
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = tiny_trainer(tmp_path, max_epochs=3, logger=logger, callbacks=[pruning], limit_train_batches=2)
+    trainer.fit(model, _image_loader(16, 0), _image_loader(8, 1))
+    report = pruning.report()
+    assert report["macs_before"] / report["macs_after"] >= 2.0
+    assert set(report["latency_ms_before"]) == {1}
+    assert report["monitor"] == "val_acc"
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        keys = set(next(csv.reader(handle)))
+    for key in ("macs_speedup", "params_after", "latency_ms_b1_after", "val_acc_after", "step"):
+        assert f"speedkit/pruning/{key}" in keys
+
+
+def test_warmup_restarts_at_the_pruning_step(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """A WarmupScheduler's warmup starts again at the pruning step: that step's LR is the warmup's first (0)."""
+    probe = Probe(epoch=1)
+    warmup = WarmupScheduler(warmup=2, decay="constant")
+    pruning = StructuredPruning(amount=0.5, start_epoch=1, rewarm=4, round_to=None, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[warmup, pruning, probe], limit_val_batches=0)
+    trainer.fit(tiny_model)
+    assert warmup.schedule is not None
+    assert warmup.schedule[:1] == (4,)
+    assert warmup.schedule[2] == 8
+    lrs = dict(probe.lrs)
+    assert lrs[7] == pytest.approx(0.1)
+    assert lrs[8] == 0.0
+    assert lrs[10] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("resume_epoch", [1, 2])
+def test_resume_matches_uninterrupted_run(tmp_path: Path, resume_epoch: int) -> None:
+    """Resuming between or after the steps (weights_only load) continues with the pruned architecture exactly."""
+
+    def run(root: Path, ckpt_path: str | None = None) -> tuple[OrderedTiny, StructuredPruning]:
+        L.seed_everything(0, verbose=False)
+        model = OrderedTiny()
+        pruning = StructuredPruning(amount=0.5, start_epoch=1, iterative_steps=2, round_to=None, latency_batch_sizes=())
+        checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1, filename="{epoch}")
+        trainer = tiny_trainer(root, max_epochs=4, callbacks=[pruning, checkpoints], enable_checkpointing=True)
+        trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
+        return model, pruning
+
+    full, full_pruning = run(tmp_path / "full")
+    resumed, resumed_pruning = run(tmp_path / "resumed", str(tmp_path / "full" / f"epoch={resume_epoch}.ckpt"))
+    assert pruning_history(resumed) == pruning_history(full)
+    assert len(pruning_history(full)) == 2
+    assert resumed_pruning.report()["steps"] == full_pruning.report()["steps"]
+    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+    fresh = load_pruned_checkpoint(TinyClassifier(), tmp_path / "full" / "epoch=3.ckpt")
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(fresh(x), full.eval()(x))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_prune_identically_and_stay_in_sync(tmp_path: Path) -> None:
+    """Under 2-process DDP both ranks apply the same plan and, re-wrapped, end with identical weights."""
+    script = ROOT / "tests" / "scripts" / "pruning_ddp.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["history"] == rank1["history"]
+    assert rank0["history"]
+    assert rank0["shapes"]["net.0.weight"] == [16, 16]
+    assert rank0["weights"] == rank1["weights"]
+    assert rank0["optimizer_has_all"]
+    assert rank1["optimizer_has_all"]
+    assert rank1["ddp_wraps_module"]
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
+    """The benchmark runs end to end in quick mode and writes its JSON."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import pruning as bench  # type: ignore[import-not-found]
+
+    result = bench.main(["--quick", "--out", str(tmp_path / "out.json"), "--root", str(demo_cache)])
+    assert json.loads((tmp_path / "out.json").read_text())["rows"].keys() == {"baseline", "structured", "modelpruning"}
+    assert result["rows"]["structured"]["macs_ratio"] >= 2.0
+    assert result["rows"]["modelpruning"]["params_ratio"] == 1.0
