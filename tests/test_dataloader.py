@@ -237,3 +237,24 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert records[0] == records[1]
     assert records[0]["sampler"] == "DistributedSampler"
+
+
+@pytest.mark.slow
+def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
+    """``benchmarks/dataloader.py --quick`` measures the three settings and writes its JSON."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "dataloader.py"
+    spec = importlib.util.spec_from_file_location("bench_dataloader", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "dataloader.json"
+    result = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
+    assert [row["setting"].split(" (")[0] for row in result["rows"]][1:] == [
+        "DataLoaderTuner",
+        "DataLoaderTuner + CachedDataset",
+    ]
+    assert all(row["load_s_per_epoch"] > 0 for row in result["rows"])
+    assert json.loads(out.read_text())["rows"][0]["num_workers"] == 0
