@@ -1,0 +1,340 @@
+"""The `BatchSizeFinder` callback: search at fit start, apply the size, rescale the LR, remember it for a resume."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.seed import isolate_rng
+from typing_extensions import override
+
+from lightning_speedkit.batch_size.search import (
+    LR_SCALINGS,
+    MODES,
+    OBJECTIVES,
+    apply_margin,
+    choose_batch_size,
+    hold_global_batch,
+    lr_scale_factor,
+    next_trial_size,
+)
+from lightning_speedkit.batch_size.trials import TrialResult, TrialSession
+from lightning_speedkit.lr import scale_trainer_lrs
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BatchSizeFinder"]
+
+
+@runtime_checkable
+class _Warmup(Protocol):
+    """What the finder needs of a warmup callback (`lightning_speedkit.WarmupScheduler`), found by its methods."""
+
+    warmup: int | float
+    total_steps: int | None
+
+    def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None: ...
+
+    def set_warmup_steps(self, warmup_steps: int) -> None: ...
+
+
+def _is_int(value: object, low: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+class BatchSizeFinder(Callback):
+    """Find the per-device batch size at fit start with real trial steps, apply it, and rescale the LR to match.
+
+    Each trial trains ``steps_per_trial`` full batches of exactly the size tried (each a full optimizer step) and
+    validates one batch, through the Trainer's own loops; sizes are tried from ``init_val`` (default: the size you
+    configured) up to the cap (``max_val`` and the per-rank dataset length; the cap itself is tried, never passed).
+    ``objective="memory"`` keeps the largest size that fit, less ``margin`` when a size failed; ``"throughput"``
+    keeps the smallest size within ``throughput_tolerance`` of the fastest. The final size is verified by a trial if
+    it was not tried. Afterwards weights, optimizer, scheduler, precision and loop states, RNG states and modes are
+    as before the search. Out-of-memory errors are recognised by type and message (`lightning_speedkit.oom`);
+    anything else is raised.
+
+    With several ranks (``ddp``, ``ddp_spawn``) every rank tries the same size and the verdict is all-reduced, so all
+    ranks keep the same size, safe for the rank with the least memory. Then the global batch (per device x world
+    size x ``accumulate_grad_batches``) is compared with ``reference_batch_size`` (default: the global batch you
+    configured) and the LR is scaled by ``lr_scaling`` (param groups' ``lr`` and ``initial_lr`` and schedulers'
+    ``base_lrs``, via `lightning_speedkit.lr`). A warmup callback in ``trainer.callbacks`` (`WarmupScheduler`) is
+    asked to rescale its base LRs and, when the LR grows, to lengthen its warmup in proportion. With
+    ``keep_global_batch=True`` the global batch is held by changing ``accumulate_grad_batches`` and the LR is left
+    alone. The decision is saved in checkpoints; a resumed fit applies it again without searching.
+
+    Args:
+        mode: ``"binsearch"`` (double, then bisect between the last fit and the first failure) or ``"power"``.
+        init_val: First size tried; None for the configured size.
+        max_val: Largest size tried; None for no limit but the dataset (on CPU the memory objective needs it).
+        margin: Fraction taken off the largest size that fit when a larger one failed, in [0, 1).
+        steps_per_trial: Training batches per trial, each a full optimizer step; None for 2 with ``"memory"`` (the
+            second step is the first to hold activations, gradients and optimizer state together) and 3 with
+            ``"throughput"`` (the first step is warm-up and is not timed). At least 2 for ``"throughput"``.
+        max_trials: Most trials in the search (a verification trial comes on top).
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``.
+        reference_batch_size: Global batch the LR was tuned for; None for the configured global batch.
+        keep_global_batch: Hold the global batch with gradient accumulation instead of scaling the LR.
+        objective: ``"memory"`` or ``"throughput"``.
+        throughput_tolerance: For ``"throughput"``: how far below the best samples/s a smaller size may be.
+        batch_arg_name: The batch-size attribute on the model, its ``hparams`` or the datamodule.
+
+    Raises:
+        ValueError: In ``__init__`` for a bad argument; in ``setup`` when the run cannot be searched (no batch-size
+            attribute, dataloaders passed straight to ``fit``, an unsupported strategy, the memory objective on CPU
+            without ``max_val``); at fit start if a batch of 1 does not fit or the dataloader ignores the attribute.
+
+    Logged metrics (rank zero, every Trainer logger, at fit start): ``speedkit/batch_size`` (per device),
+    ``speedkit/lr_scale``, ``speedkit/accumulate_grad_batches``.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(logger=False, callbacks=[BatchSizeFinder(max_val=512, lr_scaling="sqrt")])
+    """
+
+    def __init__(
+        self,
+        mode: str = "binsearch",
+        init_val: int | None = None,
+        max_val: int | None = None,
+        margin: float = 0.1,
+        steps_per_trial: int | None = None,
+        max_trials: int = 25,
+        lr_scaling: str = "linear",
+        reference_batch_size: int | None = None,
+        keep_global_batch: bool = False,
+        objective: str = "memory",
+        throughput_tolerance: float = 0.05,
+        batch_arg_name: str = "batch_size",
+    ) -> None:
+        for name, value, choices in (("mode", mode, MODES), ("lr_scaling", lr_scaling, LR_SCALINGS),
+                                     ("objective", objective, OBJECTIVES)):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}, got {value!r}.")
+        for name, number in (
+            ("init_val", init_val),
+            ("max_val", max_val),
+            ("reference_batch_size", reference_batch_size),
+        ):
+            if number is not None and not _is_int(number):
+                raise ValueError(f"`{name}` must be a positive int or None, got {number!r}.")
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 1.0:
+            raise ValueError(f"`margin` must be a number in [0, 1), got {margin!r}.")
+        if steps_per_trial is None:
+            steps_per_trial = 3 if objective == "throughput" else 2
+        if not _is_int(steps_per_trial, low=2 if objective == "throughput" else 1):
+            raise ValueError(
+                f"`steps_per_trial` must be an int >= {2 if objective == 'throughput' else 1}"
+                f"{' for objective=throughput' if objective == 'throughput' else ''}, got {steps_per_trial!r}."
+            )
+        if not _is_int(max_trials):
+            raise ValueError(f"`max_trials` must be a positive int, got {max_trials!r}.")
+        if not 0.0 <= throughput_tolerance < 1.0:
+            raise ValueError(f"`throughput_tolerance` must be in [0, 1), got {throughput_tolerance!r}.")
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise ValueError(f"`batch_arg_name` must be a non-empty str, got {batch_arg_name!r}.")
+        self.mode, self.init_val, self.max_val, self.margin = mode, init_val, max_val, float(margin)
+        self.steps_per_trial, self.max_trials = steps_per_trial, max_trials
+        self.lr_scaling, self.reference_batch_size, self.keep_global_batch = (
+            lr_scaling,
+            reference_batch_size,
+            keep_global_batch,
+        )
+        self.objective, self.throughput_tolerance, self.batch_arg_name = objective, throughput_tolerance, batch_arg_name
+        self._decision: dict[str, Any] | None = None
+        self._applied = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(batch_arg_name=self.batch_arg_name, objective=self.objective)
+
+    @property
+    def decision(self) -> dict[str, Any] | None:
+        """The applied decision: ``batch_size``, ``lr_scale``, ``accumulate_grad_batches``, ``reason``, ``trials``..."""
+        return self._decision
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._decision, self._applied = None, False  # a checkpoint's decision, if any, is loaded after this
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
+            raise ValueError(
+                f"BatchSizeFinder supports single-device and DDP strategies (ddp, ddp_spawn), got"
+                f" {type(strategy).__name__}: find the size with one of them, then set it."
+            )
+        if not trainer.fit_loop._data_source.is_module():
+            raise ValueError(
+                "BatchSizeFinder cannot change the batch size of dataloaders passed straight to `fit()`: return them"
+                " from `train_dataloader()` of your LightningModule or LightningDataModule, built from"
+                f" `self.{self.batch_arg_name}`."
+            )
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ValueError(
+                f"BatchSizeFinder: no `{self.batch_arg_name}` on the model, its hparams or the datamodule: add the"
+                " attribute, build the train DataLoader from it, or pass `batch_arg_name`."
+            )
+        if self.objective == "memory" and self.max_val is None and strategy.root_device.type == "cpu":
+            raise ValueError(
+                "BatchSizeFinder(objective='memory') on CPU never sees an out-of-memory error and would grow to the"
+                " dataset length: pass `max_val`, or use objective='throughput'."
+            )
+        if self.keep_global_batch and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ValueError(
+                "BatchSizeFinder(keep_global_batch=True) sets `accumulate_grad_batches`, which a"
+                " GradientAccumulationScheduler would overwrite: remove one of them."
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]
+            rank_zero_warn("BatchSizeFinder: skipped, since `fast_dev_run` is on.")
+            return
+        if self._decision is not None:  # resumed from a checkpoint: apply the saved decision, never search again
+            self._apply(trainer, pl_module, self._decision, resumed=True)
+            return
+        if trainer.ckpt_path is not None:
+            rank_zero_warn(
+                "BatchSizeFinder: the checkpoint holds no batch-size decision; keeping the configured batch size"
+                " (searching now would fight the restored optimizer state)."
+            )
+            return
+        self._decision = self._search(trainer, pl_module)
+        self._apply(trainer, pl_module, self._decision, resumed=False)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._decision is None else dict(self._decision)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "batch_size" in state_dict:
+            self._decision = dict(state_dict)
+
+    def report(self) -> dict[str, Any]:
+        """The decision and every trial as a plain dict (empty before a search)."""
+        return {} if self._decision is None else dict(self._decision)
+
+    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        started = time.perf_counter()
+        configured = int(lightning_getattr(pl_module, self.batch_arg_name))  # type: ignore[arg-type]
+        world, accumulation = trainer.world_size, trainer.accumulate_grad_batches
+        mode = "power" if self.objective == "throughput" else self.mode
+        trials: list[TrialResult] = []
+        results: dict[int, bool] = {}
+        speeds: dict[int, float] = {}
+        with (
+            isolate_rng(include_cuda=True),
+            TrialSession(trainer, self.batch_arg_name, self.steps_per_trial) as session,
+        ):
+            per_rank = session.samples_per_rank()
+            cap = min(v for v in (self.max_val, per_rank, 2**31) if v is not None)
+            init = self.init_val or configured
+            while len(trials) < self.max_trials:
+                size = next_trial_size(mode, results, init, cap)
+                if size is None:
+                    break
+                trial = session.run(size, per_rank)
+                trials.append(trial)
+                results[size] = trial.fits
+                if self.objective == "throughput" and trial.fits and trial.samples_per_s is not None:
+                    speeds[size] = trial.samples_per_s
+                    if trial.samples_per_s < (1 - self.throughput_tolerance) * max(speeds.values()):
+                        break  # bigger got slower: stop growing
+            choice = choose_batch_size(results, self.margin, speeds or None, self.throughput_tolerance)
+            size = choice.size
+            while size is not None and not results.get(size, False):  # verify a size no trial ran
+                trial = session.run(size, per_rank)
+                trials.append(trial)
+                results[size] = trial.fits
+                if not trial.fits:
+                    size = None if size == 1 else apply_margin(size, self.margin) if self.margin else size - 1
+        if size is None:
+            raise ValueError(
+                f"BatchSizeFinder: even a batch of {min(results)} ran out of memory ({trials[-1].error}); make the"
+                " model or its inputs smaller, or use gradient checkpointing."
+            )
+        reason = choice.reason if size == choice.size else f"{choice.reason}; {choice.size} failed verification"
+        reason += f"; cap {cap}" if cap == max(results) and results[cap] else ""
+        if self.keep_global_batch:
+            target = self.reference_batch_size or configured * world * accumulation
+            size, accumulation = hold_global_batch(target, size, world)
+            scale = 1.0
+        else:
+            reference = self.reference_batch_size or configured * world * accumulation
+            scale = lr_scale_factor(size * world * accumulation, reference, self.lr_scaling)
+        return {
+            "batch_size": size,
+            "accumulate_grad_batches": accumulation,
+            "lr_scale": scale,
+            "configured_batch_size": configured,
+            "world_size": world,
+            "global_batch": size * world * accumulation,
+            "reason": reason,
+            "search_s": time.perf_counter() - started,
+            "trials": [t.as_dict() for t in trials],
+        }
+
+    def _apply(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: dict[str, Any], resumed: bool
+    ) -> None:
+        size, accumulation, scale = decision["batch_size"], decision["accumulate_grad_batches"], decision["lr_scale"]
+        lightning_setattr(pl_module, self.batch_arg_name, size)
+        trainer.accumulate_grad_batches = accumulation
+        trainer.fit_loop._combined_loader = None
+        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        if resumed:  # the LR and the warmup are restored with the optimizers, schedulers and warmup callback
+            if decision.get("world_size", trainer.world_size) != trainer.world_size:
+                rank_zero_warn(
+                    f"BatchSizeFinder: resumed on {trainer.world_size} devices but the size was found on"
+                    f" {decision['world_size']}; the global batch and its LR scale differ from the original run."
+                )
+            rank_zero_info(
+                f"BatchSizeFinder: resumed with batch size {size} per device, accumulate_grad_batches {accumulation},"
+                f" LR x{scale:.4g} (saved decision, no search)."
+            )
+        else:
+            if scale != 1.0:
+                self._rescale(trainer, scale)
+            rank_zero_info(
+                f"BatchSizeFinder: batch size {decision['configured_batch_size']} -> {size} per device"
+                f" ({decision['reason']}); global batch {decision['global_batch']} = {size} x {trainer.world_size}"
+                f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
+                f"{len(decision['trials'])} trials in {decision['search_s']:.1f} s."
+            )
+        if trainer.is_global_zero:
+            metrics = {"speedkit/batch_size": float(size), "speedkit/lr_scale": scale,
+                       "speedkit/accumulate_grad_batches": float(accumulation)}  # fmt: skip
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _rescale(self, trainer: pl.Trainer, scale: float) -> None:
+        """Scale every LR once; ask warmup callbacks to follow and lengthen their warmup when the LR grows."""
+        warmups = [c for c in trainer.callbacks if isinstance(c, _Warmup)]  # type: ignore[attr-defined]
+        if not warmups:
+            scale_trainer_lrs(trainer, scale)
+            return
+        warmups[0].rescale_base_lrs(trainer, scale)
+        if scale <= 1.0:
+            return
+        estimated = trainer.estimated_stepping_batches
+        remaining = None if math.isinf(estimated) else max(1, int(estimated) - trainer.global_step)
+        for warmup in warmups:
+            total = warmup.total_steps or remaining
+            steps = warmup.warmup if isinstance(warmup.warmup, int) else None
+            if steps is None and total is not None:
+                steps = math.ceil(warmup.warmup * total)
+            if steps:
+                longer = math.ceil(steps * scale)
+                warmup.set_warmup_steps(min(longer, total) if total is not None else longer)
