@@ -5,12 +5,14 @@ Users write ``import lightning_speedkit as speedkit``.
 
 from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint
 from lightning_speedkit.warmup import WarmupScheduler
 
 __all__ = [
+    "BatchSizeFinder",
     "DataLoaderTuner",
     "StructuredPruning",
     "UtilizationMonitor",
