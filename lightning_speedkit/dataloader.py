@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_speedkit.batch import batch_size_of
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.timing import StepTimer
 
@@ -175,7 +176,7 @@ def probe_loader(loader: DataLoader[Any], batches: int = 20, warmup: int = 2) ->
             timer.mark()
             for _ in range(batches):
                 batch = next(iterator)
-                timer.step_start(samples=_batch_len(batch))
+                timer.step_start(samples=batch_size_of(batch) or 0)
                 timer.step_end()
         except StopIteration:
             startup_s = time.perf_counter() - start if timer.started == 0 else startup_s
@@ -188,14 +189,6 @@ def probe_loader(loader: DataLoader[Any], batches: int = 20, warmup: int = 2) ->
         "batches_per_s": stats.steps_per_second,
         "samples_per_s": stats.samples_per_second,
     }
-
-
-def _batch_len(batch: Any) -> int:
-    while isinstance(batch, (list, tuple)) and batch:
-        batch = batch[0]
-    if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    return len(batch) if hasattr(batch, "__len__") else 0
 
 
 class DataLoaderTuner(Callback):

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_speedkit.batch import batch_size_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OOM_MESSAGES", "MemoryLimit", "batch_size_of", "is_oom_error", "release_memory"]
+__all__ = ["OOM_MESSAGES", "MemoryLimit", "is_oom_error", "release_memory"]
 
 OOM_MESSAGES: tuple[str, ...] = (
     "CUDA out of memory",
@@ -72,29 +74,6 @@ def release_memory() -> None:
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         xpu.empty_cache()
-
-
-def batch_size_of(value: Any) -> int | None:
-    """The leading dimension of the first tensor found in ``value`` (tensors, sequences and dicts, depth first).
-
-    Example:
-        >>> batch_size_of(({"x": torch.zeros(5, 3)}, torch.zeros(2)))
-        5
-        >>> batch_size_of("no tensors") is None
-        True
-    """
-    if isinstance(value, Tensor):
-        return int(value.shape[0]) if value.dim() > 0 else None
-    items: Sequence[Any] | None = None
-    if isinstance(value, dict):
-        items = list(value.values())
-    elif isinstance(value, (list, tuple)):
-        items = value
-    for item in items or ():
-        size = batch_size_of(item)
-        if size is not None:
-            return size
-    return None
 
 
 def _current_rank() -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_speedkit.oom import OOM_MESSAGES, MemoryLimit, batch_size_of, is_oom_error, release_memory
+from lightning_speedkit.oom import OOM_MESSAGES, MemoryLimit, is_oom_error, release_memory
 
 
 @pytest.mark.parametrize(
@@ -48,22 +48,6 @@ def test_real_cpu_allocator_failure_is_an_oom() -> None:
 def test_release_memory_runs_on_cpu() -> None:
     """`release_memory` is safe without an accelerator."""
     release_memory()
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (torch.zeros(5, 3), 5),
-        ((torch.zeros(4, 2), torch.zeros(4)), 4),
-        ([{"image": torch.zeros(7, 3)}, "label"], 7),
-        ((torch.tensor(1.0), torch.zeros(3)), 3),  # a 0-d tensor has no batch dimension
-        ("text", None),
-        ((), None),
-    ],
-)
-def test_batch_size_of_table(value: object, expected: int | None) -> None:
-    """The batch size is the leading dimension of the first tensor with one."""
-    assert batch_size_of(value) == expected
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_speedkit.oom import batch_size_of, is_oom_error, release_memory
+from lightning_speedkit.batch import batch_size_of
+from lightning_speedkit.oom import is_oom_error, release_memory
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

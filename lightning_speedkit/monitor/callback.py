@@ -13,9 +13,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_speedkit.batch import first_tensor
 from lightning_speedkit.hardware import DeviceSample, DeviceSampler, SamplerThread, cpu_info, open_sampler
 from lightning_speedkit.monitor.diagnosis import LABELS, LoaderSettings, diagnose, format_summary
-from lightning_speedkit.monitor.flops import _first_tensor, measure_flops, mfu, peak_flops, precision_key
+from lightning_speedkit.monitor.flops import measure_flops, mfu, peak_flops, precision_key
 from lightning_speedkit.timing import StepTimer, WindowStats, median_fractions
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class UtilizationMonitor(Callback):
     ) -> None:
         if self._timer is None:
             return
-        first = _first_tensor(batch)
+        first = first_tensor(batch)
         if self._flops is None and self.flops_per_batch is None and self._peak is not None and first is not None:
             self._flops_input = first
         self._timer.step_start(int(first.shape[0]) if first is not None and first.dim() else 0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_speedkit.batch import first_tensor
 
 __all__ = ["DENSE_PEAK_FLOPS", "measure_flops", "mfu", "peak_flops", "precision_key"]
 
@@ -110,19 +112,7 @@ def measure_flops(module: nn.Module, inputs: Sequence[Any], backward: bool = Tru
     with FlopCounterMode(display=False) as counter:
         out = torch.func.functional_call(module, state, args)
         trainable = [p for p in params.values() if p.requires_grad]
-        first = _first_tensor(out)
+        first = first_tensor(out)
         if backward and trainable and first is not None and first.requires_grad:
             torch.autograd.grad(first.float().sum(), trainable, allow_unused=True)
     return int(counter.get_total_flops())
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in a (nested) tuple, list or dict, or None."""
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
-    for item in items:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
