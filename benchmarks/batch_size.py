@@ -24,8 +24,8 @@ from typing_extensions import override
 
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.oom import MemoryLimit, batch_size_of, is_oom_error
+from lightning_speedkit.report import write_json_atomic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "batch_size.json"
 CONFIGURED_BATCH = 32

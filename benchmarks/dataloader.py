@@ -24,9 +24,9 @@ import lightning as L
 
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor import UtilizationMonitor
+from lightning_speedkit.report import write_json_atomic
 
 
 def _loader_epoch_seconds(loader: Any) -> float:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +13,9 @@ from typing_extensions import override
 
 from lightning_speedkit.demo.data import DemoDataModule
 from lightning_speedkit.demo.model import DemoClassifier
+from lightning_speedkit.report import write_json_atomic
 
-__all__ = ["DemoConfig", "Timeline", "format_report", "run_demo", "write_json_atomic"]
+__all__ = ["DemoConfig", "Timeline", "format_report", "run_demo"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +84,6 @@ class Timeline(L.Callback):
                 f"  epoch {trainer.current_epoch:>2}  {point['seconds']:7.1f} s  val_acc {point['val_acc']:.3f}",
                 flush=True,
             )
-
-
-def write_json_atomic(data: Any, path: str | Path) -> Path:
-    """Write ``data`` as JSON to ``path`` through a temporary file and one rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def run_demo(config: DemoConfig, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
