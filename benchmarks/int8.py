@@ -1,0 +1,227 @@
+"""INT8 ONNX (Int8Export) vs FP32 ONNX vs eager torch FP32, on a conv net and a Linear-heavy net, in one run.
+
+Each workload is trained briefly with Lightning, with `Int8Export` attached: at the end of fit it exports FP32 and
+static QDQ INT8 ONNX models calibrated on validation batches and compares them on the validation set. The script
+then times all three (eager torch FP32, ORT FP32, ORT INT8) at batch 1 and a larger batch, with 1 thread and with
+all threads (median of repeated runs, contender after contender). Ratios are against
+ORT FP32 of the same run (size, speedup) and against eager torch (speedup).
+
+    python benchmarks/int8.py            # 1200 images, 10 epochs: the demo ResNet and a VGG-style MLP head (minutes)
+    python benchmarks/int8.py --quick    # seconds: a smoke run for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+from lightning_speedkit.demo.run import write_json_atomic
+from lightning_speedkit.int8 import Int8Export
+from lightning_speedkit.int8.steps import ort_session
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "int8.json"
+
+
+def _settings(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {
+            "num_images": 200,
+            "epochs": 1,
+            "train_batches": 3,
+            "width": 8,
+            "blocks": 1,
+            "hidden": 128,
+            "batch": 16,
+            "repeats": 2,
+        }
+    return {
+        "num_images": 1200,
+        "epochs": 10,
+        "train_batches": None,
+        "width": 16,
+        "blocks": 1,
+        "hidden": 1024,
+        "batch": 32,
+        "repeats": 20,
+    }
+
+
+class MlpClassifier(DemoClassifier):
+    """The demo classifier with a Linear-heavy head: the last feature map flattened into two ``hidden``-unit layers.
+
+    VGG-style: the Linear layers hold most of the weights (96% at width 16, hidden 1024).
+    """
+
+    def __init__(self, hidden: int = 1024, width: int = 16, crop_size: int = 56, lr: float = 2e-3) -> None:
+        super().__init__(width=width, lr=lr, crop_size=crop_size)
+        side = -(-crop_size // 8)  # the stem and two stages halve the side
+        self.model.pool = nn.Identity()
+        self.model.classifier = nn.Sequential(
+            nn.Linear(4 * width * side * side, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )
+
+
+def _eager_run(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        with torch.inference_mode():
+            model(x)
+
+    return run
+
+
+def _timings(runners: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median ms of each runner over ``repeats`` runs after 3 warm-up runs, one runner after the other.
+
+    Not interleaved run by run: ORT's and torch's thread pools spin-wait after each run, and on a small machine
+    the idle pool of one starves the other (eager torch at 2 threads measured 400 ms instead of 5 ms).
+    """
+    result = {}
+    for name, run in runners.items():
+        times = []
+        for index in range(repeats + 3):
+            start = time.perf_counter()
+            run()
+            if index >= 3:
+                times.append((time.perf_counter() - start) * 1000.0)
+        result[name] = statistics.median(times)
+    return result
+
+
+def _eager_accuracy(model: nn.Module, loader: Any) -> float:
+    correct = total = 0
+    with torch.inference_mode():
+        for x, y in loader:
+            correct += int((model(x).argmax(1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+def _workload(name: str, model: L.LightningModule, dm: DemoDataModule, s: dict[str, Any], out: Path) -> dict[str, Any]:
+    export = Int8Export(out / name, calibration_batches=16, latency_repeats=0, max_metric_drop=0.005)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=s["epochs"],
+        limit_train_batches=s["train_batches"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        callbacks=[export],
+    )
+    trainer.fit(model, dm)
+    report = export.report
+    if report is None:
+        raise RuntimeError(f"Int8Export wrote no report for {name}")
+    model.eval()
+    sample = next(iter(dm.val_dataloader()))[0][:1]
+    all_threads = os.cpu_count() or 1
+    latency: dict[str, dict[str, float]] = {}
+    previous = torch.get_num_threads()
+    try:
+        for threads in sorted({1, all_threads}):
+            torch.set_num_threads(threads)  # once per setting: switching per call rebuilds the thread pool
+            sessions = {k: ort_session(ort, Path(report[f"{k}_path"]), threads) for k in ("fp32", "int8")}
+            for batch in (1, s["batch"]):
+                x = sample.repeat(batch, 1, 1, 1)
+                feed = {report["input_name"]: x.numpy()}
+                runners: dict[str, Callable[[], None]] = {
+                    f"ort_{k}": (lambda sess=sess, feed=feed: sess.run(None, feed)) for k, sess in sessions.items()
+                }
+                runners["eager_fp32"] = _eager_run(model, x)
+                latency[f"t{threads}_b{batch}"] = _timings(runners, s["repeats"])
+    finally:
+        torch.set_num_threads(previous)
+    verification = report["verification"]
+    return {
+        "workload": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "fp32_mb": report["fp32_bytes"] / 1e6,
+        "int8_mb": report["int8_bytes"] / 1e6,
+        "size_ratio": report["size_ratio"],
+        "val_acc_eager": _eager_accuracy(model, dm.val_dataloader()),
+        "val_acc_fp32": verification["metric_fp32"],
+        "val_acc_int8": verification["metric_int8"],
+        "acc_delta_points": 100.0 * (verification["metric_int8"] - verification["metric_fp32"]),
+        "top1_agreement": verification["top1_agreement"],
+        "relative_error": verification["relative_error"],
+        "latency_ms": latency,
+        "speedup_vs_ort_fp32": {k: v["ort_fp32"] / v["ort_int8"] for k, v in latency.items()},
+        "speedup_vs_eager": {k: v["eager_fp32"] / v["ort_int8"] for k, v in latency.items()},
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """A plain-text table of the results."""
+    lines = []
+    for row in results["rows"]:
+        lines.append(
+            f"{row['workload']}: {row['params']:,} params, FP32 {row['fp32_mb']:.2f} MB -> INT8 {row['int8_mb']:.2f} MB"
+            f" ({row['size_ratio']:.2f}x smaller); val acc eager {row['val_acc_eager']:.4f}, ORT FP32"
+            f" {row['val_acc_fp32']:.4f}, ORT INT8 {row['val_acc_int8']:.4f}"
+            f" (INT8 - FP32: {row['acc_delta_points']:+.2f} points), top-1 agreement {row['top1_agreement']:.4f}"
+        )
+        lines.append(
+            f"  {'threads/batch':<14}{'eager FP32':>12}{'ORT FP32':>12}{'ORT INT8':>12}{'vs ORT':>9}{'vs eager':>10}"
+        )
+        for key, ms in row["latency_ms"].items():
+            lines.append(
+                f"  {key:<14}{ms['eager_fp32']:>10.3f}ms{ms['ort_fp32']:>10.3f}ms{ms['ort_int8']:>10.3f}ms"
+                f"{row['speedup_vs_ort_fp32'][key]:>8.2f}x{row['speedup_vs_eager'][key]:>9.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a small, fast run (for the tests)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--cache-dir", default=None, help="where the demo images are generated")
+    args = parser.parse_args(argv)
+    s = _settings(args.quick)
+    L.seed_everything(0, verbose=False)
+    dm = DemoDataModule(num_images=s["num_images"], batch_size=s["batch"], root=args.cache_dir)
+    dm.prepare_data()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="speedkit-int8-") as tmp:
+        conv = DemoClassifier(width=s["width"], blocks_per_stage=s["blocks"], lr=2e-3, crop_size=dm.crop_size)
+        rows.append(_workload("conv", conv, dm, s, Path(tmp)))
+        linear = MlpClassifier(s["hidden"], s["width"], dm.crop_size)
+        rows.append(_workload("linear", linear, dm, s, Path(tmp)))
+    results = {
+        "settings": s | {"quick": args.quick},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "onnxruntime": ort.__version__,
+            "numpy": np.__version__,
+        },
+        "rows": rows,
+    }
+    print(format_table(results))
+    write_json_atomic(results, args.out)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

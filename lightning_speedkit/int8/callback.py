@@ -1,0 +1,359 @@
+"""`Int8Export`: at the end of fit, the best checkpoint to a verified INT8 ONNX model with a report."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from lightning_speedkit.int8.export import check_export_args, drop_message, export_int8, export_paths
+from lightning_speedkit.int8.steps import import_export_deps
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+    from torchmetrics import Metric
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Int8Export", "int8_metrics"]
+
+
+def int8_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The numbers of an `export_int8` report as flat ``speedkit/int8/...`` metrics (missing values left out).
+
+    Example:
+        >>> int8_metrics({"fp32_bytes": 4_000_000, "int8_bytes": 1_000_000, "size_ratio": 4.0})
+        {'speedkit/int8/fp32_mb': 4.0, 'speedkit/int8/int8_mb': 1.0, 'speedkit/int8/size_ratio': 4.0}
+    """
+    values: dict[str, Any] = {
+        "fp32_mb": report["fp32_bytes"] / 1e6,
+        "int8_mb": report["int8_bytes"] / 1e6,
+        "size_ratio": report["size_ratio"],
+    }
+    for key, timing in (report.get("latency") or {}).items():
+        if key.startswith("batch_"):
+            batch = key.removeprefix("batch_")
+            values[f"latency_fp32_b{batch}_ms"] = timing["fp32_ms"]
+            values[f"latency_int8_b{batch}_ms"] = timing["int8_ms"]
+            values[f"speedup_b{batch}"] = timing["speedup"]
+    verification = report.get("verification") or {}
+    for key in ("max_abs_diff", "top1_agreement", "metric_fp32", "metric_int8"):
+        values[key] = verification.get(key)
+    values["metric_drop"] = report.get("metric_drop")
+    return {f"speedkit/int8/{k}": float(v) for k, v in values.items() if v is not None}
+
+
+class Int8Export(Callback):
+    """At the end of fit, export the model to a verified INT8 ONNX file with a size, latency and accuracy report.
+
+    Runs `lightning_speedkit.int8.export_int8` at ``on_train_end`` on the weights of the best checkpoint when a
+    ``ModelCheckpoint`` monitors a metric (loaded with ``weights_only=True`` into a copy of the module; if its shapes
+    no longer fit, e.g. it was saved before pruning, the final weights are used and a warning says so), else on
+    the final weights. It calibrates on the first ``calibration_batches`` validation batches and, with ``verify``,
+    compares FP32 and INT8 in ONNX Runtime on the whole validation set, including the module's own validation
+    metric: ``metric`` if given, else the torchmetrics ``Metric`` attribute named like a ``ModelCheckpoint``'s
+    ``monitor``, else the only one whose name starts with ``val``; without one, top-1 accuracy when the targets
+    are class indices. The validation batches come from the datamodule's (or module's) ``val_dataloader()``, not
+    sharded; they must be ``(input, target, ...)`` or an input tensor, and the model must take one tensor input.
+
+    Files in ``dirpath``: ``model.onnx`` (INT8), ``model.fp32.onnx`` + ``model.fp32.onnx.data`` and
+    ``model.json`` (the report), named after ``filename``. They are written into a temporary directory and moved
+    into place when complete. An existing export is never replaced unless ``overwrite=True``: the new one gets
+    the next free name ``model-v1.onnx``, ``model-v2.onnx``, ... Only global rank zero exports; the other ranks
+    wait for it (a broadcast of the report, which every rank then holds in `report`), and a failure on rank zero
+    is raised on every rank. The report is uploaded as a W&B artifact when a ``WandbLogger`` is attached.
+
+    Args:
+        dirpath: Directory for the files (default: ``<trainer.default_root_dir>/int8``).
+        calibration_batches: Validation batches to calibrate on.
+        symmetric: Symmetric activations too, so all zero points are 0 (what TensorRT needs); QInt8 activations.
+        verify: Compare FP32 and INT8 on the validation set.
+        max_metric_drop: Allowed absolute drop of the metric (0.01: one point of accuracy); None: no check.
+        activation_type: ``"int8"`` or ``"uint8"``; None: ``"int8"`` if ``symmetric`` else ``"uint8"`` (ONNX
+            Runtime's fast U8S8 kernels on x86).
+        filename: Name of the INT8 model, ending in ``.onnx``.
+        metric: Name of the module's torchmetrics attribute to compare, or a metric; None: found as above.
+        on_metric_drop: ``"warn"``: write and warn by how much; ``"raise"``: write nothing and fail the fit.
+        overwrite: Replace an existing export instead of writing a new version beside it.
+        use_best_checkpoint: Export the best checkpoint's weights when a ``ModelCheckpoint`` monitors one.
+        verify_batches: Verify on at most this many validation batches (None: all).
+        latency_batch_size: The larger batch of the latency comparison (the other is 1).
+        latency_repeats: Timed runs per model and batch size; 0 skips latency.
+
+    Raises:
+        ValueError: In ``__init__`` for a bad argument; in ``setup`` if ``metric`` names no metric of the module.
+        ImportError: In ``setup`` without the ``export`` extra.
+        RuntimeError: At the end of fit if the export fails (naming the operator and layer) or there is no
+            validation data; `Int8VerificationError` with ``on_metric_drop="raise"``.
+
+    Logged metrics (every Trainer logger, rank zero, once, at ``step=trainer.global_step``; see `int8_metrics`):
+        ``speedkit/int8/fp32_mb``, ``int8_mb``, ``size_ratio``; ``latency_fp32_b{n}_ms``, ``latency_int8_b{n}_ms``,
+        ``speedup_b{n}`` for n = 1 and ``latency_batch_size``; ``max_abs_diff``, ``top1_agreement``,
+        ``metric_fp32``, ``metric_int8``, ``metric_drop`` (when known).
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(logger=False, callbacks=[Int8Export("exports", symmetric=True)])
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        calibration_batches: int = 32,
+        symmetric: bool = False,
+        verify: bool = True,
+        max_metric_drop: float | None = 0.01,
+        *,
+        activation_type: str | None = None,
+        filename: str = "model.onnx",
+        metric: str | Metric | None = None,
+        on_metric_drop: str = "warn",
+        overwrite: bool = False,
+        use_best_checkpoint: bool = True,
+        verify_batches: int | None = None,
+        latency_batch_size: int = 32,
+        latency_repeats: int = 10,
+    ) -> None:
+        if calibration_batches is None:
+            raise ValueError("`calibration_batches` must be a positive int, got None.")
+        check_export_args(
+            symmetric=symmetric,
+            activation_type=activation_type,
+            calibration_batches=calibration_batches,
+            max_metric_drop=max_metric_drop,
+            on_metric_drop=on_metric_drop,
+            verify_batches=verify_batches,
+            latency_batch_size=latency_batch_size,
+            latency_repeats=latency_repeats,
+        )
+        if not isinstance(filename, str) or not filename.endswith(".onnx") or Path(filename).name != filename:
+            raise ValueError(f"`filename` must be a file name ending in '.onnx', got {filename!r}.")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.calibration_batches = calibration_batches
+        self.symmetric = symmetric
+        self.activation_type = activation_type
+        self.verify = verify
+        self.max_metric_drop = max_metric_drop
+        self.filename = filename
+        self.metric = metric
+        self.on_metric_drop = on_metric_drop
+        self.overwrite = overwrite
+        self.use_best_checkpoint = use_best_checkpoint
+        self.verify_batches = verify_batches
+        self.latency_batch_size = latency_batch_size
+        self.latency_repeats = latency_repeats
+        self._resolved_dir: Path | None = None
+        self._report: dict[str, Any] | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
+
+    @property
+    def report(self) -> dict[str, Any] | None:
+        """The report of the last export (on every rank), or None before one."""
+        return self._report
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        import_export_deps()  # fail before training, not after it
+        self._resolved_dir = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "int8"
+        if isinstance(self.metric, str):
+            metrics = _metrics_of(pl_module)
+            if self.metric not in metrics:
+                raise ValueError(
+                    f"Int8Export: `metric={self.metric!r}` names no torchmetrics Metric of {type(pl_module).__name__};"
+                    f" pass one of {sorted(metrics)} or None."
+                )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        failure: BaseException | None = None
+        report: dict[str, Any] | None = None
+        if trainer.is_global_zero:
+            try:
+                report = self._export(trainer, pl_module)
+            except Exception as error:  # raised below, after the other ranks have heard of it
+                failure = error
+        message = None if failure is None else f"{type(failure).__name__}: {failure}"
+        report, message = trainer.strategy.broadcast((report, message), src=0)  # the other ranks wait here
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise RuntimeError(f"Int8Export: the export on rank 0 failed: {message}")
+        self._report = report
+        if report is None or not trainer.is_global_zero:
+            return
+        metrics = int8_metrics(report)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self._upload(trainer, report)
+        rank_zero_info(f"Int8Export: {_summary(report)}.")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"report": self._report}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._report = state_dict.get("report", self._report)
+
+    def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        module, weights = self._module_to_export(trainer, pl_module)
+        loader = _validation_loader(trainer, pl_module)
+        with warnings.catch_warnings():  # the drop is reported below, once, in this class's name
+            warnings.filterwarnings("ignore", message="export_int8: INT8 ")
+            report = self._run_export(trainer, module, loader, weights)
+        if not report["passed"]:
+            rank_zero_warn(f"Int8Export: {drop_message(report)}.")
+        return report
+
+    def _run_export(self, trainer: pl.Trainer, module: nn.Module, loader: Any, weights: str) -> dict[str, Any]:
+        return export_int8(
+            module,
+            loader,
+            self._target(),
+            symmetric=self.symmetric,
+            activation_type=self.activation_type,
+            calibration_batches=self.calibration_batches,
+            validation_data=loader,
+            metric=self._find_metric(trainer, module),
+            max_metric_drop=self.max_metric_drop,
+            on_metric_drop=self.on_metric_drop,
+            verify=self.verify,
+            verify_batches=self.verify_batches,
+            overwrite=self.overwrite,
+            latency_batch_size=self.latency_batch_size,
+            latency_repeats=self.latency_repeats,
+            metadata={"weights": weights, "epoch": trainer.current_epoch, "global_step": trainer.global_step},
+        )
+
+    def _target(self) -> Path:
+        """``dirpath/filename``, or with ``overwrite=False`` the first ``<stem>-v<k>.onnx`` that is free."""
+        directory = self._resolved_dir or Path("int8")
+        stem = Path(self.filename).stem
+        candidate, version = directory / self.filename, 0
+        while not self.overwrite and any(p.exists() for p in export_paths(candidate).values()):
+            version += 1
+            candidate = directory / f"{stem}-v{version}.onnx"
+        return candidate
+
+    def _module_to_export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[nn.Module, str]:
+        """A CPU FP32 copy of the module with the best checkpoint's weights, and where those weights came from."""
+        callbacks, datamodule = getattr(trainer, "callbacks", []), getattr(trainer, "datamodule", None)
+        keep = [trainer, trainer.strategy, *callbacks, *trainer.loggers, datamodule]
+        memo: dict[int, Any] = {id(o): o for o in keep if o is not None}  # hooks may point at them: share, not copy
+        module = copy.deepcopy(pl_module, memo).to("cpu", torch.float32)
+        best = self._best_checkpoint(trainer) if self.use_best_checkpoint else None
+        if best is None:
+            return module, "final weights"
+        try:
+            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+        except Exception as error:  # e.g. a type that weights_only refuses
+            rank_zero_warn(
+                f"Int8Export: cannot read the weights of the best checkpoint {best} with weights_only=True,"
+                f" exporting the final weights instead: {type(error).__name__}: {_first_line(error)}"
+            )
+            return module, "final weights"
+        try:
+            module.load_state_dict(state)
+        except RuntimeError as error:
+            rank_zero_warn(
+                f"Int8Export: the best checkpoint {best} does not fit the module any more (saved before pruning?),"
+                f" exporting the final weights instead: {_first_line(error)}"
+            )
+            return module, "final weights"
+        return module, f"best checkpoint {best}"
+
+    @staticmethod
+    def _best_checkpoint(trainer: pl.Trainer) -> str | None:
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint) or callback.monitor is None:
+                continue
+            if callback.best_model_path and Path(callback.best_model_path).is_file():
+                return callback.best_model_path
+        return None
+
+    def _find_metric(self, trainer: pl.Trainer, module: nn.Module) -> Metric | None:
+        if self.metric is not None and not isinstance(self.metric, str):
+            return self.metric
+        metrics = _metrics_of(module)
+        if isinstance(self.metric, str):
+            return metrics[self.metric]
+        for callback in trainer.checkpoint_callbacks:
+            monitor = getattr(callback, "monitor", None)
+            if monitor in metrics:
+                return metrics[monitor]
+        named_val = [name for name in metrics if name.rsplit(".", 1)[-1].startswith("val")]
+        return metrics[named_val[0]] if len(named_val) == 1 else None
+
+    @staticmethod
+    def _upload(trainer: pl.Trainer, report: dict[str, Any]) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                import wandb
+
+                run = logger.experiment
+                artifact = wandb.Artifact(f"int8-{run.id}", type="model", metadata=int8_metrics(report))
+                directory = Path(report["int8_path"]).parent
+                for name in [*report["files"], Path(report["report_path"]).name]:
+                    artifact.add_file(str(directory / name))
+                run.log_artifact(artifact)
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error, or its first ``size mismatch`` line (``load_state_dict`` puts those second)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
+
+
+def _summary(report: dict[str, Any]) -> str:
+    verification = report["verification"] or {}
+    parts = [f"wrote {report['int8_path']} ({report['size_ratio']:.2f}x smaller than FP32"]
+    if verification.get("top1_agreement") is not None:
+        parts.append(f"top-1 agreement {verification['top1_agreement']:.4f}")
+    if report["metric_drop"] is not None:
+        parts.append(f"{verification['metric']} {verification['metric_int8']:.4f} vs {verification['metric_fp32']:.4f}")
+    return ", ".join(parts) + f") from the {report['weights']}"
+
+
+def _metrics_of(module: nn.Module) -> dict[str, Metric]:
+    from torchmetrics import Metric
+
+    return {name: m for name, m in module.named_modules() if name and isinstance(m, Metric)}
+
+
+def _validation_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The full (unsharded) validation loader: the datamodule's or the module's, else the Trainer's first."""
+    loaders: Any = None
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and is_overridden("val_dataloader", datamodule):
+        loaders = datamodule.val_dataloader()
+    elif is_overridden("val_dataloader", pl_module):
+        loaders = pl_module.val_dataloader()
+    else:
+        loaders = trainer.val_dataloaders
+    if isinstance(loaders, dict):
+        loaders = next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    if loaders is None:
+        raise RuntimeError(
+            "Int8Export: there is no validation data to calibrate and verify on; define `val_dataloader` in the"
+            " LightningModule or DataModule, or pass `val_dataloaders` to `fit`."
+        )
+    return loaders
