@@ -1,0 +1,84 @@
+"""Loggers for speedkit runs: a W&B logger that groups ``speedkit/*``, and the run summary of every report."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from typing_extensions import override
+
+from lightning_speedkit.report import flatten_reports, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunSummary", "speedkit_wandb_logger", "wandb_is_offline"]
+
+
+def wandb_is_offline(environ: dict[str, str] | None = None) -> bool:
+    """Whether W&B should run offline: ``WANDB_MODE`` says so, or there is no ``WANDB_API_KEY``.
+
+    Example:
+        >>> wandb_is_offline({}), wandb_is_offline({"WANDB_API_KEY": "x"}), wandb_is_offline({"WANDB_MODE": "offline"})
+        (True, False, True)
+    """
+    env = os.environ if environ is None else environ
+    return env.get("WANDB_MODE", "") in ("offline", "dryrun") or not env.get("WANDB_API_KEY")
+
+
+def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str = "speedkit", **kwargs: Any) -> Logger:
+    """A ``WandbLogger`` that runs offline without an API key (``wandb sync`` uploads later).
+
+    Raises:
+        ImportError: Without wandb (``pip install "lightning-speedkit[wandb]"``).
+    """
+    try:
+        import wandb  # noqa: F401
+    except ImportError as error:
+        raise ImportError('W&B logging needs wandb: pip install "lightning-speedkit[wandb]"') from error
+    from lightning.pytorch.loggers import WandbLogger
+
+    kwargs.setdefault("offline", wandb_is_offline())
+    return WandbLogger(project=project, save_dir=str(save_dir), **kwargs)
+
+
+class RunSummary(Callback):
+    """At the end of fit, gather the ``report()`` of every callback that has one into the run summary.
+
+    Writes ``speedkit_summary.json`` (atomically) into the first logger's ``log_dir`` (else the Trainer's
+    ``default_root_dir``) and, for a W&B logger, puts the flattened scalars and labels into the run summary and
+    groups ``speedkit/*`` metrics on ``trainer/global_step``. Rank zero only.
+    """
+
+    def __init__(self) -> None:
+        self.summary: dict[str, Any] = {}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for logger in trainer.loggers if trainer.is_global_zero else ():
+            define = getattr(getattr(logger, "experiment", None), "define_metric", None)
+            if type(logger).__name__ == "WandbLogger" and callable(define):
+                define("speedkit/*", step_metric="trainer/global_step")
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reports = {}
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            report = getattr(callback, "report", None)
+            if callback is not self and callable(report):
+                value = report()
+                if value:
+                    reports[type(callback).__name__] = value
+        self.summary = reports
+        if not trainer.is_global_zero:
+            return
+        directory = Path(trainer.loggers[0].log_dir or trainer.default_root_dir) if trainer.loggers else None
+        directory = directory or Path(trainer.default_root_dir)
+        write_json_atomic(reports, directory / "speedkit_summary.json")
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.experiment.summary.update(flatten_reports(reports))  # type: ignore[attr-defined]

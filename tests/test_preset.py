@@ -1,0 +1,166 @@
+"""Tests of ``speedkit.preset`` and ``default_callbacks``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+import lightning_speedkit as speedkit
+from lightning_speedkit.hardware import CpuInfo, GpuInfo
+from lightning_speedkit.loggers import RunSummary, wandb_is_offline
+from lightning_speedkit.preset import choose, default_callbacks, preset
+
+CPU2 = CpuInfo(2, 2, "test CPU", ("avx2", "avx512f", "avx512_bf16"), "AVX512")
+CPU_AMX = CpuInfo(8, 8, "test CPU", ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
+A100 = GpuInfo(0, "NVIDIA A100", (8, 0), 40 * 2**30)
+P100 = GpuInfo(0, "Tesla P100", (6, 0), 16 * 2**30)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "gpus", "devices", "expected"),
+    [
+        (CPU2, [], "auto", ("cpu", 1, "32-true", "auto")),
+        (CPU2, [], 2, ("cpu", 2, "32-true", "ddp")),
+        (CPU_AMX, [], 1, ("cpu", 1, "bf16-mixed", "auto")),
+        (CPU2, [A100], "auto", ("gpu", 1, "16-mixed", "auto")),
+        (CPU2, [A100] * 4, 4, ("gpu", 4, "16-mixed", "ddp")),
+        (CPU2, [P100], 1, ("gpu", 1, "32-true", "auto")),
+    ],
+)
+def test_choices_follow_the_hardware(
+    cpu: CpuInfo, gpus: list[GpuInfo], devices: int | str, expected: tuple[Any, ...]
+) -> None:
+    """Accelerator, devices, precision and strategy come from the hardware, each with a reason."""
+    chosen = choose(cpu, gpus, devices=devices)
+    assert (chosen["accelerator"], chosen["devices"], chosen["precision"], chosen["strategy"]) == expected
+    assert all(chosen["reasons"][key] for key in ("accelerator", "devices", "precision", "strategy"))
+
+
+def test_cpu_precision_reason_explains_the_bf16_trap() -> None:
+    """On a CPU without AMX the reason says why fp32 beats Lightning's silent bf16."""
+    assert "bf16" in choose(CPU2, [])["reasons"]["precision"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"devices": 3}, r"`devices`=3 asks for more than this machine has: 2"),
+        ({"devices": 0}, "`devices`"),
+        ({"devices": "many"}, "`devices`"),
+        ({"num_nodes": 0}, "`num_nodes`"),
+        ({"precision": "fp8"}, "`precision`"),
+    ],
+)
+def test_bad_choices_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    """Too many devices, or a malformed argument, is an error naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        choose(CPU2, [], **kwargs)
+
+
+def test_more_gpus_than_exist_is_an_error() -> None:
+    """Asking for 4 GPUs on a 1-GPU machine names what exists."""
+    with pytest.raises(ValueError, match="1 GPU"):
+        choose(CPU2, [A100], devices=4)
+
+
+def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
+    """Ours come in acting order; the batch-size finder, pruning and export only when asked for."""
+    names = [type(c).__name__ for c in default_callbacks(batch_size="auto", prune=0.5, export=tmp_path)]
+    assert names == [
+        "DataLoaderTuner",
+        "BatchSizeFinder",
+        "WarmupScheduler",
+        "UtilizationMonitor",
+        "StructuredPruning",
+        "Int8Export",
+    ]
+    assert [type(c).__name__ for c in default_callbacks(warmup=False, monitor=False, tune_data=False)] == []
+
+
+def test_user_callback_replaces_ours_of_the_same_type() -> None:
+    """A user's WarmupScheduler takes our slot: exactly one, and it is theirs; other user callbacks follow ours."""
+    mine = speedkit.WarmupScheduler(warmup=3)
+    other = RunSummary()
+    chosen = default_callbacks(callbacks=[other, mine])
+    assert [c for c in chosen if isinstance(c, speedkit.WarmupScheduler)] == [mine]
+    assert chosen[-1] is other
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"prune": 2.0}, "`prune`"), ({"batch_size": 64}, "`batch_size`"), ({"export": 3}, "`export`")],
+)
+def test_default_callbacks_refuse_bad_input(kwargs: dict[str, Any], match: str) -> None:
+    """Malformed optional parts are refused with the argument's name."""
+    with pytest.raises(ValueError, match=match):
+        default_callbacks(**kwargs)
+
+
+def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On this CPU-only machine: one process, fp32, our callbacks, and a printed summary on ``trainer.speedkit``."""
+    trainer = preset(logger="csv", default_root_dir=tmp_path, max_epochs=1)
+    assert isinstance(trainer.strategy, SingleDeviceStrategy)
+    assert trainer.precision == "32-true"
+    assert trainer.speedkit["precision"] == "32-true"
+    assert isinstance(trainer.logger, CSVLogger)
+    names = [type(c).__name__ for c in trainer.callbacks]
+    assert {"DataLoaderTuner", "WarmupScheduler", "UtilizationMonitor", "RunSummary"} <= set(names)
+    assert "precision" in trainer.speedkit.summary()
+
+
+def test_preset_two_cpu_devices_gives_ddp(tmp_path: Path) -> None:
+    """``devices=2`` on CPU builds a gloo DDP strategy over two processes."""
+    trainer = preset(devices=2, logger=False, default_root_dir=tmp_path, verbose=False)
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy._process_group_backend == "gloo"
+    assert trainer.num_devices == 2
+    assert trainer.speedkit["strategy"] == "ddp"
+
+
+def test_preset_refuses_more_devices_than_cores(tmp_path: Path) -> None:
+    """More CPU processes than cores is a clear error before any Trainer is built."""
+    with pytest.raises(ValueError, match="`devices`"):
+        preset(devices=64, logger=False, default_root_dir=tmp_path)
+
+
+def test_wandb_is_offline_without_a_key() -> None:
+    """Without ``WANDB_API_KEY`` (or with ``WANDB_MODE=offline``) W&B runs offline."""
+    assert wandb_is_offline({})
+    assert wandb_is_offline({"WANDB_MODE": "offline", "WANDB_API_KEY": "x"})
+    assert not wandb_is_offline({"WANDB_API_KEY": "x"})
+
+
+_OFFLINE_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import TinyClassifier
+from lightning_speedkit import preset
+trainer = preset(default_root_dir={root!r}, max_epochs=1, log_every_n_steps=1, enable_progress_bar=False)
+assert type(trainer.logger).__name__ == "WandbLogger", trainer.logger
+trainer.fit(TinyClassifier())
+"""
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_receives_speedkit_keys(tmp_path: Path) -> None:
+    """An offline W&B run (no API key) gets the ``speedkit/*`` metrics, and the summary JSON is written."""
+    # A fresh process: wandb keeps its mode per process, and other tests run it disabled.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    code = _OFFLINE_RUN.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=600)
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    keys = set(re.findall(rb"speedkit/[a-z_/0-9]+", runs[0].read_bytes()))
+    assert {b"speedkit/lr/factor", b"speedkit/monitor/data_wait_fraction", b"speedkit/data/num_workers"} <= keys
+    summary = json.loads(next(tmp_path.rglob("speedkit_summary.json")).read_text())
+    assert {"UtilizationMonitor", "DataLoaderTuner"} <= set(summary)
