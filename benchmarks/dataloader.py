@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in rows:
         print(
             f"{row['setting']:<42} {row['num_workers']:>7} {row['load_s_per_epoch']:>12.2f}"
-            f" {-100 * row['load_time_reduction']:>+8.0f}% {row['train_data_wait_s']:>12.2f}"
+            f" {0.0 - 100 * row['load_time_reduction']:>+8.0f}% {row['train_data_wait_s']:>12.2f}"
             f" {100 * row['train_data_wait_fraction']:>6.1f}%"
         )
     result = {

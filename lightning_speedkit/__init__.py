@@ -7,18 +7,26 @@ from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.dataloader import DataLoaderTuner
+from lightning_speedkit.int8 import Int8Export, export_int8
+from lightning_speedkit.loggers import RunSummary
 from lightning_speedkit.monitor import UtilizationMonitor
+from lightning_speedkit.preset import default_callbacks, preset
 from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint
 from lightning_speedkit.warmup import WarmupScheduler
 
 __all__ = [
     "BatchSizeFinder",
     "DataLoaderTuner",
+    "Int8Export",
+    "RunSummary",
     "StructuredPruning",
     "UtilizationMonitor",
     "WarmupScheduler",
     "__version__",
     "data",
+    "default_callbacks",
     "demo",
+    "export_int8",
     "load_pruned_checkpoint",
+    "preset",
 ]

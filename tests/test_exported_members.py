@@ -19,7 +19,7 @@ MODULES = [
 
 
 def _isort_key(name: str) -> tuple[int, str]:
-    """ruff's RUF022 order: SCREAMING_SNAKE_CASE constants, then CamelCase classes, then everything else."""
+    """Ruff's RUF022 order: SCREAMING_SNAKE_CASE constants, then CamelCase classes, then everything else."""
     if len(name) > 1 and name.isupper():
         return (0, name)
     if name[:1].isupper():
