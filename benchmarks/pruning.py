@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelPruning
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
 from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.pruning import StructuredPruning, count_macs_params, cpu_latency_ms
+from lightning_speedkit.warmup import WarmupScheduler
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "pruning.json"
 
@@ -106,7 +107,7 @@ def run(
     extra: dict[str, dict[str, float]] = {}
     for name in ("baseline", "structured", "modelpruning"):
         L.seed_everything(0, verbose=False)
-        model = DemoClassifier(width=s["width"], lr=2e-3)
+        model = DemoClassifier(width=s["width"])  # the default LR: 2e-3 stalls this net without warmup
         data = DemoDataModule(num_images=s["num_images"], batch_size=s["batch_size"], root=root)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -116,7 +117,9 @@ def run(
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=_variant(name, s, round_to),
+            # The same LR schedule for every variant: a short warmup at the start; StructuredPruning re-warms
+            # through it after its step (fresh optimizer moments at full LR otherwise knock the pruned net back).
+            callbacks=[WarmupScheduler(warmup=0.05, decay="constant"), *_variant(name, s, round_to)],
         )
         start = time.perf_counter()
         trainer.fit(model, data)

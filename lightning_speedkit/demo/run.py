@@ -40,8 +40,8 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
-        """A configuration for tests: 1,200 images, 10 short epochs at a higher LR, target 0.8 (under a minute)."""
-        values: dict[str, Any] = {"num_images": 1200, "max_epochs": 10, "lr": 2e-3, "target_acc": 0.8}
+        """A configuration for tests: 1,200 images, 10 short epochs, target 0.8 (under a minute)."""
+        values: dict[str, Any] = {"num_images": 1200, "max_epochs": 10, "target_acc": 0.8}
         values.update(overrides)
         return cls(**values)
 
