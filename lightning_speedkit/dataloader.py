@@ -374,14 +374,14 @@ class DataLoaderTuner(Callback):
 
     @staticmethod
     def _table(report: dict[str, Any]) -> str:
-        lines = ["DataLoaderTuner: measured the train dataloader", f"  {'settings':<58} {'batches/s':>10}"]
-        for row in [report["baseline"], *report["candidates"]]:
-            label = ", ".join(f"{name}={row[name]}" for name in _SETTINGS)
-            mark = (
-                "  <- chosen"
-                if row in report["candidates"] and all(row[n] == report["chosen"][n] for n in _SETTINGS)
-                else ("  (original)" if row is report["baseline"] else "")
-            )
-            lines.append(f"  {label:<58} {row['batches_per_s']:>10.1f}{mark}")
+        chosen = report["chosen"]
+        rows = [(report["baseline"], "  (original)")]
+        for row in report["candidates"]:
+            rows.append((row, "  <- chosen" if all(row[n] == chosen[n] for n in _SETTINGS) else ""))
+        labels = [", ".join(f"{name}={row[name]}" for name in _SETTINGS) for row, _ in rows]
+        width = max(len(label) for label in labels)
+        lines = ["DataLoaderTuner: measured the train dataloader", f"  {'settings':<{width}} {'batches/s':>10}"]
+        for label, (row, mark) in zip(labels, rows, strict=True):
+            lines.append(f"  {label:<{width}} {row['batches_per_s']:>10.1f}{mark}")
         lines.append(f"  speed-up over the original settings: {report['speedup']:.2f}x")
         return "\n".join(lines)

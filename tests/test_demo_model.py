@@ -35,21 +35,32 @@ def test_classifier_has_example_input_and_rejects_bad_lr() -> None:
         DemoClassifier(lr=0.0)
 
 
-def test_run_demo_reports_and_writes_json(tmp_path: Path, demo_cache: Path) -> None:
-    """A one-epoch demo run returns a complete report and writes the same report to demo.json."""
+def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path, demo_cache: Path) -> None:
+    """A one-epoch demo trains baseline and speedkit, and writes the table's data to demo.json and a PNG."""
     config = DemoConfig.quick(num_images=100, max_epochs=1, cache_dir=str(demo_cache))
     report = run_demo(config, out_dir=tmp_path, progress=False)
-    assert report["epochs"] == 1
-    assert 0.0 <= report["final_val_acc"] <= 1.0
-    assert report["samples_per_s"] > 0
-    assert json.loads((tmp_path / "demo.json").read_text()) == report
-    assert "final val_acc" in format_report(report)
+    assert set(report["runs"]) == {"baseline", "speedkit"}
+    for run in report["runs"].values():
+        assert run["epochs"] == 1
+        assert 0.0 <= run["final_val_acc"] <= 1.0
+        assert run["samples_per_s"] > 0
+        assert run["diagnosis"] in {"data_bound", "h2d_bound", "compute_bound", "underutilized", "memory_thrash"}
+    assert report["runs"]["speedkit"]["choices"]["precision"] == "32-true"
+    assert "DataLoaderTuner" in report["runs"]["speedkit"]["choices"]["callbacks"]
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved["runs"]["baseline"]["timeline"] == report["runs"]["baseline"]["timeline"]
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    table = format_report(report)
+    assert "baseline" in table
+    assert "speedkit" in table
+    assert "final val_acc" in table
 
 
 @pytest.mark.slow
 def test_demo_model_learns(demo_cache: Path) -> None:
     """On a small generated set the demo model learns: validation accuracy far above chance (10%)."""
-    report = run_demo(DemoConfig.quick(cache_dir=str(demo_cache)), progress=False)
-    assert report["final_val_acc"] >= 0.5
-    accuracies = [point["val_acc"] for point in report["timeline"]]
+    report = run_demo(DemoConfig.quick(cache_dir=str(demo_cache)), progress=False, variants=("baseline",))
+    run = report["runs"]["baseline"]
+    assert run["final_val_acc"] >= 0.5
+    accuracies = [point["val_acc"] for point in run["timeline"]]
     assert max(accuracies) > accuracies[0]

@@ -9,7 +9,7 @@ Used by ``speedkit demo``, the benchmarks and the tests::
 
 from lightning_speedkit.demo.data import CLASSES, DemoDataModule, ShapesDataset, ensure_shapes, render_shape
 from lightning_speedkit.demo.model import DemoClassifier, DemoResNet
-from lightning_speedkit.demo.run import DemoConfig, format_report, run_demo
+from lightning_speedkit.demo.run import DemoConfig, format_report, run_demo, train_variant
 
 __all__ = [
     "CLASSES",
@@ -22,4 +22,5 @@ __all__ = [
     "format_report",
     "render_shape",
     "run_demo",
+    "train_variant",
 ]

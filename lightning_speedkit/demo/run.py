@@ -1,4 +1,4 @@
-"""The ``speedkit demo`` job: train the embedded workload to a target accuracy and report time and accuracy."""
+"""The ``speedkit demo`` job: the naive baseline and speedkit's preset, trained to the same accuracy, side by side."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ from lightning_speedkit.demo.data import DemoDataModule
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.report import write_json_atomic
 
-__all__ = ["DemoConfig", "Timeline", "format_report", "run_demo"]
+__all__ = ["VARIANTS", "DemoConfig", "Timeline", "format_report", "run_demo", "train_variant"]
+
+VARIANTS = ("baseline", "speedkit")
+"""``baseline``: the naive setup (plain Trainer, decode per sample, no workers, fp32, constant LR).
+``speedkit``: the same model, seed, data and LR through `~lightning_speedkit.preset` and a cached dataset."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +53,15 @@ class DemoConfig:
 class Timeline(L.Callback):
     """Records elapsed wall time, samples seen and ``val_acc`` at the end of each validation epoch."""
 
-    def __init__(self, verbose: bool = True) -> None:
+    def __init__(self, verbose: bool = True, name: str = "") -> None:
         self.verbose = verbose
+        self.name = name
         self.points: list[dict[str, float]] = []
         self._start = 0.0
         self._samples = 0
 
-    @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Start the clock."""
+    def start(self) -> None:
+        """Start the clock (call it just before ``trainer.fit``, so set-up and tuning are counted too)."""
         self._start = time.perf_counter()
 
     @override
@@ -81,20 +85,32 @@ class Timeline(L.Callback):
         self.points.append(point)
         if self.verbose and trainer.is_global_zero:
             print(
-                f"  epoch {trainer.current_epoch:>2}  {point['seconds']:7.1f} s  val_acc {point['val_acc']:.3f}",
+                f"  {self.name:<9} epoch {trainer.current_epoch:>2}  {point['seconds']:7.1f} s"
+                f"  val_acc {point['val_acc']:.3f}",
                 flush=True,
             )
 
 
-def run_demo(config: DemoConfig, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train the demo model until ``val_acc >= config.target_acc`` (or ``max_epochs``) and measure it.
+def train_variant(
+    config: DemoConfig, variant: str, out_dir: str | Path | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Train one variant until ``val_acc >= config.target_acc`` (or ``max_epochs``) and measure it.
+
+    The clock starts just before ``trainer.fit``: dataset caching, loader probing and everything else speedkit
+    does is counted. Both variants carry a `UtilizationMonitor` so each gets a diagnosis.
 
     Returns:
-        A report dict: the config, ``time_to_target_s`` (``None`` when the target was not reached), ``total_s``,
-        ``final_val_acc``, ``samples_per_s`` and the per-epoch ``timeline``. Written to ``out_dir/demo.json`` when
-        ``out_dir`` is given.
+        ``time_to_target_s`` (None when not reached), ``total_s``, ``epochs``, ``final_val_acc``, ``samples_per_s``
+        (training samples over training-step time), ``data_wait_fraction``, ``diagnosis``, ``advice``,
+        ``step_data_wait_ms`` / ``step_compute_ms``, ``choices`` (what preset chose, for speedkit) and ``timeline``.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {', '.join(VARIANTS)}, got {variant!r}.")
+    from lightning_speedkit.monitor import UtilizationMonitor
+    from lightning_speedkit.preset import preset
+
     L.seed_everything(config.seed, verbose=False)
+    fast = variant == "speedkit"
     datamodule = DemoDataModule(
         num_images=config.num_images,
         image_size=config.image_size,
@@ -102,59 +118,116 @@ def run_demo(config: DemoConfig, out_dir: str | Path | None = None, progress: bo
         num_workers=config.num_workers,
         seed=config.seed,
         root=config.cache_dir,
+        cache=fast,
     )
-    datamodule.prepare_data()  # generate the images before the clock starts
+    datamodule.prepare_data()  # generating the images is not part of either run
     model = DemoClassifier(
         width=config.width, blocks_per_stage=config.blocks_per_stage, lr=config.lr, crop_size=datamodule.crop_size
     )
-    timeline = Timeline(verbose=progress)
+    timeline = Timeline(verbose=progress, name=variant)
     stop = EarlyStopping(
         monitor="val_acc", mode="max", stopping_threshold=config.target_acc, patience=config.max_epochs
     )
-    trainer = L.Trainer(
-        accelerator="cpu" if config.precision == "32-true" else "auto",
-        devices=1,
-        precision=config.precision,  # type: ignore[arg-type]
-        max_epochs=config.max_epochs,
-        callbacks=[timeline, stop],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,  # one line per epoch from Timeline instead
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=out_dir,
-    )
+    common: dict[str, Any] = {
+        "max_epochs": config.max_epochs,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "default_root_dir": str(Path(out_dir) / variant) if out_dir is not None else None,
+    }
+    monitor = UtilizationMonitor(window=50)
+    if fast:
+        trainer = preset(devices=1, logger=False, verbose=progress, callbacks=[monitor, timeline, stop], **common)
+        choices = {key: trainer.speedkit[key] for key in ("precision", "strategy", "callbacks")}  # type: ignore[attr-defined]
+    else:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            precision=config.precision,  # type: ignore[arg-type]
+            callbacks=[monitor, timeline, stop],
+            logger=False,
+            **common,
+        )
+        choices = {"precision": config.precision, "strategy": "auto", "callbacks": []}
+    timeline.start()
     trainer.fit(model, datamodule)
 
     points = timeline.points
     reached = [p["seconds"] for p in points if p["val_acc"] >= config.target_acc]
-    total = points[-1]["seconds"] if points else 0.0
-    report: dict[str, Any] = {
-        "config": dataclasses.asdict(config),
+    monitored = monitor.report()
+    totals = monitored["total"]
+    steps = max(1, int(totals["steps"]))
+    return {
+        "variant": variant,
         "time_to_target_s": reached[0] if reached else None,
-        "total_s": total,
+        "total_s": points[-1]["seconds"] if points else 0.0,
         "epochs": len(points),
         "final_val_acc": points[-1]["val_acc"] if points else None,
-        "samples_per_s": points[-1]["samples"] / total if total else None,
+        "samples_per_s": totals["samples_per_second"],
+        "data_wait_fraction": totals["data_wait_fraction"],
+        "step_data_wait_ms": 1e3 * totals["data_wait_s"] / steps,
+        "step_compute_ms": 1e3 * totals["compute_s"] / steps,
+        "diagnosis": monitored["diagnosis"],
+        "advice": monitored["advice"],
+        "choices": choices,
         "timeline": points,
     }
+
+
+def run_demo(
+    config: DemoConfig,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict[str, Any]:
+    """Train each variant to ``config.target_acc`` and compare them.
+
+    Returns:
+        ``{"config", "runs": {variant: train_variant(...)}, "speedup"}``, where ``speedup`` is the baseline's time
+        to target over speedkit's (None unless both reached it). With ``out_dir``: ``demo.json`` and, when
+        matplotlib is installed, ``demo.png`` (val accuracy vs wall time; per-step data wait vs compute).
+    """
+    runs = {variant: train_variant(config, variant, out_dir, progress) for variant in variants}
+    base, fast = runs.get("baseline"), runs.get("speedkit")
+    speedup = None
+    if base and fast and base["time_to_target_s"] and fast["time_to_target_s"]:
+        speedup = base["time_to_target_s"] / fast["time_to_target_s"]
+    report: dict[str, Any] = {"config": dataclasses.asdict(config), "runs": runs, "speedup": speedup}
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")
+        from lightning_speedkit.demo.plot import plot_demo
+
+        report["plot"] = plot_demo(report, Path(out_dir) / "demo.png")
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """A short plain-text summary of :func:`run_demo`'s report."""
-    config = report["config"]
-    target = report["time_to_target_s"]
-    rows = [
-        ("workload", f"{config['num_images']} images {config['image_size']}px, width {config['width']}"),
-        ("settings", f"batch {config['batch_size']}, num_workers {config['num_workers']}, {config['precision']}"),
-        ("epochs", str(report["epochs"])),
-        (f"time to val_acc {config['target_acc']:.2f}", f"{target:.1f} s" if target is not None else "not reached"),
-        ("total train time", f"{report['total_s']:.1f} s"),
-        ("throughput", f"{report['samples_per_s'] or 0:.0f} samples/s (incl. validation)"),
-        ("final val_acc", f"{report['final_val_acc'] or 0:.3f}"),
+    """The side-by-side table of :func:`run_demo`'s report."""
+    config, runs = report["config"], report["runs"]
+    names = list(runs)
+
+    def seconds(value: float | None) -> str:
+        return f"{value:.1f} s" if value is not None else "not reached"
+
+    rows: list[tuple[str, ...]] = [
+        ("", *names),
+        (f"time to val_acc {config['target_acc']:.2f}", *(seconds(runs[n]["time_to_target_s"]) for n in names)),
+        ("epochs", *(str(runs[n]["epochs"]) for n in names)),
+        ("train samples/s", *(f"{runs[n]['samples_per_s']:.0f}" for n in names)),
+        ("data wait", *(f"{100 * runs[n]['data_wait_fraction']:.1f}%" for n in names)),
+        ("diagnosis", *(str(runs[n]["diagnosis"]) for n in names)),
+        ("final val_acc", *(f"{runs[n]['final_val_acc'] or 0:.3f}" for n in names)),
+        ("precision", *(str(runs[n]["choices"]["precision"]) for n in names)),
     ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"demo workload: {config['num_images']} images {config['image_size']}px, width {config['width']},"
+        f" batch {config['batch_size']}, AdamW lr {config['lr']}"
+    ]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if report.get("speedup") is not None:
+        lines.append(f"speed-up (time to target, baseline / speedkit): {report['speedup']:.2f}x")
+    for name in names:
+        lines.append(f"{name} diagnosis: {runs[name]['advice']}")
+    return "\n".join(lines)

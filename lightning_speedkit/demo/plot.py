@@ -1,0 +1,53 @@
+"""The demo's PNG: validation accuracy against wall time, and each variant's step time split."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_demo"]
+
+
+def plot_demo(report: dict[str, Any], path: str | Path) -> str | None:
+    """Draw :func:`~lightning_speedkit.demo.run.run_demo`'s report to ``path`` (atomically).
+
+    Returns:
+        The path written, or None (with nothing written) when matplotlib is not installed
+        (``pip install "lightning-speedkit[plot]"``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = report["runs"]
+    fig, (curve, split) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for name, run in runs.items():
+        points = run["timeline"]
+        curve.plot([p["seconds"] for p in points], [p["val_acc"] for p in points], marker="o", label=name)
+    curve.axhline(report["config"]["target_acc"], color="grey", linestyle="--", linewidth=1, label="target")
+    curve.set(xlabel="wall time (s)", ylabel="validation accuracy", title="accuracy vs time")
+    curve.legend()
+    names = list(runs)
+    waits = [runs[n]["step_data_wait_ms"] for n in names]
+    computes = [runs[n]["step_compute_ms"] for n in names]
+    split.bar(names, computes, label="compute")
+    split.bar(names, waits, bottom=computes, label="data wait")
+    split.set(ylabel="ms per training step", title="step time")
+    split.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return str(path)
