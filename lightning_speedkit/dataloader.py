@@ -240,11 +240,12 @@ class DataLoaderTuner(Callback):
             raise ValueError(f"`max_workers` must be an int >= 0 or None, got {max_workers!r}.")
         if not isinstance(warmup_batches, int) or warmup_batches < 0:
             raise ValueError(f"`warmup_batches` must be an int >= 0, got {warmup_batches!r}.")
-        if not 0.0 <= tolerance < 1.0:
+        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < 1.0:
             raise ValueError(f"`tolerance` must be in [0, 1), got {tolerance!r}.")
         for candidate in candidates or ():
-            unknown = set(candidate) - set(_SETTINGS)
-            if unknown or int(candidate.get("num_workers", 0)) < 0:
+            unknown = set(candidate) - set(_SETTINGS) if isinstance(candidate, dict) else {"?"}
+            workers = candidate.get("num_workers", 0) if not unknown else 0
+            if unknown or not isinstance(workers, int) or workers < 0:
                 raise ValueError(
                     f"`candidates` entries take keys {', '.join(_SETTINGS)} with num_workers >= 0, got {candidate!r}."
                 )

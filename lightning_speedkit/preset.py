@@ -140,6 +140,11 @@ def default_callbacks(
         >>> default_callbacks(callbacks=[mine])[1] is mine
         True
     """
+    for name, value in (("warmup", warmup), ("monitor", monitor), ("tune_data", tune_data)):
+        if not isinstance(value, (bool, dict)):
+            raise ValueError(f"`{name}` must be True, False or a dict of arguments, got {value!r}.")
+    if any(not isinstance(c, Callback) for c in callbacks or ()):
+        raise TypeError(f"`callbacks` must hold lightning Callbacks, got {list(callbacks or ())!r}.")
     ours: list[Callback] = []
     if tune_data is not False:
         ours.append(DataLoaderTuner(**_kwargs(tune_data)))

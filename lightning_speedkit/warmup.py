@@ -53,9 +53,9 @@ def _check_schedule(
         raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
     if decay not in DECAYS:
         raise ValueError(f"`decay` must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}.")
-    if not 0.0 <= min_lr_ratio <= 1.0:
+    if not isinstance(min_lr_ratio, (int, float)) or not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
-    if not 0.0 <= start_factor <= 1.0:
+    if not isinstance(start_factor, (int, float)) or not 0.0 <= start_factor <= 1.0:
         raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
 
 

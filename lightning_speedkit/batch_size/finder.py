@@ -138,7 +138,7 @@ class BatchSizeFinder(Callback):
             )
         if not _is_int(max_trials):
             raise ValueError(f"`max_trials` must be a positive int, got {max_trials!r}.")
-        if not 0.0 <= throughput_tolerance < 1.0:
+        if not isinstance(throughput_tolerance, (int, float)) or not 0.0 <= throughput_tolerance < 1.0:
             raise ValueError(f"`throughput_tolerance` must be in [0, 1), got {throughput_tolerance!r}.")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty str, got {batch_arg_name!r}.")

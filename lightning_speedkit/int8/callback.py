@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,8 @@ class Int8Export(Callback):
             latency_batch_size=latency_batch_size,
             latency_repeats=latency_repeats,
         )
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise TypeError(f"`dirpath` must be a directory path or None, got {dirpath!r}.")
         if not isinstance(filename, str) or not filename.endswith(".onnx") or Path(filename).name != filename:
             raise ValueError(f"`filename` must be a file name ending in '.onnx', got {filename!r}.")
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -170,6 +173,13 @@ class Int8Export(Callback):
             return
         import_export_deps()  # fail before training, not after it
         self._resolved_dir = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "int8"
+        problem = _unwritable(self._resolved_dir) if trainer.is_global_zero else None
+        problem = trainer.strategy.broadcast(problem, src=0)  # every rank fails together, before training
+        if problem:
+            raise ValueError(
+                f"Int8Export: `dirpath` must be a writable directory, got {str(self._resolved_dir)!r}: {problem};"
+                " choose another `dirpath` before training."
+            )
         if isinstance(self.metric, str):
             metrics = _metrics_of(pl_module)
             if self.metric not in metrics:
@@ -313,6 +323,18 @@ class Int8Export(Callback):
                 for name in [*report["files"], Path(report["report_path"]).name]:
                     artifact.add_file(str(directory / name))
                 run.log_artifact(artifact)
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why an export could not be written into ``directory`` (created if missing), or None if it could."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def _first_line(error: BaseException) -> str:

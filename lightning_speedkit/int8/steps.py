@@ -163,6 +163,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
 
     Raises:
         RuntimeError: If tracing or conversion fails; the message names the operator and the layer.
+        OSError: If the model cannot be written (disk full, no permission).
     """
     batch = torch.export.Dim("batch")
     # torch.export first, on its own: its traceback still holds the failing layer's frame, and one non-strict
@@ -181,9 +182,12 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
             raise RuntimeError("torch.onnx.export returned no ONNX program")
         for node in onnx_program.model.graph.all_nodes():
             node.metadata_props.clear()  # debug data: source stack traces and module paths, ~0.5 KB per node
-        onnx_program.save(str(path), external_data=True)
     except Exception as error:
         raise RuntimeError(f"INT8 export: cannot convert to ONNX, {describe_failure(error, model, program)}") from error
+    try:
+        onnx_program.save(str(path), external_data=True)
+    except OSError as error:  # a full or read-only disk: say so, not "cannot convert"
+        raise OSError(error.errno, f"INT8 export: cannot write the ONNX model ({error.strerror})", str(path)) from error
 
 
 class _Reader:

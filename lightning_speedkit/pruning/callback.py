@@ -168,6 +168,8 @@ class StructuredPruning(Callback):
             raise ValueError(f"`rewarm` must be an int >= 0 (steps) or a float in (0, 1), got {rewarm!r}.")
         if any(not _is_int(b) or b < 1 for b in latency_batch_sizes):
             raise ValueError(f"`latency_batch_sizes` must hold positive ints, got {latency_batch_sizes!r}.")
+        if monitor is not None and not isinstance(monitor, str):
+            raise ValueError(f"`monitor` must be a metric name or None, got {monitor!r}.")
         if ignored_layers is not None and any(not isinstance(x, (str, nn.Module)) for x in ignored_layers):
             raise ValueError(f"`ignored_layers` must hold module names or modules, got {ignored_layers!r}.")
         self.amount, self.target_speedup = amount, target_speedup

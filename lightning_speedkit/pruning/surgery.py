@@ -400,12 +400,25 @@ def load_pruned_checkpoint(
         ``model``, pruned and loaded, in eval mode.
 
     Raises:
-        ValueError: If no example input is available or the checkpoint holds several pruning states.
+        ValueError: If the file is truncated, corrupted or not a Lightning checkpoint, no example input is
+            available, or the checkpoint holds several pruning states.
 
     Example:
         >>> # model = load_pruned_checkpoint(MyModule(), "best.ckpt")
     """
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    try:
+        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # truncated (OSError), corrupted (UnpicklingError, RuntimeError) or not torch's
+        raise ValueError(
+            f"`checkpoint_path` must be a readable Lightning checkpoint, got {str(checkpoint_path)!r}, which is"
+            f" truncated, corrupted or not a checkpoint ({type(error).__name__}; see the cause above)."
+        ) from error
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(
+            f"`checkpoint_path` must be a Lightning checkpoint with a state_dict, got {str(checkpoint_path)!r}."
+        )
     state = _find_pruning_state(checkpoint) or {}
     history = _normalised(state.get("history", []))
     if example_input is None:
