@@ -1,0 +1,141 @@
+"""Bad input to every public constructor and function: a ValueError/TypeError naming the argument and the value."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_speedkit as speedkit
+from lightning_speedkit.data import CachedDataset
+from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+
+MODEL, DATA = nn.Linear(2, 2), [torch.zeros(2, 2)]
+
+# (callable, keyword arguments, the argument that must be named, the value as the message must show it)
+CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
+    (speedkit.WarmupScheduler, {"warmup": -3}, "warmup", "-3"),
+    (speedkit.WarmupScheduler, {"warmup": 1.5}, "warmup", "1.5"),
+    (speedkit.WarmupScheduler, {"decay": "step"}, "decay", "'step'"),
+    (speedkit.WarmupScheduler, {"total_steps": 0}, "total_steps", "0"),
+    (speedkit.WarmupScheduler, {"min_lr_ratio": 2.0}, "min_lr_ratio", "2.0"),
+    (speedkit.WarmupScheduler, {"min_lr_ratio": "0.1"}, "min_lr_ratio", "'0.1'"),
+    (speedkit.WarmupScheduler, {"start_factor": None}, "start_factor", "None"),
+    (speedkit.BatchSizeFinder, {"mode": "linear"}, "mode", "'linear'"),
+    (speedkit.BatchSizeFinder, {"init_val": 0}, "init_val", "0"),
+    (speedkit.BatchSizeFinder, {"max_val": 2.5}, "max_val", "2.5"),
+    (speedkit.BatchSizeFinder, {"margin": 1.5}, "margin", "1.5"),
+    (speedkit.BatchSizeFinder, {"steps_per_trial": 0}, "steps_per_trial", "0"),
+    (speedkit.BatchSizeFinder, {"max_trials": 0}, "max_trials", "0"),
+    (speedkit.BatchSizeFinder, {"lr_scaling": "cubic"}, "lr_scaling", "'cubic'"),
+    (speedkit.BatchSizeFinder, {"reference_batch_size": -1}, "reference_batch_size", "-1"),
+    (speedkit.BatchSizeFinder, {"objective": "speed"}, "objective", "'speed'"),
+    (speedkit.BatchSizeFinder, {"throughput_tolerance": "x"}, "throughput_tolerance", "'x'"),
+    (speedkit.BatchSizeFinder, {"batch_arg_name": ""}, "batch_arg_name", "''"),
+    (speedkit.UtilizationMonitor, {"window": "4"}, "window", "'4'"),
+    (speedkit.UtilizationMonitor, {"warn_util_below": 0.0}, "warn_util_below", "0.0"),
+    (speedkit.UtilizationMonitor, {"warn_data_wait_above": 1.0}, "warn_data_wait_above", "1.0"),
+    (speedkit.UtilizationMonitor, {"peak_flops": -1.0}, "peak_flops", "-1.0"),
+    (speedkit.UtilizationMonitor, {"flops_per_batch": 0}, "flops_per_batch", "0"),
+    (speedkit.UtilizationMonitor, {"sample_interval": 0}, "sample_interval", "0"),
+    (speedkit.DataLoaderTuner, {"probe_batches": 0}, "probe_batches", "0"),
+    (speedkit.DataLoaderTuner, {"max_workers": -1}, "max_workers", "-1"),
+    (speedkit.DataLoaderTuner, {"warmup_batches": -1}, "warmup_batches", "-1"),
+    (speedkit.DataLoaderTuner, {"tolerance": "x"}, "tolerance", "'x'"),
+    (speedkit.DataLoaderTuner, {"candidates": [{"num_workers": "two"}]}, "candidates", "{'num_workers': 'two'}"),
+    (speedkit.DataLoaderTuner, {"candidates": [{"workers": 2}]}, "candidates", "{'workers': 2}"),
+    (speedkit.StructuredPruning, {}, "amount", "amount=None"),
+    (speedkit.StructuredPruning, {"amount": 1.5}, "amount", "1.5"),
+    (speedkit.StructuredPruning, {"target_speedup": 0.5}, "target_speedup", "0.5"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "start_epoch": -1}, "start_epoch", "-1"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "iterative_steps": 0}, "iterative_steps", "0"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "finetune_epochs": -1}, "finetune_epochs", "-1"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "importance": "random"}, "importance", "'random'"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "round_to": 0}, "round_to", "0"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "rewarm": -1}, "rewarm", "-1"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "monitor": 3}, "monitor", "3"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "latency_batch_sizes": (0,)}, "latency_batch_sizes", "(0,)"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "ignored_layers": [3]}, "ignored_layers", "[3]"),
+    (speedkit.Int8Export, {"dirpath": 3}, "dirpath", "3"),
+    (speedkit.Int8Export, {"calibration_batches": 0}, "calibration_batches", "0"),
+    (speedkit.Int8Export, {"max_metric_drop": -0.1}, "max_metric_drop", "-0.1"),
+    (speedkit.Int8Export, {"activation_type": "int4"}, "activation_type", "'int4'"),
+    (speedkit.Int8Export, {"filename": "model.pt"}, "filename", "'model.pt'"),
+    (speedkit.Int8Export, {"on_metric_drop": "ignore"}, "on_metric_drop", "'ignore'"),
+    (speedkit.Int8Export, {"verify_batches": 0}, "verify_batches", "0"),
+    (speedkit.Int8Export, {"latency_batch_size": 0}, "latency_batch_size", "0"),
+    (speedkit.Int8Export, {"latency_repeats": -1}, "latency_repeats", "-1"),
+    (speedkit.export_int8, {"model": MODEL, "calibration_data": DATA, "path": "x.pt"}, "path", "'x.pt'"),
+    (speedkit.export_int8, {"model": MODEL, "calibration_data": [], "path": "x.onnx"}, "calibration_data", "none"),
+    (
+        speedkit.export_int8,
+        {"model": MODEL, "calibration_data": DATA, "path": "x.onnx", "num_threads": -1},
+        "num_threads",
+        "-1",
+    ),
+    (
+        speedkit.load_pruned_checkpoint,
+        {"model": MODEL, "checkpoint_path": __file__},
+        "checkpoint_path",
+        "test_bad_input.py",
+    ),
+    (speedkit.default_callbacks, {"batch_size": "max"}, "batch_size", "'max'"),
+    (speedkit.default_callbacks, {"prune": 2.0}, "prune", "2.0"),
+    (speedkit.default_callbacks, {"export": 3}, "export", "3"),
+    (speedkit.default_callbacks, {"warmup": "yes"}, "warmup", "'yes'"),
+    (speedkit.default_callbacks, {"monitor": 1}, "monitor", "1"),
+    (speedkit.default_callbacks, {"tune_data": None}, "tune_data", "None"),
+    (speedkit.default_callbacks, {"callbacks": [3]}, "callbacks", "[3]"),
+    (speedkit.preset, {"devices": 0}, "devices", "0"),
+    (speedkit.preset, {"num_nodes": 0}, "num_nodes", "0"),
+    (speedkit.preset, {"precision": "8-true"}, "precision", "'8-true'"),
+    (speedkit.preset, {"logger": "tensorboard"}, "logger", "'tensorboard'"),
+    (CachedDataset, {"source": [], "path": "unused"}, "source", "an empty dataset"),
+    (CachedDataset, {"source": [1], "path": "unused", "max_disk_bytes": 0}, "max_disk_bytes", "0"),
+    (CachedDataset, {"source": [1], "path": "unused", "max_memory_bytes": -5}, "max_memory_bytes", "-5"),
+    (DemoClassifier, {"width": 0}, "width", "0"),
+    (DemoClassifier, {"lr": -1.0}, "lr", "-1.0"),
+    (DemoDataModule, {"batch_size": 0}, "batch_size", "0"),
+    (DemoDataModule, {"num_workers": -1}, "num_workers", "-1"),
+]
+
+
+def _id(case: tuple[Callable[..., Any], dict[str, Any], str, str]) -> str:
+    return f"{case[0].__name__}-{case[2]}={case[3]}"
+
+
+@pytest.mark.parametrize(("function", "kwargs", "argument", "shown"), CASES, ids=[_id(c) for c in CASES])
+def test_bad_argument_is_refused_naming_it_and_its_value(
+    function: Callable[..., Any], kwargs: dict[str, Any], argument: str, shown: str
+) -> None:
+    """The call raises ValueError or TypeError whose message names `argument` (backticked) and the value received.
+
+    Every case fails in argument checking, before anything is read or written (the paths are never created).
+    """
+    with pytest.raises((ValueError, TypeError)) as caught:
+        function(**kwargs)
+    message = str(caught.value)
+    assert f"`{argument}`" in message
+    assert re.search(r"got .*" + re.escape(shown), message), message
+
+
+def test_every_public_callable_is_in_the_table() -> None:
+    """Each public class and function of ``speedkit.__all__`` (and CachedDataset) has at least one bad-input case."""
+    public = {
+        name
+        for name in speedkit.__all__
+        if callable(getattr(speedkit, name)) and name not in {"RunSummary"}  # RunSummary takes no arguments
+    }
+    covered = {case[0].__name__ for case in CASES}
+    assert public | {"CachedDataset"} <= covered
+
+
+def test_load_pruned_checkpoint_of_a_missing_file_names_it(tmp_path: Path) -> None:
+    """A missing checkpoint is a FileNotFoundError that names the path (the one bad input that is not a ValueError)."""
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "missing.ckpt"))):
+        speedkit.load_pruned_checkpoint(MODEL, tmp_path / "missing.ckpt")
