@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--only", choices=["baseline", "speedkit"], help="train one variant instead of both (no comparison)"
     )
+    demo.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also train the packed cache alone and preset() alone, to show what each part contributes",
+    )
     demo.add_argument("--num-images", type=int, help="images generated (train + validation)")
     demo.add_argument("--max-epochs", type=int, help="stop after this many epochs")
     demo.add_argument("--target-acc", type=float, help="stop when val_acc reaches this")
@@ -70,7 +75,9 @@ def _demo(args: argparse.Namespace) -> int:
         if value is not None
     }
     config = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
-    variants = (args.only,) if args.only else ("baseline", "speedkit")
+    from lightning_speedkit.demo.run import ABLATION, VARIANTS
+
+    variants = (args.only,) if args.only else ABLATION if args.ablation else VARIANTS
     print(f"speedkit demo: training {' and '.join(variants)} to val_acc {config.target_acc:.2f} ...", flush=True)
     report = run_demo(config, out_dir=args.out, variants=variants)
     print(format_report(report))

@@ -15,11 +15,14 @@ from lightning_speedkit.demo.data import DemoDataModule
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.report import write_json_atomic
 
-__all__ = ["VARIANTS", "DemoConfig", "Timeline", "format_report", "run_demo", "train_variant"]
+__all__ = ["ABLATION", "VARIANTS", "DemoConfig", "Timeline", "format_report", "run_demo", "train_variant"]
 
 VARIANTS = ("baseline", "speedkit")
 """``baseline``: the naive setup (plain Trainer, decode per sample, no workers, fp32, constant LR).
 ``speedkit``: the same model, seed, data and LR through `~lightning_speedkit.preset` and a cached dataset."""
+
+ABLATION = ("baseline", "cache_only", "preset_only", "speedkit")
+"""For ``speedkit demo --ablation``: the baseline plus the packed cache alone, plus `preset` alone, and both."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +107,13 @@ def train_variant(
         (training samples over training-step time), ``data_wait_fraction``, ``diagnosis``, ``advice``,
         ``step_data_wait_ms`` / ``step_compute_ms``, ``choices`` (what preset chose, for speedkit) and ``timeline``.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"`variant` must be one of {', '.join(VARIANTS)}, got {variant!r}.")
+    if variant not in ABLATION:
+        raise ValueError(f"`variant` must be one of {', '.join(ABLATION)}, got {variant!r}.")
     from lightning_speedkit.monitor import UtilizationMonitor
     from lightning_speedkit.preset import preset
 
     L.seed_everything(config.seed, verbose=False)
-    fast = variant == "speedkit"
+    use_preset = variant in ("speedkit", "preset_only")
     datamodule = DemoDataModule(
         num_images=config.num_images,
         image_size=config.image_size,
@@ -118,7 +121,7 @@ def train_variant(
         num_workers=config.num_workers,
         seed=config.seed,
         root=config.cache_dir,
-        cache=fast,
+        cache=variant in ("speedkit", "cache_only"),
     )
     datamodule.prepare_data()  # generating the images is not part of either run
     model = DemoClassifier(
@@ -137,7 +140,7 @@ def train_variant(
         "default_root_dir": str(Path(out_dir) / variant) if out_dir is not None else None,
     }
     monitor = UtilizationMonitor(window=50)
-    if fast:
+    if use_preset:
         trainer = preset(devices=1, logger=False, verbose=progress, callbacks=[monitor, timeline, stop], **common)
         choices = {key: trainer.speedkit[key] for key in ("precision", "strategy", "callbacks")}  # type: ignore[attr-defined]
     else:
