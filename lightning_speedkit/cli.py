@@ -1,4 +1,4 @@
-"""The ``speedkit`` command: ``doctor`` (what this machine has) and ``demo`` (the main job)."""
+"""The ``speedkit`` command: ``doctor``, ``demo`` (the main job) and ``bench``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--width", type=int, help="channels of the model's first stage")
     demo.add_argument("--seed", type=int, help="seed for data, split and weights")
     demo.add_argument("--cache-dir", help="where generated images are kept (default: $SPEEDKIT_CACHE_DIR or ~/.cache)")
+    from lightning_speedkit.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(
+        commands.add_parser(
+            "bench",
+            help="run the repository's benchmarks and collect their tables into one report",
+            description="Run each script in benchmarks/ (in a checkout of the repository) in its own process and"
+            " write report.md and report.json with every table and JSON result.",
+        )
+    )
     return parser
 
 
@@ -93,4 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_speedkit import doctor
 
         return doctor.main(json_output=args.json)
+    if args.command == "bench":
+        from lightning_speedkit.bench import run_from_args
+
+        return run_from_args(args)
     return _demo(args)

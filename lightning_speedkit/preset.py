@@ -221,7 +221,7 @@ def preset(
         )
     chosen_logger = _logger(logger, trainer_kwargs.get("default_root_dir"))
     choices["logger"] = type(chosen_logger).__name__ if isinstance(chosen_logger, Logger) else str(chosen_logger)
-    choices["reasons"]["logger"] = _logger_reason(chosen_logger)
+    choices["reasons"]["logger"] = _logger_reason(chosen_logger, asked=logger)
     choices["callbacks"] = [type(c).__name__ for c in chosen_callbacks]
     choices["reasons"]["callbacks"] = "speedkit's, in acting order; yours replace ours of the same type"
     trainer = L.Trainer(
@@ -283,9 +283,11 @@ def _logger(logger: Logger | bool | str, root: Any) -> Logger | bool:
     return CSVLogger(save_dir=save_dir, name="speedkit")
 
 
-def _logger_reason(logger: Logger | bool) -> str:
+def _logger_reason(logger: Logger | bool, asked: Logger | bool | str) -> str:
     if logger is False:
         return "none, as asked"
+    if asked == "csv":
+        return "CSV, as asked: metrics.csv"
     name = type(logger).__name__
     if name == "WandbLogger":
         mode = "offline (no WANDB_API_KEY)" if getattr(logger, "_offline", False) else "online"

@@ -28,11 +28,18 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, default=str)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any file the user writes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def flatten_reports(reports: dict[str, Any], prefix: str = "speedkit") -> dict[str, Any]:
