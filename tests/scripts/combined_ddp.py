@@ -176,6 +176,10 @@ def main(out: Path) -> None:
     record["messages"] = handler.lines
     record["int8_report"] = find(trainer, Int8Export).report
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
+    # Tear the gloo group down before exit: its threads outliving the interpreter abort the process
+    # ("terminate called without an active exception"), now and then.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

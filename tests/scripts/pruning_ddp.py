@@ -53,6 +53,10 @@ def main(out: Path) -> None:
         callbacks=[StructuredPruning(amount=0.5, start_epoch=1, finetune_epochs=1, round_to=None), Record(out)],
     )
     trainer.fit(model)
+    # Tear the gloo group down before exit: its threads outliving the interpreter abort the process
+    # ("terminate called without an active exception"), now and then.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
