@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.int8 import Int8Export
 from lightning_speedkit.int8.steps import ort_session
+from lightning_speedkit.report import write_json_atomic
 from lightning_speedkit.warmup import WarmupScheduler
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "int8.json"

@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.monitor import UtilizationMonitor
+from lightning_speedkit.report import write_json_atomic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "monitor.json"
 VARIANTS = ("none", "empty_callback", "speedkit", "device_stats", "throughput")

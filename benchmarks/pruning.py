@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelPruning
 
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.demo.run import write_json_atomic
 from lightning_speedkit.pruning import StructuredPruning, count_macs_params, cpu_latency_ms
+from lightning_speedkit.report import write_json_atomic
 from lightning_speedkit.warmup import WarmupScheduler
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "pruning.json"

@@ -8,7 +8,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_speedkit.__about__ import __version__
-from lightning_speedkit.report import write_json_atomic
+from lightning_speedkit.report import write_json_atomic, write_text_atomic
 
 __all__ = [
     "BenchmarksNotFoundError",
@@ -274,14 +273,7 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 def _write_report(report: dict[str, Any], out: Path) -> None:
     write_json_atomic(report, out / "report.json")
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".report.md.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(format_markdown(report) + "\n")
-        os.replace(tmp, out / "report.md")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(format_markdown(report) + "\n", out / "report.md")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,20 +1,89 @@
-"""Reports are data: write them atomically as JSON and flatten them into logger payloads."""
+"""Files written whole or not at all, and reports as data: atomic writes, JSON reports, logger payloads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["flatten_reports", "write_json_atomic"]
+__all__ = ["atomic_directory", "atomic_file", "flatten_reports", "write_json_atomic", "write_text_atomic"]
 
 _SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds it replaces ``path`` in one rename.
+
+    On an error the temporary file is removed and ``path`` is left as it was: never a half-written file. The file
+    gets the permissions of any file the user creates (the umask), not ``mkstemp``'s 0600.
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "note.txt"
+        >>> with atomic_file(target) as tmp:
+        ...     _ = tmp.write_text("done")
+        >>> target.read_text()
+        'done'
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a private temporary directory beside ``path``; when the block succeeds it is renamed to ``path``.
+
+    A crash leaves only ``.<name>.tmp-<pid>-<id>`` behind (never a half-filled ``path``). If another process
+    renamed its own complete directory into place first, ours is discarded and theirs is kept.
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "set"
+        >>> with atomic_directory(target) as tmp:
+        ...     _ = (tmp / "a.txt").write_text("1")
+        >>> sorted(p.name for p in target.iterdir())
+        ['a.txt']
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text_atomic(text: str, path: str | os.PathLike[str]) -> Path:
+    """Write ``text`` to ``path`` through `atomic_file`."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
-    """Write ``data`` as JSON to ``path`` through a temporary file and one rename: never a half-written file.
+    """Write ``data`` as indented JSON to ``path`` through `atomic_file`: never a half-written file.
 
     Example:
         >>> import tempfile
@@ -22,18 +91,7 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
         >>> json.loads(write_json_atomic({"a": 1}, Path(tempfile.mkdtemp()) / "r.json").read_text())
         {'a': 1}
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, default=str)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any file the user writes
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(json.dumps(data, indent=2, default=str), path)
 
 
 def _umask() -> int:

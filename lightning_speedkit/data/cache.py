@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ import numpy as np
 import psutil
 import torch
 from torch.utils.data import Dataset
+
+from lightning_speedkit.report import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +211,7 @@ class CachedDataset(Dataset[Any]):
             raise CacheBudgetError(
                 f"CachedDataset: the cache needs {total:,} bytes, but {self.root} has {free:,} free."
             )
-        tmp = self.root / f".{self.directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        with atomic_directory(self.directory) as tmp:
             arrays = [
                 np.lib.format.open_memmap(
                     tmp / f"field{i}.npy", mode="w+", dtype=m["dtype"], shape=(len(self.source), *m["shape"])
@@ -228,10 +227,7 @@ class CachedDataset(Dataset[Any]):
             del arrays
             manifest = {"version": _FORMAT_VERSION, "length": len(self.source), "fields": fields}
             (tmp / "manifest.json").write_text(json.dumps(manifest))
-            os.rename(tmp, self.directory)
-            log.info("CachedDataset: packed %d samples (%s bytes) into %s", len(self.source), total, self.directory)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("CachedDataset: packed %d samples (%s bytes) into %s", len(self.source), total, self.directory)
 
     def _decoded(self, index: int) -> Any:
         sample = self.source[index]

@@ -6,8 +6,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_speedkit.report import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,7 @@ def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: st
     if (final / "manifest.json").is_file():
         return final
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(final) as tmp:
         labels = []
         for index in range(num_images):
             image, label = render_shape(index, image_size, seed)
@@ -129,14 +126,7 @@ def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: st
             labels.append(label)
         manifest = {"version": _FORMAT_VERSION, "classes": list(CLASSES), "labels": labels, "seed": seed}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
-        try:
-            os.rename(tmp, final)
-            log.info("Generated %d demo images in %s", num_images, final)
-        except OSError:
-            if not (final / "manifest.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("Demo images ready in %s", final)
     return final
 
 

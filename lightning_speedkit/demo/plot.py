@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from lightning_speedkit.report import atomic_file
 
 __all__ = ["plot_demo"]
 
@@ -40,14 +40,9 @@ def plot_demo(report: dict[str, Any], path: str | Path) -> str | None:
     split.set(ylabel="ms per training step", title="step time")
     split.legend()
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return str(path)

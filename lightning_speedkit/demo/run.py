@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping
 from typing_extensions import override
 
+from lightning_speedkit.batch import batch_size_of
 from lightning_speedkit.demo.data import DemoDataModule
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.report import write_json_atomic
@@ -72,7 +73,7 @@ class Timeline(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Count the samples trained on."""
-        self._samples += len(batch[1])
+        self._samples += batch_size_of(batch) or 0
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
