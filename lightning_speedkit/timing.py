@@ -11,13 +11,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["StepTime", "StepTimer", "WindowStats", "median_fractions", "summarize"]
+__all__ = ["StepTime", "StepTimer", "WindowStats", "median_fractions", "median_ms", "summarize"]
 
 
 class StepTime(NamedTuple):
@@ -257,3 +257,24 @@ class StepTimer:
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+
+def median_ms(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time in milliseconds of ``repeats`` calls of ``run``, after ``warmup`` untimed calls.
+
+    Latency figures (pruning's CPU latency, INT8's ONNX Runtime latency, the benchmarks) all go through here.
+
+    Example:
+        >>> median_ms(lambda: sum(range(100)), repeats=3) >= 0.0
+        True
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"`repeats` must be >= 1 and `warmup` >= 0, got repeats={repeats}, warmup={warmup}.")
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lightning_speedkit.timing as timing
-from lightning_speedkit.timing import StepTime, StepTimer, WindowStats, summarize
+from lightning_speedkit.timing import StepTime, StepTimer, WindowStats, median_ms, summarize
 
 
 def test_all_is_sorted() -> None:
@@ -129,3 +129,12 @@ def test_cuda_events_read_lazily() -> None:
     assert (timer.completed, stats.steps, stats.samples) == (4, 4, 4 * 2048)
     assert stats.compute_s > 0
     assert stats.data_wait_s >= 0.5 * 4 * 0.02  # most of each host sleep shows as GPU idle time
+
+
+def test_median_ms_skips_warmup_calls_and_checks_arguments() -> None:
+    """Warm-up calls run but are not timed; a non-positive repeat count is refused."""
+    calls: list[int] = []
+    assert median_ms(lambda: calls.append(1), repeats=3, warmup=2) >= 0.0
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="`repeats`"):
+        median_ms(lambda: None, repeats=0)

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import re
-import time
 import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import nn
+
+from lightning_speedkit.timing import median_ms
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
@@ -268,13 +269,7 @@ def ort_session(onnxruntime: Any, path: Path, threads: int = 0) -> Any:
 def ort_latency_ms(session: Any, input_name: str, sample: np.ndarray, batch_size: int, repeats: int) -> float:
     """Median wall time in ms of ``repeats`` runs on ``batch_size`` copies of ``sample[0]``, after 2 warm-up runs."""
     inputs = {input_name: np.ascontiguousarray(np.repeat(sample[:1], batch_size, axis=0))}
-    times = []
-    for index in range(repeats + 2):
-        start = time.perf_counter()
-        session.run(None, inputs)
-        if index >= 2:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1000.0)
+    return median_ms(lambda: session.run(None, inputs), repeats, warmup=2)
 
 
 def _metric_copy(metric: Metric) -> Metric:

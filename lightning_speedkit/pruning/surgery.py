@@ -6,13 +6,13 @@ import contextlib
 import copy
 import logging
 import os
-import statistics
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_speedkit.timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -364,14 +364,8 @@ def cpu_latency_ms(model: nn.Module, example_input: Any, batch_size: int = 1, re
     """
     twin = copy.deepcopy(model).cpu().eval()
     x = _repeat_batch(_to(example_input, torch.device("cpu")), batch_size)
-    times = []
-    with torch.inference_mode():
-        for index in range(repeats + 3):
-            start = time.perf_counter()
-            _forward(twin, x)
-            if index >= 3:  # the first calls warm up allocators and kernels
-                times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)
+    with torch.inference_mode():  # the first calls warm up allocators and kernels
+        return median_ms(lambda: _forward(twin, x), repeats, warmup=3)
 
 
 def _find_pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
