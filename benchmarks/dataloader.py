@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
+from lightning_speedkit.data import CachedDataset
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+from lightning_speedkit.demo.data import DecodedShapes, ensure_shapes
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.report import write_json_atomic
@@ -78,6 +81,21 @@ def measure(name: str, num_images: int, root: str, tune: bool, cache: bool, prob
     }
 
 
+def per_sample_us(num_images: int, root: str, samples: int) -> dict[str, float]:
+    """Microseconds per random sample: open + decode one JPEG vs read the decoded sample from the packed cache."""
+    directory = ensure_shapes(num_images, root=root)
+    decoded = DecodedShapes(directory, range(num_images))
+    cached = CachedDataset(decoded, directory / "packed")
+    order = torch.randperm(num_images, generator=torch.Generator().manual_seed(0))[:samples].tolist()
+    result = {}
+    for name, dataset in (("jpeg_decode_us", decoded), ("packed_read_us", cached)):
+        start = time.perf_counter()
+        for index in order:
+            dataset[index]
+        result[name] = 1e6 * (time.perf_counter() - start) / len(order)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the three settings side by side, print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     DemoDataModule(num_images=num_images, root=root, cache=True).setup("fit")  # one-time pack, reported apart
     cache_build_s = time.perf_counter() - start
+    per_sample = per_sample_us(num_images, root, samples=min(num_images, 2000))
     rows = [
         measure(
             "naive (num_workers=0, decode per sample)", num_images, root, tune=False, cache=False, probe_batches=probe
@@ -120,10 +139,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cores": cpu_info().available_cores,
         "python": sys.version,
         "cache_build_s": cache_build_s,
+        "per_sample": per_sample,
         "rows": rows,
     }
     write_json_atomic(result, args.out)
     print(f"one-time CachedDataset build (decode every image once, pack): {cache_build_s:.2f} s")
+    print(
+        f"per random sample: open + decode JPEG {per_sample['jpeg_decode_us']:.0f} us,"
+        f" read from the packed cache {per_sample['packed_read_us']:.1f} us"
+    )
     print(f"wrote {os.path.relpath(args.out)}")
     return result
 

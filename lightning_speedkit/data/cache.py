@@ -1,8 +1,8 @@
 """Decode once, serve from a packed memory-mapped file: a cache for decoded, pre-augmentation samples.
 
 Format, chosen by measurement (``benchmarks/dataloader.py``): one ``.npy`` file per sample field, opened with
-``numpy.load(mmap_mode="r")``. A random read of a decoded 64x64 RGB sample takes ~5 us against ~375 us to open
-and decode its JPEG on this machine; the format needs no extra dependency, the OS page cache shares it between
+``numpy.load(mmap_mode="r")``. A random read of a decoded 64x64 RGB sample takes ~5 us against ~140 us to open
+and decode its JPEG on a 2-core machine; the format needs no extra dependency, the OS page cache shares it between
 worker processes and DDP ranks, and opening it in each worker is free (nothing is pickled but the path).
 """
 
