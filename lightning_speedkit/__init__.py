@@ -9,6 +9,7 @@ from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.int8 import Int8Export, export_int8
 from lightning_speedkit.loggers import RunSummary
+from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.preset import default_callbacks, preset
 from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint
@@ -16,6 +17,7 @@ from lightning_speedkit.warmup import WarmupScheduler
 
 __all__ = [
     "BatchSizeFinder",
+    "ChannelsLast",
     "DataLoaderTuner",
     "Int8Export",
     "RunSummary",

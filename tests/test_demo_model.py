@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoResNet, format_report, run_demo
+from lightning_speedkit.demo.run import ABLATION
 
 
 @pytest.mark.parametrize(("width", "blocks"), [(8, 1), (16, 1), (8, 2)])
@@ -54,6 +55,28 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
     assert "baseline" in table
     assert "speedkit" in table
     assert "final val_acc" in table
+    assert "LR schedule" in table
+
+
+def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> None:
+    """Each ablation run differs from the one before by one lever: cache, then ChannelsLast, then preset + schedule.
+
+    Only speedkit's run changes the LR: its peak LR, a warmup + cosine schedule, and its epoch budget as max_epochs.
+    """
+    config = DemoConfig.quick(num_images=100, max_epochs=2, speedkit_epochs=1, cache_dir=str(demo_cache))
+    runs = run_demo(config, progress=False, variants=ABLATION)["runs"]
+    assert list(runs) == ["baseline", "cache", "channels_last", "speedkit"]
+    assert [runs[n]["choices"]["callbacks"] for n in ("baseline", "cache", "channels_last")] == [
+        [],
+        [],
+        ["ChannelsLast"],
+    ]
+    assert {"ChannelsLast", "WarmupScheduler", "DataLoaderTuner"} <= set(runs["speedkit"]["choices"]["callbacks"])
+    assert [runs[n]["lr"] for n in ABLATION] == [config.lr, config.lr, config.lr, config.speedkit_lr]
+    assert [runs[n]["schedule"] for n in ABLATION[:3]] == ["constant"] * 3
+    assert runs["speedkit"]["schedule"].startswith("warmup")
+    assert [runs[n]["max_epochs"] for n in ABLATION] == [2, 2, 2, 1]
+    assert runs["speedkit"]["epochs"] == 1
 
 
 @pytest.mark.slow

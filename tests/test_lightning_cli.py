@@ -45,6 +45,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "throughput_tolerance": 0.1,
         "batch_arg_name": "bs",
     },
+    "ChannelsLast": {"enabled": False},
     "DataLoaderTuner": {
         "candidates": [{"num_workers": 0}, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 4}],
         "probe_batches": 5,
@@ -171,6 +172,7 @@ def test_the_example_config_builds_every_speedkit_callback(tmp_path: Path) -> No
     names = [type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_speedkit")]
     assert names == [
         "DataLoaderTuner",
+        "ChannelsLast",
         "BatchSizeFinder",
         "WarmupScheduler",
         "UtilizationMonitor",

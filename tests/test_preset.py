@@ -77,13 +77,15 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     names = [type(c).__name__ for c in default_callbacks(batch_size="auto", prune=0.5, export=tmp_path)]
     assert names == [
         "DataLoaderTuner",
+        "ChannelsLast",
         "BatchSizeFinder",
         "WarmupScheduler",
         "UtilizationMonitor",
         "StructuredPruning",
         "Int8Export",
     ]
-    assert [type(c).__name__ for c in default_callbacks(warmup=False, monitor=False, tune_data=False)] == []
+    off = {"warmup": False, "monitor": False, "tune_data": False, "channels_last": False}
+    assert [type(c).__name__ for c in default_callbacks(**off)] == []
 
 
 def test_user_callback_replaces_ours_of_the_same_type() -> None:
@@ -113,7 +115,7 @@ def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert trainer.speedkit["precision"] == "32-true"
     assert isinstance(trainer.logger, CSVLogger)
     names = [type(c).__name__ for c in trainer.callbacks]
-    assert {"DataLoaderTuner", "WarmupScheduler", "UtilizationMonitor", "RunSummary"} <= set(names)
+    assert {"DataLoaderTuner", "ChannelsLast", "WarmupScheduler", "UtilizationMonitor", "RunSummary"} <= set(names)
     assert "precision" in trainer.speedkit.summary()
 
 

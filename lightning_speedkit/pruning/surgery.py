@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_speedkit.memory_format import is_channels_last, to_channels_last
 from lightning_speedkit.timing import median_ms
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,8 @@ def plan_pruning(
 def apply_pruning_history(model: nn.Module, example_input: Any, history: History) -> None:
     """Remove the channels listed in ``history`` from ``model`` in place (new, smaller ``nn.Parameter`` objects).
 
-    Optimizers built before this point refer to the old parameters: rebuild them.
+    Optimizers built before this point refer to the old parameters: rebuild them. A channels-last model stays
+    channels-last.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -263,9 +265,12 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
     if not history:
         return
     history = _normalised(history)
+    channels_last = is_channels_last(model)
     graph = _build_graph(model, example_input, "trace")
     with torch.no_grad():
         graph.load_pruning_history([list(record) for record in history])
+    if channels_last:
+        to_channels_last(model)
     setattr(model, _HISTORY_ATTR, [*pruning_history(model), *history])
 
 

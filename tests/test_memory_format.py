@@ -1,0 +1,132 @@
+"""ChannelsLast: the layout changes, the values, the parameters and what the model computes do not."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_speedkit import ChannelsLast
+from lightning_speedkit.demo import DemoClassifier, DemoResNet
+from lightning_speedkit.memory_format import has_convolutions, is_channels_last, to_channels_last
+from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruning
+from tests.conftest import TinyClassifier, tiny_trainer
+
+
+def _images(n: int = 32, size: int = 16) -> DataLoader[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, size, size, generator=generator)
+    y = torch.randint(0, 10, (n,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def _fit(tmp_path: Path, callbacks: list[L.Callback], **kwargs: object) -> tuple[DemoClassifier, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    model = DemoClassifier(width=4, crop_size=16)
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=callbacks, **kwargs)
+    trainer.fit(model, _images(), _images(16))
+    return model, trainer
+
+
+def test_conversion_keeps_values_and_parameter_objects() -> None:
+    """Only strides change: same values, same Parameter objects (an optimizer built earlier still works)."""
+    net = DemoResNet(width=4)
+    params = list(net.parameters())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    assert to_channels_last(net) > 0
+    assert is_channels_last(net)
+    assert all(a is b for a, b in zip(params, net.parameters(), strict=True))
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    net(torch.randn(2, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    assert to_channels_last(net) == 0  # nothing left to convert
+
+
+def test_channels_last_model_computes_what_the_default_layout_computes() -> None:
+    """Forward outputs agree between layouts to float tolerance, and the output of the first conv is NHWC."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=4).eval()
+    x = torch.randn(4, 3, 16, 16)
+    expected = net(x)
+    to_channels_last(net)
+    torch.testing.assert_close(net(x), expected, rtol=1e-4, atol=1e-5)
+    assert net.stem(x).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fit_trains_in_channels_last_to_the_same_weights(tmp_path: Path) -> None:
+    """A real fit with the callback ends with NHWC weights equal (to float tolerance) to a run without it."""
+    plain, _ = _fit(tmp_path / "plain", [])
+    fast, trainer = _fit(tmp_path / "fast", [ChannelsLast()])
+    assert is_channels_last(fast)
+    assert not is_channels_last(plain)
+    assert trainer.callbacks[0].converted > 0  # type: ignore[attr-defined]
+    for (name, a), b in zip(plain.state_dict().items(), fast.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_checkpoint_loads_into_either_layout_and_resume_stays_channels_last(tmp_path: Path) -> None:
+    """A checkpoint of an NHWC model loads into a fresh default-layout module; resuming with the callback stays NHWC."""
+    model, trainer = _fit(tmp_path, [ChannelsLast()])
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    fresh = DemoClassifier(width=4, crop_size=16)
+    fresh.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    assert not is_channels_last(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    resumed = DemoClassifier(width=4, crop_size=16)
+    tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast()]).fit(
+        resumed, _images(), _images(16), ckpt_path=path
+    )
+    assert is_channels_last(resumed)
+
+
+def test_model_without_convolutions_and_disabled_callback_are_left_alone(tmp_path: Path) -> None:
+    """An MLP has nothing to convert; ``enabled=False`` converts nothing even on a conv net."""
+    assert not has_convolutions(TinyClassifier())
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast()]).fit(TinyClassifier())
+    model, _ = _fit(tmp_path, [ChannelsLast(enabled=False)])
+    assert not is_channels_last(model)
+
+
+def test_pruning_keeps_the_channels_last_layout() -> None:
+    """torch-pruning builds new, smaller weights; a model that was NHWC before stays NHWC after."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=16)
+    to_channels_last(net)
+    example = torch.randn(1, 3, 16, 16)
+    plan = plan_pruning(net, example, 0.5, ignored_layers=["classifier"])
+    apply_pruning_history(net, example, plan)
+    assert net.stem[0].out_channels < 16
+    assert is_channels_last(net)
+    assert net(example).shape == (1, 10)
+
+
+@pytest.mark.parametrize("module", [nn.Conv3d(2, 4, 3), nn.ConvTranspose2d(2, 4, 3)])
+def test_other_convolutions_are_converted(module: nn.Module) -> None:
+    """3-D convolutions get the channels_last_3d layout; transposed convolutions are converted too."""
+    assert has_convolutions(module)
+    assert to_channels_last(module) == 1
+    assert is_channels_last(module)
+
+
+def test_benchmark_quick_mode_compares_both_layouts_in_one_run(tmp_path: Path) -> None:
+    """``benchmarks/channels_last.py --quick`` times both layouts, writes its JSON, and converts only the conv net."""
+    path = Path(__file__).parents[1] / "benchmarks" / "channels_last.py"
+    spec = importlib.util.spec_from_file_location("benchmark_channels_last", path)
+    assert spec is not None
+    assert spec.loader is not None
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    result = benchmark.main(["--quick", "--out", str(tmp_path / "channels_last.json")])
+    assert json.loads((tmp_path / "channels_last.json").read_text()) == result
+    converted = {row["model"]: row["tensors_converted"] for row in result["rows"]}
+    assert converted["resnet"] > 0
+    assert converted["mlp"] == 0
+    assert all(row["nchw_ms"] > 0 and row["nhwc_ms"] > 0 for row in result["rows"])
