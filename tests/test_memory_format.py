@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,6 +107,31 @@ def test_pruning_keeps_the_channels_last_layout() -> None:
     assert net.stem[0].out_channels < 16
     assert is_channels_last(net)
     assert net(example).shape == (1, 10)
+
+
+class _RankState(L.Callback):
+    """Writes each rank's layout and weights at the end of training."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights = [p.detach().flatten().tolist() for p in pl_module.parameters()]
+        state = {"channels_last": is_channels_last(pl_module), "weights": weights}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path) -> None:
+    """2-process DDP (gloo, bucket views as preset builds them) trains NHWC weights; both ranks end identical."""
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
+    _fit(tmp_path, [ChannelsLast(), _RankState(tmp_path)], strategy=strategy, devices=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["channels_last"]
+    assert ranks[1]["channels_last"]
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
 
 
 @pytest.mark.parametrize("module", [nn.Conv3d(2, 4, 3), nn.ConvTranspose2d(2, 4, 3)])

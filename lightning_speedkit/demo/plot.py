@@ -38,6 +38,7 @@ def plot_demo(report: dict[str, Any], path: str | Path) -> str | None:
     split.bar(names, computes, label="compute")
     split.bar(names, waits, bottom=computes, label="data wait")
     split.set(ylabel="ms per training step", title="step time")
+    split.tick_params(axis="x", labelrotation=20)
     split.legend()
     fig.tight_layout()
     try:
