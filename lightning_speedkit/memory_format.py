@@ -27,6 +27,16 @@ def _layouts(module: nn.Module) -> list[tuple[torch.Tensor, torch.memory_format]
     return [(t, formats[t.dim()]) for t in tensors if t.dim() in formats]
 
 
+def _is_laid_out(tensor: torch.Tensor, layout: torch.memory_format) -> bool:
+    """Whether ``tensor`` has exactly the strides ``layout`` gives it.
+
+    ``is_contiguous(memory_format=...)`` also accepts a 1x1 conv weight left in NCHW strides, whose gradient then
+    comes back NHWC-strided and costs DDP a copy per step (its "grad strides do not match bucket view" warning).
+    """
+    canonical = torch.empty(tensor.shape, device="meta", memory_format=layout).stride()
+    return tensor.stride() == canonical
+
+
 def has_convolutions(module: nn.Module) -> bool:
     """Whether ``module`` holds a 2-D or 3-D (transposed) convolution, the layers channels-last speeds up.
 
@@ -46,7 +56,7 @@ def is_channels_last(module: nn.Module) -> bool:
         (False, True)
     """
     layouts = _layouts(module)
-    return bool(layouts) and all(t.is_contiguous(memory_format=f) for t, f in layouts)
+    return bool(layouts) and all(_is_laid_out(t, f) for t, f in layouts)
 
 
 def to_channels_last(module: nn.Module) -> int:
@@ -68,10 +78,10 @@ def to_channels_last(module: nn.Module) -> int:
     """
     changed = 0
     for tensor, layout in _layouts(module):
-        if tensor.is_contiguous(memory_format=layout):
+        if _is_laid_out(tensor, layout):
             continue
         with torch.no_grad():
-            tensor.data = tensor.data.contiguous(memory_format=layout)
+            tensor.data = torch.empty_like(tensor.data, memory_format=layout).copy_(tensor.data)
         changed += 1
     return changed
 

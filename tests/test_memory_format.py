@@ -121,10 +121,24 @@ class _RankState(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
 
 
+def test_one_by_one_convolutions_get_nhwc_strides() -> None:
+    """A 1x1 conv weight passes ``is_contiguous`` for both layouts; it still gets the NHWC strides its gradient has."""
+    conv = nn.Conv2d(8, 16, 1)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not is_channels_last(conv)
+    assert to_channels_last(conv) == 1
+    conv(torch.randn(2, 8, 4, 4, requires_grad=True).contiguous(memory_format=torch.channels_last)).sum().backward()
+    assert conv.weight.grad is not None
+    assert conv.weight.stride() == conv.weight.grad.stride()
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path) -> None:
-    """2-process DDP (gloo, bucket views as preset builds them) trains NHWC weights; both ranks end identical."""
+def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """2-process DDP (gloo, bucket views as preset builds them) trains NHWC weights; both ranks end identical.
+
+    The reducer never has to copy a gradient whose strides differ from its bucket view (1x1 convs included).
+    """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
     _fit(tmp_path, [ChannelsLast(), _RankState(tmp_path)], strategy=strategy, devices=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -132,6 +146,7 @@ def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path) -> N
     assert ranks[1]["channels_last"]
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
+    assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("module", [nn.Conv3d(2, 4, 3), nn.ConvTranspose2d(2, 4, 3)])
