@@ -3,8 +3,8 @@
 Four parts on one CUDA device, all on the embedded demo workload (DemoClassifier, DemoDataModule), in one run:
 
 1. Precision: the same model (width 64, batch 256, 56x56 crops) trained for the same steps with ``32-true``,
-   ``16-mixed`` and ``bf16-mixed`` (where the GPU supports it). The training batches are real demo batches kept on
-   the GPU, so the comparison measures compute, not decoding. Throughput is timed between two
+   ``16-mixed``, ``16-mixed`` with `ChannelsLast` (NHWC weights) and ``bf16-mixed`` (where the GPU supports it).
+   The training batches are real demo batches kept on the GPU, so the comparison measures compute, not decoding. Throughput is timed between two
    ``torch.cuda.synchronize()`` after warm-up steps; val_acc after training shows AMP costs no accuracy.
 2. UtilizationMonitor with real NVML readings (utilisation, memory, power, temperature, SM clock): the naive data
    pipeline (a JPEG decoded per sample, ``num_workers=0``), then the decoded-image cache with `DataLoaderTuner`.
@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import write_json_atomic
@@ -173,31 +174,32 @@ def precision_part(s: dict[str, Any], device: torch.device, root: Path, data: De
     data.setup("fit")
     train = _on_device(data.train_dataloader(), device, limit=64)
     val = _on_device(data.val_dataloader(), device, limit=64)
-    precisions = ["32-true", "16-mixed"]
+    runs = [("32-true", "32-true", False), ("16-mixed", "16-mixed", False), ("16-mixed+NHWC", "16-mixed", True)]
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        precisions.append("bf16-mixed")
+        runs.append(("bf16-mixed", "bf16-mixed", False))
     rows, models = [], {}
-    for precision in precisions:
+    for label, precision, channels_last in runs:
         L.seed_everything(0, verbose=False)
         model = DemoClassifier(width=s["width"], crop_size=data.crop_size)
         clock = _Clock(s["warmup"], device)
         loader = DataLoader(_Resident(train, s["warmup"] + s["steps"]), batch_size=None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        trainer = _trainer(device, root, precision=precision, max_steps=s["warmup"] + s["steps"], callbacks=[clock])
+        callbacks: list[L.Callback] = [ChannelsLast(), clock] if channels_last else [clock]
+        trainer = _trainer(device, root, precision=precision, max_steps=s["warmup"] + s["steps"], callbacks=callbacks)
         trainer.fit(model, train_dataloaders=loader)
         seconds = clock.end - clock.start
         rows.append(
             {
-                "precision": precision,
+                "precision": label,
                 "samples_per_s": clock.timed_steps * s["batch"] / seconds,
                 "step_ms": 1000 * seconds / max(clock.timed_steps, 1),
                 "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "val_acc": _accuracy(model.to(device), val),
             }
         )
-        models[precision] = model.cpu()  # Lightning's teardown had moved it to the CPU; keep the GPU free
-        print(f"  precision {precision}: {rows[-1]['samples_per_s']:,.0f} samples/s", flush=True)
+        models[label] = model.cpu()  # Lightning's teardown had moved it to the CPU; keep the GPU free
+        print(f"  precision {label}: {rows[-1]['samples_per_s']:,.0f} samples/s", flush=True)
     for row in rows:
         row["speedup_vs_fp32"] = row["samples_per_s"] / rows[0]["samples_per_s"]
     return {"rows": rows, "models": models}
@@ -383,10 +385,10 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"gpu_check on {name}, torch {d['torch']}, lightning {d['lightning']}, {r['seconds']:.0f} s", ""]
     lines.append(f"1. precision: DemoClassifier width {s['width']}, batch {s['batch']}, {s['steps']} timed steps,"
                  " batches resident on the device (fp32 convs may use TF32)")  # fmt: skip
-    lines.append(f"{'precision':<12}{'samples/s':>11}{'step ms':>9}{'vs fp32':>9}{'peak GiB':>10}{'val_acc':>9}")
+    lines.append(f"{'precision':<14}{'samples/s':>11}{'step ms':>9}{'vs fp32':>9}{'peak GiB':>10}{'val_acc':>9}")
     for row in r["precision"]:
         lines.append(
-            f"{row['precision']:<12}{row['samples_per_s']:>11,.0f}{row['step_ms']:>9.2f}{row['speedup_vs_fp32']:>9.2f}"
+            f"{row['precision']:<14}{row['samples_per_s']:>11,.0f}{row['step_ms']:>9.2f}{row['speedup_vs_fp32']:>9.2f}"
             f"{_f(row['peak_memory_gib'], '.2f', 10)}{row['val_acc']:>9.3f}"
         )
     lines += ["", f"2. UtilizationMonitor (NVML), batch {s['batch']}"]
