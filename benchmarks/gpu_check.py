@@ -4,8 +4,9 @@ Four parts on one CUDA device, all on the embedded demo workload (DemoClassifier
 
 1. Precision: the same model (width 64, batch 256, 56x56 crops) trained for the same steps with ``32-true``,
    ``16-mixed``, ``16-mixed`` with `ChannelsLast` (NHWC weights) and ``bf16-mixed`` (where the GPU supports it).
-   The training batches are real demo batches kept on the GPU, so the comparison measures compute, not decoding. Throughput is timed between two
-   ``torch.cuda.synchronize()`` after warm-up steps; val_acc after training shows AMP costs no accuracy.
+   The training batches are real demo batches kept on the GPU, so the comparison measures compute, not decoding.
+   Throughput is timed between two ``torch.cuda.synchronize()`` after warm-up steps; val_acc after training shows
+   AMP costs no accuracy.
 2. UtilizationMonitor with real NVML readings (utilisation, memory, power, temperature, SM clock): the naive data
    pipeline (a JPEG decoded per sample, ``num_workers=0``), then the decoded-image cache with `DataLoaderTuner`.
 3. BatchSizeFinder against real CUDA out-of-memory: the process is capped with
