@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import lightning as L
 import pytest
@@ -77,6 +80,18 @@ def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
     }
     defaults.update(kwargs)
     return L.Trainer(**defaults)  # type: ignore[arg-type]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (a script, not a package) as the module ``benchmark_<name>``."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import pickle
@@ -11,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
@@ -459,12 +458,7 @@ def test_ddp_spawn_ranks_agree_on_the_smaller_limit(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_benchmark_quick_mode_runs(tmp_path: Path) -> None:
     """The benchmark's main() runs in quick mode, writes its JSON, and our finder never leaves an OOM behind."""
-    path = Path(__file__).parents[1] / "benchmarks" / "batch_size.py"
-    spec = importlib.util.spec_from_file_location("benchmark_batch_size", path)
-    assert spec is not None
-    assert spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark("batch_size")
     result = benchmark.main(quick=True, out=tmp_path / "batch_size.json")
     assert json.loads((tmp_path / "batch_size.json").read_text()) == result
     ours = [row for row in result["rows"] if row["finder"] == "speedkit"]

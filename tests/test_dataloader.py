@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import tiny_trainer
+from conftest import load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -242,14 +242,7 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     """``benchmarks/dataloader.py --quick`` measures the three settings and writes its JSON."""
-    import importlib.util
-
-    path = Path(__file__).parent.parent / "benchmarks" / "dataloader.py"
-    spec = importlib.util.spec_from_file_location("bench_dataloader", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("dataloader")
     out = tmp_path / "dataloader.json"
     result = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
     assert [row["setting"].split(" (")[0] for row in result["rows"]][1:] == [

@@ -1,10 +1,8 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import pickle
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from onnx import numpy_helper
@@ -27,9 +25,6 @@ from typing_extensions import override
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule, DemoResNet
 from lightning_speedkit.int8 import Int8Export, Int8VerificationError, export_int8, export_paths
 from lightning_speedkit.pruning import StructuredPruning
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # ---------------------------------------------------------------- helpers and models
 
@@ -531,12 +526,7 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
 @pytest.mark.slow
 def test_benchmark_quick_mode_writes_its_table(tmp_path: Path, demo_cache: Path) -> None:
     """``benchmarks/int8.py --quick`` runs both workloads and writes the JSON it prints."""
-    spec = importlib.util.spec_from_file_location("int8_benchmark", ROOT / "benchmarks" / "int8.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["int8_benchmark"] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("int8")
     out = tmp_path / "int8.json"
     results = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
     assert json.loads(out.read_text()) == results

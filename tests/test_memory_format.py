@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -17,7 +17,6 @@ from lightning_speedkit import ChannelsLast
 from lightning_speedkit.demo import DemoClassifier, DemoResNet
 from lightning_speedkit.memory_format import has_convolutions, is_channels_last, to_channels_last
 from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruning
-from tests.conftest import TinyClassifier, tiny_trainer
 
 
 def _images(n: int = 32, size: int = 16) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -159,12 +158,7 @@ def test_other_convolutions_are_converted(module: nn.Module) -> None:
 
 def test_benchmark_quick_mode_compares_both_layouts_in_one_run(tmp_path: Path) -> None:
     """``benchmarks/channels_last.py --quick`` times both layouts, writes its JSON, and converts only the conv net."""
-    path = Path(__file__).parents[1] / "benchmarks" / "channels_last.py"
-    spec = importlib.util.spec_from_file_location("benchmark_channels_last", path)
-    assert spec is not None
-    assert spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark("channels_last")
     result = benchmark.main(["--quick", "--out", str(tmp_path / "channels_last.json")])
     assert json.loads((tmp_path / "channels_last.json").read_text()) == result
     converted = {row["model"]: row["tensors_converted"] for row in result["rows"]}

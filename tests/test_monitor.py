@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import threading
 import time
@@ -12,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -426,12 +425,7 @@ def test_ddp_spawn_logs_the_slowest_rank(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     """The benchmark runs end to end in quick mode, writes its JSON and diagnoses both demo runs right."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "monitor.py"
-    spec = importlib.util.spec_from_file_location("speedkit_benchmark_monitor", path)
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("monitor")
     result = bench.main(["--quick", "--out", str(tmp_path / "out.json"), "--root", str(demo_cache)])
     written = json.loads((tmp_path / "out.json").read_text())
     assert set(written["overhead"]) == {"none", "empty_callback", "speedkit", "device_stats", "throughput"}
