@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_speedkit.demo import DemoResNet
-from lightning_speedkit.memory_format import to_channels_last
+from lightning_speedkit.layout import to_channels_last
 from lightning_speedkit.report import write_json_atomic
 from lightning_speedkit.timing import median_ms
 

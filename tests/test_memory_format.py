@@ -1,4 +1,4 @@
-"""ChannelsLast: the layout changes, the values, the parameters and what the model computes do not."""
+"""ChannelsLast, the callback: a real fit converts conv nets (and only those), checkpoints and DDP keep working."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import pytest
 import torch
 from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import ChannelsLast
-from lightning_speedkit.demo import DemoClassifier, DemoResNet
-from lightning_speedkit.memory_format import has_convolutions, is_channels_last, to_channels_last
-from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruning
+from lightning_speedkit.demo import DemoClassifier
+from lightning_speedkit.layout import has_convolutions, is_channels_last
 
 
 def _images(n: int = 32, size: int = 16) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -32,32 +30,6 @@ def _fit(tmp_path: Path, callbacks: list[L.Callback], **kwargs: object) -> tuple
     trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=callbacks, **kwargs)
     trainer.fit(model, _images(), _images(16))
     return model, trainer
-
-
-def test_conversion_keeps_values_and_parameter_objects() -> None:
-    """Only strides change: same values, same Parameter objects (an optimizer built earlier still works)."""
-    net = DemoResNet(width=4)
-    params = list(net.parameters())
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    assert to_channels_last(net) > 0
-    assert is_channels_last(net)
-    assert all(a is b for a, b in zip(params, net.parameters(), strict=True))
-    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
-    net(torch.randn(2, 3, 16, 16)).sum().backward()
-    optimizer.step()
-    assert to_channels_last(net) == 0  # nothing left to convert
-
-
-def test_channels_last_model_computes_what_the_default_layout_computes() -> None:
-    """Forward outputs agree between layouts to float tolerance, and the output of the first conv is NHWC."""
-    torch.manual_seed(0)
-    net = DemoResNet(width=4).eval()
-    x = torch.randn(4, 3, 16, 16)
-    expected = net(x)
-    to_channels_last(net)
-    torch.testing.assert_close(net(x), expected, rtol=1e-4, atol=1e-5)
-    assert net.stem(x).is_contiguous(memory_format=torch.channels_last)
 
 
 def test_fit_trains_in_channels_last_to_the_same_weights(tmp_path: Path) -> None:
@@ -95,19 +67,6 @@ def test_model_without_convolutions_and_disabled_callback_are_left_alone(tmp_pat
     assert not is_channels_last(model)
 
 
-def test_pruning_keeps_the_channels_last_layout() -> None:
-    """torch-pruning builds new, smaller weights; a model that was NHWC before stays NHWC after."""
-    torch.manual_seed(0)
-    net = DemoResNet(width=16)
-    to_channels_last(net)
-    example = torch.randn(1, 3, 16, 16)
-    plan = plan_pruning(net, example, 0.5, ignored_layers=["classifier"])
-    apply_pruning_history(net, example, plan)
-    assert net.stem[0].out_channels < 16
-    assert is_channels_last(net)
-    assert net(example).shape == (1, 10)
-
-
 class _RankState(L.Callback):
     """Writes each rank's layout and weights at the end of training."""
 
@@ -118,17 +77,6 @@ class _RankState(L.Callback):
         weights = [p.detach().flatten().tolist() for p in pl_module.parameters()]
         state = {"channels_last": is_channels_last(pl_module), "weights": weights}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
-
-
-def test_one_by_one_convolutions_get_nhwc_strides() -> None:
-    """A 1x1 conv weight passes ``is_contiguous`` for both layouts; it still gets the NHWC strides its gradient has."""
-    conv = nn.Conv2d(8, 16, 1)
-    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
-    assert not is_channels_last(conv)
-    assert to_channels_last(conv) == 1
-    conv(torch.randn(2, 8, 4, 4, requires_grad=True).contiguous(memory_format=torch.channels_last)).sum().backward()
-    assert conv.weight.grad is not None
-    assert conv.weight.stride() == conv.weight.grad.stride()
 
 
 @pytest.mark.slow
@@ -146,14 +94,6 @@ def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path, capf
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
     assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
-
-
-@pytest.mark.parametrize("module", [nn.Conv3d(2, 4, 3), nn.ConvTranspose2d(2, 4, 3)])
-def test_other_convolutions_are_converted(module: nn.Module) -> None:
-    """3-D convolutions get the channels_last_3d layout; transposed convolutions are converted too."""
-    assert has_convolutions(module)
-    assert to_channels_last(module) == 1
-    assert is_channels_last(module)
 
 
 def test_benchmark_quick_mode_compares_both_layouts_in_one_run(tmp_path: Path) -> None:

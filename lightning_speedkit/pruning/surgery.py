@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_speedkit.memory_format import is_channels_last, to_channels_last
+from lightning_speedkit.layout import is_channels_last, to_channels_last
 from lightning_speedkit.timing import median_ms
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,69 @@
+"""Channels-last layout facts and conversion: only strides change, never values, parameters or what a net computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_speedkit.demo import DemoResNet
+from lightning_speedkit.layout import has_convolutions, is_channels_last, to_channels_last
+from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruning
+
+
+def test_conversion_keeps_values_and_parameter_objects() -> None:
+    """Only strides change: same values, same Parameter objects (an optimizer built earlier still works)."""
+    net = DemoResNet(width=4)
+    params = list(net.parameters())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    assert to_channels_last(net) > 0
+    assert is_channels_last(net)
+    assert all(a is b for a, b in zip(params, net.parameters(), strict=True))
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    net(torch.randn(2, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    assert to_channels_last(net) == 0  # nothing left to convert
+
+
+def test_channels_last_model_computes_what_the_default_layout_computes() -> None:
+    """Forward outputs agree between layouts to float tolerance, and the output of the first conv is NHWC."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=4).eval()
+    x = torch.randn(4, 3, 16, 16)
+    expected = net(x)
+    to_channels_last(net)
+    torch.testing.assert_close(net(x), expected, rtol=1e-4, atol=1e-5)
+    assert net.stem(x).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_pruning_keeps_the_channels_last_layout() -> None:
+    """torch-pruning builds new, smaller weights; a model that was NHWC before stays NHWC after."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=16)
+    to_channels_last(net)
+    example = torch.randn(1, 3, 16, 16)
+    plan = plan_pruning(net, example, 0.5, ignored_layers=["classifier"])
+    apply_pruning_history(net, example, plan)
+    assert net.stem[0].out_channels < 16
+    assert is_channels_last(net)
+    assert net(example).shape == (1, 10)
+
+
+def test_one_by_one_convolutions_get_nhwc_strides() -> None:
+    """A 1x1 conv weight passes ``is_contiguous`` for both layouts; it still gets the NHWC strides its gradient has."""
+    conv = nn.Conv2d(8, 16, 1)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not is_channels_last(conv)
+    assert to_channels_last(conv) == 1
+    conv(torch.randn(2, 8, 4, 4, requires_grad=True).contiguous(memory_format=torch.channels_last)).sum().backward()
+    assert conv.weight.grad is not None
+    assert conv.weight.stride() == conv.weight.grad.stride()
+
+
+@pytest.mark.parametrize("module", [nn.Conv3d(2, 4, 3), nn.ConvTranspose2d(2, 4, 3)])
+def test_other_convolutions_are_converted(module: nn.Module) -> None:
+    """3-D convolutions get the channels_last_3d layout; transposed convolutions are converted too."""
+    assert has_convolutions(module)
+    assert to_channels_last(module) == 1
+    assert is_channels_last(module)
