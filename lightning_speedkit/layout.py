@@ -10,16 +10,22 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["has_convolutions", "is_channels_last", "to_channels_last"]
+__all__ = ["align_optimizer_state", "has_convolutions", "is_channels_last", "to_channels_last", "to_default_layout"]
 
 _CONVS = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
-def _layouts(module: nn.Module) -> list[tuple[torch.Tensor, torch.memory_format]]:
-    """Each initialised 4-D/5-D parameter and buffer, with its channels-last layout (lazy ones are skipped)."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    tensors = (t for t in (*module.parameters(), *module.buffers()) if not is_lazy(t))
-    return [(t, formats[t.dim()]) for t in tensors if t.dim() in formats]
+def _layouts(module: nn.Module) -> list[tuple[nn.Parameter, torch.memory_format]]:
+    """The initialised 4-D/5-D parameters of the convolutions in ``module`` (lazy ones are skipped), each once."""
+    seen: set[int] = set()
+    found = []
+    for conv in (m for m in module.modules() if isinstance(m, _CONVS)):
+        for param in conv.parameters(recurse=False):
+            if not is_lazy(param) and param.dim() in _CHANNELS_LAST and id(param) not in seen:
+                seen.add(id(param))
+                found.append((param, _CHANNELS_LAST[param.dim()]))
+    return found
 
 
 def _is_laid_out(tensor: torch.Tensor, layout: torch.memory_format) -> bool:
@@ -30,6 +36,20 @@ def _is_laid_out(tensor: torch.Tensor, layout: torch.memory_format) -> bool:
     """
     canonical = torch.empty(tensor.shape, device="meta", memory_format=layout).stride()
     return tensor.stride() == canonical
+
+
+def _relayout(module: nn.Module, channels_last: bool) -> int:
+    changed = 0
+    for param, nhwc in _layouts(module):
+        layout = nhwc if channels_last else torch.contiguous_format
+        if _is_laid_out(param, layout):
+            continue
+        with torch.no_grad():
+            param.data = torch.empty_like(param.data, memory_format=layout).copy_(param.data)
+            if param.grad is not None:  # a gradient keeps its parameter's layout (autograd's layout contract)
+                param.grad = torch.empty_like(param.grad, memory_format=layout).copy_(param.grad)
+        changed += 1
+    return changed
 
 
 def has_convolutions(module: nn.Module) -> bool:
@@ -43,7 +63,7 @@ def has_convolutions(module: nn.Module) -> bool:
 
 
 def is_channels_last(module: nn.Module) -> bool:
-    """Whether ``module`` has 4-D/5-D parameters or buffers and all of them are in the channels-last layout.
+    """Whether ``module`` has 2-D/3-D convolutions and all their weights are in the channels-last layout.
 
     Example:
         >>> net = nn.Conv2d(3, 8, 3)
@@ -55,10 +75,11 @@ def is_channels_last(module: nn.Module) -> bool:
 
 
 def to_channels_last(module: nn.Module) -> int:
-    """Move every initialised 4-D/5-D parameter and buffer of ``module`` to the channels-last layout, in place.
+    """Move the weights of every 2-D/3-D (transposed) convolution in ``module`` to the channels-last layout, in place.
 
-    The values are unchanged, and so are the ``Parameter`` objects (only their ``.data`` is replaced), so an
-    optimizer built before the call keeps working.
+    Only convolution weights (and their gradients, if any) change, and only their strides: the values are unchanged,
+    and so are the ``Parameter`` objects (only ``.data`` is replaced), so an optimizer built before the call keeps
+    working (`align_optimizer_state` gives state it already holds the new strides). Lazy parameters are skipped.
 
     Returns:
         How many tensors changed layout (0 when there was nothing to do).
@@ -71,11 +92,42 @@ def to_channels_last(module: nn.Module) -> int:
         >>> all(a is b for a, b in zip(before, net.parameters()))
         True
     """
+    return _relayout(module, channels_last=True)
+
+
+def to_default_layout(module: nn.Module) -> int:
+    """Undo `to_channels_last`: convolution weights (and gradients) back to the default contiguous layout, in place.
+
+    Example:
+        >>> net = nn.Conv2d(3, 8, 3)
+        >>> to_channels_last(net), to_default_layout(net), is_channels_last(net)
+        (1, 1, False)
+    """
+    return _relayout(module, channels_last=False)
+
+
+def align_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Give each optimizer state tensor shaped like its parameter the parameter's strides (values unchanged).
+
+    Needed when the state was created, or loaded from a checkpoint, before the parameters changed layout: fused and
+    foreach optimizer kernels expect parameters, gradients and state in one layout.
+
+    Returns:
+        How many state tensors were re-laid out.
+
+    Example:
+        >>> net = nn.Conv2d(3, 8, 3)
+        >>> opt = torch.optim.AdamW(net.parameters())
+        >>> net(torch.randn(1, 3, 8, 8)).sum().backward(); opt.step()
+        >>> to_channels_last(net), align_optimizer_state(opt)
+        (1, 2)
+    """
     changed = 0
-    for tensor, layout in _layouts(module):
-        if _is_laid_out(tensor, layout):
-            continue
-        with torch.no_grad():
-            tensor.data = torch.empty_like(tensor.data, memory_format=layout).copy_(tensor.data)
-        changed += 1
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+                    changed += 1
     return changed

@@ -33,15 +33,15 @@ _PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "64-true", "bf16-tru
 class PresetChoices(dict[str, Any]):
     """What `preset` chose and why, as a plain dict that serialises as it is.
 
-    Keys: ``accelerator``, ``devices``, ``num_nodes``, ``precision``, ``strategy``, ``num_workers``, ``logger``,
-    ``callbacks`` and ``reasons`` (a one-line reason per choice).
+    Keys: ``accelerator``, ``devices``, ``num_nodes``, ``precision``, ``strategy``, ``channels_last``,
+    ``num_workers``, ``logger``, ``callbacks`` and ``reasons`` (a one-line reason per choice).
     """
 
     def summary(self) -> str:
         """One short, human-readable line per choice."""
         reasons = self["reasons"]
         lines = ["speedkit.preset:"]
-        for key in ("accelerator", "devices", "precision", "strategy", "logger", "callbacks"):
+        for key in ("accelerator", "devices", "precision", "strategy", "channels_last", "logger", "callbacks"):
             value = self[key]
             shown = ", ".join(value) if isinstance(value, list) else value
             lines.append(f"  {key:<11} {shown!s:<28} {reasons.get(key, '')}".rstrip())
@@ -55,8 +55,13 @@ def choose(
     num_nodes: int = 1,
     precision: str = "auto",
     strategy: str = "auto",
+    channels_last: bool | str = "auto",
 ) -> PresetChoices:
-    """Decide accelerator, devices, precision and strategy from hardware facts (pure: no Trainer is built).
+    """Decide accelerator, devices, precision, strategy and layout from hardware facts (pure: no Trainer is built).
+
+    ``channels_last="auto"`` turns `~lightning_speedkit.ChannelsLast` on for CPUs (measured 1.33-1.36x per step
+    in ``benchmarks/channels_last.py``) and for GPUs with mixed precision (NHWC is the layout tensor cores use), not
+    for fp32 on a GPU, where cuDNN's NHWC kernels can be slower.
 
     Raises:
         ValueError: If ``devices`` asks for more GPUs (or, on CPU, processes than cores) than exist, or an
@@ -65,15 +70,17 @@ def choose(
     Example:
         >>> cpu = CpuInfo(8, 8, "test CPU", ("avx2",), "AVX2")
         >>> c = choose(cpu, [GpuInfo(i, "NVIDIA A100", (8, 0), 40 * 2**30) for i in range(4)], devices=4)
-        >>> c["accelerator"], c["devices"], c["precision"], c["strategy"]
-        ('gpu', 4, '16-mixed', 'ddp')
-        >>> choose(cpu, [])["precision"]
-        '32-true'
+        >>> c["accelerator"], c["devices"], c["precision"], c["strategy"], c["channels_last"]
+        ('gpu', 4, '16-mixed', 'ddp', True)
+        >>> choose(cpu, [])["precision"], choose(cpu, [])["channels_last"]
+        ('32-true', True)
     """
     if not (isinstance(num_nodes, int) and num_nodes >= 1):
         raise ValueError(f"`num_nodes` must be a positive int, got {num_nodes!r}.")
     if precision not in _PRECISIONS:
         raise ValueError(f"`precision` must be one of {', '.join(_PRECISIONS)}, got {precision!r}.")
+    if not (channels_last == "auto" or isinstance(channels_last, bool)):
+        raise ValueError(f"`channels_last` must be 'auto', True or False, got {channels_last!r}.")
     accelerator = "gpu" if gpus else "cpu"
     available = len(gpus) if gpus else cpu.available_cores
     unit = "GPU(s)" if gpus else "CPU core(s) (one process each)"
@@ -99,12 +106,25 @@ def choose(
         reasons["strategy"] = f"{world} processes: DDP ({'nccl' if gpus else 'gloo'}), gradient_as_bucket_view"
     else:
         reasons["strategy"] = "single process" if world == 1 else "as asked"
+    if channels_last == "auto":
+        mixed = precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
+        channels_last = not gpus or mixed
+        reasons["channels_last"] = (
+            "conv nets only; NHWC measured faster on CPU"
+            if not gpus
+            else "conv nets only; NHWC feeds tensor cores"
+            if mixed
+            else "fp32 on a GPU: NHWC not assumed faster"
+        )
+    else:
+        reasons["channels_last"] = "as asked"
     return PresetChoices(
         accelerator=accelerator,
         devices=count,
         num_nodes=num_nodes,
         precision=precision,
         strategy=strategy,
+        channels_last=channels_last,
         num_workers=advice["num_workers"]["value"],
         reasons=reasons,
     )
@@ -189,7 +209,7 @@ def preset(
     prune: float | dict[str, Any] | StructuredPruning | None = None,
     export: str | os.PathLike[str] | dict[str, Any] | Callback | None = None,
     callbacks: Sequence[Callback] | None = None,
-    channels_last: bool = True,
+    channels_last: bool | str = "auto",
     verbose: bool = True,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
@@ -203,8 +223,8 @@ def preset(
       ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)`` in ``train.py``.
     - Callbacks: `default_callbacks` (a user callback of the same type replaces ours), then a
       `~lightning_speedkit.loggers.RunSummary` that writes every callback's report to ``speedkit_summary.json``
-      (and the W&B run summary). `ChannelsLast` is on by default (``channels_last=False`` switches it off): it acts
-      only on models with convolutions, where ``benchmarks/channels_last.py`` measures 1.2-1.4x per step.
+      (and the W&B run summary). `ChannelsLast` (``channels_last="auto"``) is on for CPUs and for GPUs with mixed
+      precision (`choose`), ``False`` switches it off; it acts only on conv nets that it has checked run NHWC.
     - Logger: a W&B logger when wandb is installed (offline without an API key; ``speedkit/*`` metrics grouped on
       ``trainer/global_step``), else a CSV logger; ``logger=False`` for none, or pass your own.
 
@@ -218,9 +238,9 @@ def preset(
         >>> trainer.speedkit["precision"], type(trainer.strategy).__name__
         ('32-true', 'SingleDeviceStrategy')
     """
-    choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy)
+    choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy, channels_last)
     chosen_callbacks = default_callbacks(
-        batch_size=batch_size, prune=prune, export=export, callbacks=callbacks, channels_last=channels_last
+        batch_size=batch_size, prune=prune, export=export, callbacks=callbacks, channels_last=choices["channels_last"]
     )
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
         chosen_callbacks.append(RunSummary())

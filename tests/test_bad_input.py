@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_speedkit as speedkit
 from lightning_speedkit.data import CachedDataset
-from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoDataModule
 
 MODEL, DATA = nn.Linear(2, 2), [torch.zeros(2, 2)]
 
@@ -44,6 +44,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.UtilizationMonitor, {"flops_per_batch": 0}, "flops_per_batch", "0"),
     (speedkit.UtilizationMonitor, {"sample_interval": 0}, "sample_interval", "0"),
     (speedkit.ChannelsLast, {"enabled": "yes"}, "enabled", "'yes'"),
+    (speedkit.ChannelsLast, {"verify": None}, "verify", "None"),
     (speedkit.DataLoaderTuner, {"probe_batches": 0}, "probe_batches", "0"),
     (speedkit.DataLoaderTuner, {"max_workers": -1}, "max_workers", "-1"),
     (speedkit.DataLoaderTuner, {"warmup_batches": -1}, "warmup_batches", "-1"),
@@ -97,9 +98,14 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.preset, {"num_nodes": 0}, "num_nodes", "0"),
     (speedkit.preset, {"precision": "8-true"}, "precision", "'8-true'"),
     (speedkit.preset, {"logger": "tensorboard"}, "logger", "'tensorboard'"),
+    (speedkit.preset, {"channels_last": 1}, "channels_last", "1"),
     (CachedDataset, {"source": [], "path": "unused"}, "source", "an empty dataset"),
     (CachedDataset, {"source": [1], "path": "unused", "max_disk_bytes": 0}, "max_disk_bytes", "0"),
     (CachedDataset, {"source": [1], "path": "unused", "max_memory_bytes": -5}, "max_memory_bytes", "-5"),
+    (DemoConfig, {"speedkit_epochs": 0}, "speedkit_epochs", "0"),
+    (DemoConfig, {"speedkit_lr": -1.0}, "speedkit_lr", "-1.0"),
+    (DemoConfig, {"warmup": 1000}, "warmup", "1000"),
+    (DemoConfig, {"target_acc": 1.5}, "target_acc", "1.5"),
     (DemoClassifier, {"width": 0}, "width", "0"),
     (DemoClassifier, {"lr": -1.0}, "lr", "-1.0"),
     (DemoDataModule, {"batch_size": 0}, "batch_size", "0"),
@@ -134,7 +140,7 @@ def test_every_public_callable_is_in_the_table() -> None:
         if callable(getattr(speedkit, name)) and name not in {"RunSummary"}  # RunSummary takes no arguments
     }
     covered = {case[0].__name__ for case in CASES}
-    assert public | {"CachedDataset"} <= covered
+    assert public | {"CachedDataset", "DemoConfig", "DemoClassifier", "DemoDataModule"} <= covered
 
 
 def test_load_pruned_checkpoint_of_a_missing_file_names_it(tmp_path: Path) -> None:

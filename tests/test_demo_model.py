@@ -64,7 +64,7 @@ def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> No
     Only speedkit's run changes the LR: its peak LR, a warmup + cosine schedule, and its epoch budget as max_epochs.
     """
     config = DemoConfig.quick(num_images=100, max_epochs=2, speedkit_epochs=1, cache_dir=str(demo_cache))
-    runs = run_demo(config, progress=False, variants=ABLATION)["runs"]
+    runs = run_demo(config, out_dir=tmp_path, progress=False, variants=ABLATION)["runs"]
     assert list(runs) == ["baseline", "cache", "channels_last", "speedkit"]
     assert [runs[n]["choices"]["callbacks"] for n in ("baseline", "cache", "channels_last")] == [
         [],

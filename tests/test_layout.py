@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from lightning_speedkit.demo import DemoResNet
-from lightning_speedkit.layout import has_convolutions, is_channels_last, to_channels_last
+from lightning_speedkit.layout import (
+    align_optimizer_state,
+    has_convolutions,
+    is_channels_last,
+    to_channels_last,
+    to_default_layout,
+)
 from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruning
 
 
@@ -67,3 +73,34 @@ def test_other_convolutions_are_converted(module: nn.Module) -> None:
     assert has_convolutions(module)
     assert to_channels_last(module) == 1
     assert is_channels_last(module)
+
+
+def test_optimizer_state_and_gradients_follow_the_parameters() -> None:
+    """State an optimizer already holds, and existing gradients, get the parameters' new strides; steps still work."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=4)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x = torch.randn(2, 3, 16, 16)
+    net(x).sum().backward()
+    optimizer.step()
+    net(x).sum().backward()  # a gradient exists while the layout changes
+    to_channels_last(net)
+    convs = [m.weight for m in net.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.grad is not None and w.grad.stride() == w.stride() for w in convs)
+    assert align_optimizer_state(optimizer) == 2 * len(convs)  # exp_avg and exp_avg_sq of each conv weight
+    assert all(optimizer.state[w][k].stride() == w.stride() for w in convs for k in ("exp_avg", "exp_avg_sq"))
+    optimizer.step()
+    assert align_optimizer_state(optimizer) == 0
+
+
+def test_only_convolution_weights_change_and_the_change_can_be_undone() -> None:
+    """A 4-D parameter outside a convolution keeps its layout; `to_default_layout` restores the conv weights."""
+    net = nn.Module()
+    net.conv = nn.Conv2d(3, 8, 3)
+    net.bias_map = nn.Parameter(torch.randn(1, 8, 4, 4))
+    to_channels_last(net)
+    assert net.bias_map.is_contiguous()
+    assert not net.bias_map.is_contiguous(memory_format=torch.channels_last)
+    assert to_default_layout(net) == 1
+    assert net.conv.weight.is_contiguous()
+    assert not is_channels_last(net)

@@ -45,7 +45,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "throughput_tolerance": 0.1,
         "batch_arg_name": "bs",
     },
-    "ChannelsLast": {"enabled": False},
+    "ChannelsLast": {"enabled": False, "verify": False},
     "DataLoaderTuner": {
         "candidates": [{"num_workers": 0}, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 4}],
         "probe_batches": 5,

@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_speedkit import ChannelsLast
 from lightning_speedkit.demo import DemoClassifier
@@ -60,11 +62,98 @@ def test_checkpoint_loads_into_either_layout_and_resume_stays_channels_last(tmp_
 
 
 def test_model_without_convolutions_and_disabled_callback_are_left_alone(tmp_path: Path) -> None:
-    """An MLP has nothing to convert; ``enabled=False`` converts nothing even on a conv net."""
-    assert not has_convolutions(TinyClassifier())
-    tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast()]).fit(TinyClassifier())
+    """A conv-free model keeps even its 4-D parameters; ``enabled=False`` converts nothing even on a conv net."""
+    model = TinyClassifier()
+    model.positions = nn.Parameter(torch.zeros(1, 2, 4, 4))
+    callback = ChannelsLast()
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model)
+    assert callback.report() == {"status": "no convolutions at setup", "converted": 0}
+    assert not has_convolutions(model)
+    assert not model.positions.is_contiguous(memory_format=torch.channels_last)
     model, _ = _fit(tmp_path, [ChannelsLast(enabled=False)])
     assert not is_channels_last(model)
+
+
+class _ViewNet(DemoClassifier):
+    """LeNet-style flattening with ``view``, which fails on an NHWC activation."""
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.model.stem(x)
+        return self.model.classifier(features.view(features.size(0), -1)[:, : self.model.classifier.in_features])
+
+
+def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) -> None:
+    """``view`` on an activation fails NHWC: the check on ``example_input_array`` reverts, warns, and fit runs."""
+    L.seed_everything(0, verbose=False)
+    model = _ViewNet(width=4, crop_size=16)
+    callback = ChannelsLast()
+    with pytest.warns(UserWarning, match="does not run channels-last"):
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model, _images(), _images(16))
+    assert not is_channels_last(model)
+    assert callback.report()["status"].startswith("reverted: RuntimeError")
+    assert callback.converted == 0
+
+
+def test_without_an_example_input_only_verify_false_converts(tmp_path: Path) -> None:
+    """No ``example_input_array`` means no check: left alone by default, converted with ``verify=False``."""
+    for verify, expected in ((True, False), (False, True)):
+        L.seed_everything(0, verbose=False)
+        model = DemoClassifier(width=4, crop_size=16)
+        model.example_input_array = None
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(verify=verify)]).fit(model, _images())
+        assert is_channels_last(model) is expected
+
+
+class _LateConvs(L.LightningModule):
+    """Builds its layers in ``configure_model``, after the callbacks' ``setup``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Module | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.net is not None
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_convolutions_built_in_configure_model_are_reported(tmp_path: Path) -> None:
+    """Layers that appear after setup cannot be converted there: fit start says so and how to do it."""
+    with pytest.warns(UserWarning, match="configure_model"):
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast()]).fit(_LateConvs(), _images())
+
+
+def test_resuming_a_default_layout_checkpoint_aligns_the_optimizer_state(tmp_path: Path) -> None:
+    """Adam moments saved in NCHW strides get the NHWC weights' strides when a ChannelsLast run resumes from them."""
+    _, trainer = _fit(tmp_path, [])
+    path = tmp_path / "nchw.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = DemoClassifier(width=4, crop_size=16)
+    resumer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast()])
+    resumer.fit(resumed, _images(), _images(16), ckpt_path=path)
+    optimizer = resumer.optimizers[0]
+    convs = [m.weight for m in resumed.modules() if isinstance(m, nn.Conv2d)]
+    assert is_channels_last(resumed)
+    assert all(optimizer.state[w]["exp_avg"].stride() == w.stride() for w in convs)
+
+
+def test_validate_after_fit_keeps_the_report(tmp_path: Path) -> None:
+    """A later ``validate`` finds the model converted and keeps fit's count."""
+    model, trainer = _fit(tmp_path, [callback := ChannelsLast()])
+    converted = callback.converted
+    trainer.validate(model, _images(16), verbose=False)
+    assert callback.report() == {"status": "channels_last", "converted": converted}
+    assert converted > 0
 
 
 class _RankState(L.Callback):

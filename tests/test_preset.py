@@ -66,6 +66,25 @@ def test_bad_choices_are_refused(kwargs: dict[str, Any], match: str) -> None:
         choose(CPU2, [], **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("gpus", "precision", "asked", "expected"),
+    [
+        ([], "auto", "auto", True),  # measured faster on this CPU (benchmarks/channels_last.py)
+        ([A100], "auto", "auto", True),  # 16-mixed: NHWC feeds tensor cores
+        ([A100], "32-true", "auto", False),  # fp32 on a GPU: not assumed faster
+        ([], "auto", False, False),
+        ([A100], "32-true", True, True),
+    ],
+)
+def test_channels_last_is_chosen_by_device_and_precision(
+    gpus: list[GpuInfo], precision: str, asked: bool | str, expected: bool
+) -> None:
+    """``channels_last="auto"``: on for CPUs and mixed-precision GPUs, off for fp32 GPUs; an explicit value wins."""
+    choices = choose(CPU2, gpus, precision=precision, channels_last=asked)
+    assert choices["channels_last"] is expected
+    assert choices["reasons"]["channels_last"]
+
+
 def test_more_gpus_than_exist_is_an_error() -> None:
     """Asking for 4 GPUs on a 1-GPU machine names what exists."""
     with pytest.raises(ValueError, match="1 GPU"):
@@ -117,6 +136,7 @@ def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     names = [type(c).__name__ for c in trainer.callbacks]
     assert {"DataLoaderTuner", "ChannelsLast", "WarmupScheduler", "UtilizationMonitor", "RunSummary"} <= set(names)
     assert "precision" in trainer.speedkit.summary()
+    assert "channels_last" in trainer.speedkit.summary()
 
 
 def test_preset_two_cpu_devices_gives_ddp(tmp_path: Path) -> None:

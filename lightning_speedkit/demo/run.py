@@ -64,6 +64,21 @@ class DemoConfig:
     speedkit_epochs: int = 4
     warmup: float = 0.1
 
+    def __post_init__(self) -> None:
+        """Refuse settings that would train nothing or mislabel the table, naming the field."""
+        for name in ("lr", "speedkit_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        for name in ("max_epochs", "speedkit_epochs", "num_images", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, float) or not 0.0 < self.warmup < 1.0:
+            raise ValueError(f"`warmup` must be a float fraction of the steps in (0, 1), got {self.warmup!r}.")
+        if not 0.0 < self.target_acc <= 1.0:
+            raise ValueError(f"`target_acc` must be in (0, 1], got {self.target_acc!r}.")
+
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
         """A configuration for tests: 1,200 images, 10 short epochs (speedkit: 6), target 0.8 (under a minute)."""
