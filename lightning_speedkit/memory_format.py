@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_speedkit.batch import forward_example, modes_kept
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,
@@ -25,14 +26,6 @@ from lightning_speedkit.layout import (
 )
 
 __all__ = ["ChannelsLast"]
-
-
-def _run(module: torch.nn.Module, example: Any) -> Any:
-    if isinstance(example, tuple):
-        return module(*example)
-    if isinstance(example, dict):
-        return module(**example)
-    return module(example)
 
 
 class ChannelsLast(Callback):
@@ -129,13 +122,9 @@ class ChannelsLast(Callback):
 
     @staticmethod
     def _outputs(module: torch.nn.Module, example: Any) -> Any:
-        training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                return _run(module, example)
-        finally:
-            module.train(training)
+        with modes_kept(module), torch.no_grad():
+            module.eval()
+            return forward_example(module, example)
 
     def _check(self, module: torch.nn.Module, example: Any, expected: Any) -> str | None:
         try:

@@ -95,6 +95,16 @@ def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) 
     assert callback.converted == 0
 
 
+def test_the_check_keeps_each_submodules_train_or_eval_mode(tmp_path: Path) -> None:
+    """Running the example in eval mode for the check leaves a submodule the user froze (eval) frozen."""
+    model = DemoClassifier(width=4, crop_size=16)
+    model.model.stem[1].eval()  # a frozen BatchNorm
+    ChannelsLast().setup(tiny_trainer(tmp_path), model, "fit")
+    assert is_channels_last(model)
+    assert model.training
+    assert not model.model.stem[1].training
+
+
 def test_without_an_example_input_only_verify_false_converts(tmp_path: Path) -> None:
     """No ``example_input_array`` means no check: left alone by default, converted with ``verify=False``."""
     for verify, expected in ((True, False), (False, True)):

@@ -10,8 +10,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
+from lightning_speedkit.batch import forward_example, modes_kept
 from lightning_speedkit.layout import is_channels_last, to_channels_last
 from lightning_speedkit.timing import median_ms
 
@@ -42,26 +44,6 @@ History = list[tuple[str, bool, list[int]]]
 _HISTORY_ATTR = "_speedkit_pruning_history"  # on a pruned module: the history that gave it its architecture
 _ROOT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # layers whose output channels torch-pruning removes
 _UNSUPPORTED = (nn.MultiheadAttention,)  # torch-pruning shrinks embed dims but not heads: left out
-
-
-def _forward(model: nn.Module, example_input: Any) -> Any:
-    """Call ``model`` the way Lightning treats ``example_input_array``: tuple -> ``*args``, dict -> ``**kwargs``."""
-    if isinstance(example_input, (tuple, list)):
-        return model(*example_input)
-    if isinstance(example_input, dict):
-        return model(**example_input)
-    return model(example_input)
-
-
-def _to(example_input: Any, device: torch.device) -> Any:
-    """``example_input`` (a tensor, or a tuple/list/dict of them) moved to ``device``."""
-    if isinstance(example_input, torch.Tensor):
-        return example_input.to(device)
-    if isinstance(example_input, (tuple, list)):
-        return type(example_input)(_to(v, device) for v in example_input)
-    if isinstance(example_input, dict):
-        return {k: _to(v, device) for k, v in example_input.items()}
-    return example_input
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -102,17 +84,6 @@ def _naming_failures(model: nn.Module, what: str) -> Iterator[None]:
         ) from exc
 
 
-@contextlib.contextmanager
-def _modes_kept(model: nn.Module) -> Iterator[None]:
-    """Restore every submodule's train/eval flag afterwards (torch-pruning's tracing calls ``model.eval()``)."""
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def pruning_history(model: nn.Module) -> History:
     """The pruning history applied to ``model`` by this module's functions (empty for an unpruned model)."""
     return list(getattr(model, _HISTORY_ATTR, []))
@@ -144,7 +115,7 @@ def count_macs_params(model: nn.Module, example_input: Any) -> tuple[float, int]
     import torch_pruning as tp
 
     x = example_input if isinstance(example_input, (tuple, list, dict)) else (example_input,)
-    macs, params = tp.utils.count_ops_and_params(model, _to(x, _device(model)))
+    macs, params = tp.utils.count_ops_and_params(model, move_data_to_device(x, _device(model)))
     return float(macs), int(params)
 
 
@@ -156,9 +127,9 @@ def unsupported_layer_names(model: nn.Module) -> list[str]:
 def _build_graph(model: nn.Module, example_input: Any, what: str) -> Any:
     import torch_pruning as tp
 
-    with torch.enable_grad(), _modes_kept(model), _naming_failures(model, what):
+    with torch.enable_grad(), modes_kept(model), _naming_failures(model, what):
         return tp.DependencyGraph().build_dependency(
-            model, _to(example_input, _device(model)), forward_fn=_forward, verbose=False
+            model, move_data_to_device(example_input, _device(model)), forward_fn=forward_example, verbose=False
         )
 
 
@@ -232,7 +203,7 @@ def plan_pruning(
         return []
     twin = copy.deepcopy(model)
     ignored = [twin.get_submodule(name) for name in ignored_layers]
-    x = _to(example_input, _device(twin))
+    x = move_data_to_device(example_input, _device(twin))
     with torch.enable_grad(), _naming_failures(twin, "trace"):
         pruner = tp.pruner.BasePruner(
             twin,
@@ -241,12 +212,12 @@ def plan_pruning(
             pruning_ratio=ratio,
             ignored_layers=ignored,
             round_to=round_to,
-            forward_fn=_forward,
+            forward_fn=forward_example,
         )
     with torch.no_grad(), _naming_failures(twin, "run the pruned copy of"):
         pruner.step()
         twin.eval()
-        _forward(twin, x)
+        forward_example(twin, x)
     return _normalised(pruner.pruning_history())
 
 
@@ -368,9 +339,9 @@ def cpu_latency_ms(model: nn.Module, example_input: Any, batch_size: int = 1, re
         True
     """
     twin = copy.deepcopy(model).cpu().eval()
-    x = _repeat_batch(_to(example_input, torch.device("cpu")), batch_size)
+    x = _repeat_batch(move_data_to_device(example_input, torch.device("cpu")), batch_size)
     with torch.inference_mode():  # the first calls warm up allocators and kernels
-        return median_ms(lambda: _forward(twin, x), repeats, warmup=3)
+        return median_ms(lambda: forward_example(twin, x), repeats, warmup=3)
 
 
 def _find_pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
