@@ -106,18 +106,14 @@ def choose(
         reasons["strategy"] = f"{world} processes: DDP ({'nccl' if gpus else 'gloo'}), gradient_as_bucket_view"
     else:
         reasons["strategy"] = "single process" if world == 1 else "as asked"
-    if channels_last == "auto":
-        mixed = precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
-        channels_last = not gpus or mixed
-        reasons["channels_last"] = (
-            "conv nets only; NHWC measured faster on CPU"
-            if not gpus
-            else "conv nets only; NHWC feeds tensor cores"
-            if mixed
-            else "fp32 on a GPU: NHWC not assumed faster"
-        )
-    else:
+    if channels_last != "auto":
         reasons["channels_last"] = "as asked"
+    elif not gpus:
+        channels_last, reasons["channels_last"] = True, "conv nets only; NHWC measured faster on CPU"
+    elif precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true"):
+        channels_last, reasons["channels_last"] = True, "conv nets only; NHWC feeds tensor cores"
+    else:
+        channels_last, reasons["channels_last"] = False, "fp32 on a GPU: NHWC not assumed faster"
     return PresetChoices(
         accelerator=accelerator,
         devices=count,
