@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import lightning as L
 import pytest
@@ -82,9 +85,24 @@ def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
     return L.Trainer(**defaults)  # type: ignore[arg-type]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rank_records(directory: Path, prefix: str = "rank", world_size: int = 2) -> list[Any]:
+    """The JSON each DDP rank wrote to ``directory/{prefix}{rank}.json``, in rank order."""
+    return [json.loads((directory / f"{prefix}{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def run_ddp_script(name: str, out: Path) -> list[Any]:
+    """Run ``tests/scripts/<name>.py OUT`` (Lightning's ``ddp`` launcher starts its second process); its ranks' JSON."""
+    script = ROOT / "tests" / "scripts" / f"{name}.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, cwd=ROOT, timeout=600)
+    return rank_records(out)
+
+
 def load_benchmark(name: str) -> ModuleType:
     """Import ``benchmarks/<name>.py`` (a script, not a package) as the module ``benchmark_<name>``."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = ROOT / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
     assert spec is not None
     assert spec.loader is not None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, load_benchmark
 
 from lightning_speedkit.bench import (
     BenchmarksNotFoundError,
@@ -18,8 +19,6 @@ from lightning_speedkit.bench import (
     main,
     run_benchmarks,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Stand-in benchmark scripts with the same command line as the real ones (--quick, --out PATH).
 _OK = """
@@ -165,12 +164,7 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_check_runs_on_a_gpu(tmp_path: Path) -> None:
     """On a GPU the quick check fills all four parts: precision rows, NVML readings, both finders, the INT8 report."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    result = gpu_check.main(["--quick", "--out", str(tmp_path / "gpu_check.json")])
+    result = load_benchmark("gpu_check").main(["--quick", "--out", str(tmp_path / "gpu_check.json")])
     assert [row["precision"] for row in result["precision"]][:2] == ["32-true", "16-mixed"]
     assert result["monitor"][0]["gpu_utilization"] is not None
     assert {row["finder"] for row in result["batch_size"]["rows"]} == {"speedkit", "lightning"}

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import load_benchmark, tiny_trainer
+from conftest import load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -234,7 +234,7 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
         tmp_path, strategy="ddp_spawn", devices=2, callbacks=[tuner, _RecordLoaders(tmp_path)], limit_val_batches=2
     )
     trainer.fit(Model(), SlowData(delay=0.005))
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    records = rank_records(tmp_path)
     assert records[0] == records[1]
     assert records[0]["sampler"] == "DistributedSampler"
 

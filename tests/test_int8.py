@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from onnx import numpy_helper
@@ -515,7 +515,7 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
         "model.json",
         "model.onnx",
     ]
-    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in (0, 1)]
+    reports = rank_records(tmp_path, prefix="report_rank")
     assert reports[0] == reports[1] == json.loads((tmp_path / "int8" / "model.json").read_text())
     assert reports[0]["verification"]["samples"] == 64  # the whole validation set, not rank 0's shard
 

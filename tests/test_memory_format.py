@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -187,7 +187,7 @@ def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path, capf
     """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
     _fit(tmp_path, [ChannelsLast(), _RankState(tmp_path)], strategy=strategy, devices=2)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = rank_records(tmp_path)
     assert ranks[0]["channels_last"]
     assert ranks[1]["channels_last"]
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):

@@ -3,15 +3,13 @@ from __future__ import annotations
 import csv
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, run_ddp_script, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -31,8 +29,6 @@ from lightning_speedkit.pruning import (
     unsupported_layer_names,
 )
 from lightning_speedkit.warmup import WarmupScheduler
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class OrderedTiny(TinyClassifier):
@@ -265,9 +261,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path, resume_epoch: int) -> 
 @pytest.mark.ddp
 def test_ddp_ranks_prune_identically_and_stay_in_sync(tmp_path: Path) -> None:
     """Under 2-process DDP both ranks apply the same plan and, re-wrapped, end with identical weights."""
-    script = ROOT / "tests" / "scripts" / "pruning_ddp.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, cwd=ROOT, timeout=600)
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    rank0, rank1 = run_ddp_script("pruning_ddp", tmp_path)
     assert rank0["history"] == rank1["history"]
     assert rank0["history"]
     assert rank0["shapes"]["net.0.weight"] == [16, 16]
@@ -280,9 +274,7 @@ def test_ddp_ranks_prune_identically_and_stay_in_sync(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     """The benchmark runs end to end in quick mode and writes its JSON."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import pruning as bench  # type: ignore[import-not-found]
-
+    bench = load_benchmark("pruning")
     result = bench.main(["--quick", "--out", str(tmp_path / "out.json"), "--root", str(demo_cache)])
     assert json.loads((tmp_path / "out.json").read_text())["rows"].keys() == {"baseline", "structured", "modelpruning"}
     assert result["rows"]["structured"]["macs_ratio"] >= 2.0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +9,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import tiny_trainer
+from conftest import run_ddp_script, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -19,7 +17,6 @@ from combined_ddp import MAX_EPOCHS, LrRecorder, OrderedTiny, combined_callbacks
 
 from lightning_speedkit import Int8Export, UtilizationMonitor
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 8  # 128 samples at the found batch size 16
 
 pytestmark = [
@@ -101,9 +98,7 @@ def test_resumed_combined_run_equals_the_uninterrupted_one(
 @pytest.mark.ddp
 def test_combined_run_under_two_process_ddp(tmp_path: Path) -> None:
     """Under ``strategy="ddp"`` on 2 CPUs both ranks make the same decisions, and only rank 0 logs or speaks."""
-    script = ROOT / "tests" / "scripts" / "combined_ddp.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, cwd=ROOT, timeout=600)
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    rank0, rank1 = run_ddp_script("combined_ddp", tmp_path)
     for key in ("batch_size", "finder", "trials", "data", "history", "pruning_steps", "schedule", "shapes", "lrs"):
         assert rank0[key] == rank1[key], key
     assert rank0["weights"] == pytest.approx(rank1["weights"], abs=1e-6)  # DDP keeps replicas in sync
