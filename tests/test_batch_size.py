@@ -18,7 +18,6 @@ from typing_extensions import override
 
 from lightning_speedkit.batch_size import (
     BatchSizeFinder,
-    TrialSession,
     apply_margin,
     choose_batch_size,
     hold_global_batch,
@@ -26,6 +25,7 @@ from lightning_speedkit.batch_size import (
     next_trial_size,
 )
 from lightning_speedkit.oom import MemoryLimit
+from lightning_speedkit.trials import TrialSession
 from lightning_speedkit.warmup import WarmupScheduler
 
 SAMPLES = 256  # per epoch; TinyClassifier's configured batch is 8
@@ -416,7 +416,7 @@ def test_resume_restores_the_decision_without_searching(
 
     full, full_trainer = run()
     runs: list[int] = []
-    monkeypatch.setattr(TrialSession, "run", lambda self, size, n: runs.append(size))
+    monkeypatch.setattr(TrialSession, "run", lambda self, setting, max_batches=None: runs.append(setting))
     resumed, resumed_trainer = run(str(tmp_path / "ckpt" / "epoch=0.ckpt"))
     assert runs == []
     assert resumed.batch_size == full.batch_size != configured

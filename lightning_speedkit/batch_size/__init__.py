@@ -1,7 +1,7 @@
 """Batch-size finder: honest trials at fit start on every rank, the LR rescaled to the new global batch.
 
-`search` holds the maths (which size next, which to keep, the LR rule), `trials` the runs inside Lightning's loops,
-`finder` the `BatchSizeFinder` callback.
+`search` holds the maths (which size next, which to keep, the LR rule), `finder` the `BatchSizeFinder` callback; the
+trials run through the foundation's `lightning_speedkit.trials`.
 """
 
 from lightning_speedkit.batch_size.finder import BatchSizeFinder
@@ -16,7 +16,6 @@ from lightning_speedkit.batch_size.search import (
     lr_scale_factor,
     next_trial_size,
 )
-from lightning_speedkit.batch_size.trials import TrialResult, TrialSession
 
 __all__ = [
     "LR_SCALINGS",
@@ -24,8 +23,6 @@ __all__ = [
     "OBJECTIVES",
     "BatchSizeFinder",
     "Choice",
-    "TrialResult",
-    "TrialSession",
     "apply_margin",
     "choose_batch_size",
     "hold_global_batch",

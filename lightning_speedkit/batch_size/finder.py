@@ -11,7 +11,6 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
 from lightning_speedkit.batch_size.search import (
@@ -24,8 +23,8 @@ from lightning_speedkit.batch_size.search import (
     lr_scale_factor,
     next_trial_size,
 )
-from lightning_speedkit.batch_size.trials import TrialResult, TrialSession
 from lightning_speedkit.lr import scale_trainer_lrs
+from lightning_speedkit.trials import BatchSize, TrialResult, TrialSession
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -234,10 +233,8 @@ class BatchSizeFinder(Callback):
         trials: list[TrialResult] = []
         results: dict[int, bool] = {}
         speeds: dict[int, float] = {}
-        with (
-            isolate_rng(include_cuda=True),
-            TrialSession(trainer, self.batch_arg_name, self.steps_per_trial) as session,
-        ):
+        warmup = min(1, self.steps_per_trial - 1)
+        with TrialSession(trainer, self.steps_per_trial, warmup=warmup, validate=True) as session:
             per_rank = session.samples_per_rank()
             cap = min(v for v in (self.max_val, per_rank, 2**31) if v is not None)
             init = self.init_val or configured
@@ -245,7 +242,7 @@ class BatchSizeFinder(Callback):
                 size = next_trial_size(mode, results, init, cap)
                 if size is None:
                     break
-                trial = session.run(size, per_rank)
+                trial = self._trial(session, size, per_rank)
                 trials.append(trial)
                 results[size] = trial.fits
                 if self.objective == "throughput" and trial.fits and trial.samples_per_s is not None:
@@ -255,7 +252,7 @@ class BatchSizeFinder(Callback):
             choice = choose_batch_size(results, self.margin, speeds or None, self.throughput_tolerance)
             size = choice.size
             while size is not None and not results.get(size, False):  # verify a size no trial ran
-                trial = session.run(size, per_rank)
+                trial = self._trial(session, size, per_rank)
                 trials.append(trial)
                 results[size] = trial.fits
                 if not trial.fits:
@@ -283,8 +280,16 @@ class BatchSizeFinder(Callback):
             "global_batch": size * world * accumulation,
             "reason": reason,
             "search_s": time.perf_counter() - started,
-            "trials": [t.as_dict() for t in trials],
+            "trials": [
+                {"size": int(t.setting), "fits": t.fits, "samples_per_s": t.samples_per_s, "error": t.error}
+                for t in trials
+            ],
         }
+
+    def _trial(self, session: TrialSession, size: int, per_rank: int | None) -> TrialResult:
+        """Train full batches of ``size`` (spanning epochs when the loader holds fewer) and validate one."""
+        full_batches = self.steps_per_trial if per_rank is None else per_rank // size
+        return session.run(BatchSize(self.batch_arg_name, size), max_batches=full_batches)
 
     def _apply(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: dict[str, Any], resumed: bool

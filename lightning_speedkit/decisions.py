@@ -1,0 +1,140 @@
+"""Speed decisions: when a probe can pay back, which measured setting to keep, and whether its numerics are sound.
+
+The rules every lever follows, in one place (the trials themselves run in `lightning_speedkit.trials`):
+
+- **A probe runs only when it can pay back.** A probe costs about ``probe_steps`` training steps (each trial step is
+  a real step whose work is thrown away). A lever can at best save ``max_gain`` of each remaining step, so it probes
+  only when ``max_gain * steps_left >= payback * probe_steps`` (`probe_pays_back`, ``payback=2``); otherwise the probe
+  is skipped, and the reason is in the lever's ``report()``. The steps left come from
+  ``trainer.estimated_stepping_batches`` (`steps_left`). Every probe's seconds are in its lever's report.
+- **A candidate is kept only when it wins by a margin** over the setting in place, measured in the same run
+  (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
+- **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
+  batches from the same weights (`loss_is_sound`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["check_margin", "check_probe_steps", "choose_setting", "loss_is_sound", "probe_pays_back", "steps_left"]
+
+
+def check_margin(name: str, value: object) -> float:
+    """Validate a relative margin in [0, 1) and return it as a float.
+
+    Example:
+        >>> check_margin("margin", 0.05)
+        0.05
+        >>> check_margin("margin", 1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `margin` must be a number in [0, 1), got 1.0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def check_probe_steps(name: str, value: object, low: int = 1) -> int:
+    """Validate a count of probe steps (an int >= ``low``) and return it.
+
+    Example:
+        >>> check_probe_steps("probe_steps", 4)
+        4
+        >>> check_probe_steps("probe_steps", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `probe_steps` must be an int >= 1, got 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    return value
+
+
+def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 2.0) -> tuple[bool, str]:
+    """Whether a probe of ``probe_steps`` training steps can pay itself back within ``steps_left`` steps.
+
+    The best a lever can do is save ``max_gain`` of every remaining step (0.5: each step twice as fast), so the probe
+    runs only when that best case repays it ``payback`` times over. Everything is counted in training steps, so no
+    step has to be timed before deciding whether to time any.
+
+    Example:
+        >>> probe_pays_back(probe_steps=8, steps_left=1000, max_gain=0.3)
+        (True, 'the probe (8 steps) can pay back: at best 300 of 1000 steps saved')
+        >>> probe_pays_back(probe_steps=8, steps_left=40, max_gain=0.3)[1]
+        'skipped: the probe (8 steps) cannot pay back in 40 steps left (at best 12 saved, 16 needed)'
+    """
+    saved = max_gain * steps_left
+    needed = payback * probe_steps
+    if math.isinf(steps_left) or saved >= needed:
+        shown = "an unbounded run" if math.isinf(steps_left) else f"{saved:.0f} of {steps_left:.0f} steps saved"
+        return True, f"the probe ({probe_steps:.0f} steps) can pay back: at best {shown}"
+    return False, (
+        f"skipped: the probe ({probe_steps:.0f} steps) cannot pay back in {steps_left:.0f} steps left"
+        f" (at best {saved:.0f} saved, {needed:.0f} needed)"
+    )
+
+
+def choose_setting(step_s: Mapping[str, float | None], current: str, margin: float) -> tuple[str, str]:
+    """The fastest setting if it beats ``current`` by ``margin`` (relative step time), else ``current``; and why.
+
+    Settings whose time is None (failed, or rejected) are not candidates.
+
+    Example:
+        >>> choose_setting({"nchw": 0.020, "nhwc": 0.015}, current="nchw", margin=0.03)
+        ('nhwc', 'nhwc 25.0% faster than nchw (margin 3%)')
+        >>> choose_setting({"nchw": 0.020, "nhwc": 0.0198}, current="nchw", margin=0.03)
+        ('nchw', 'nhwc only 1.0% faster than nchw (margin 3%): kept nchw')
+    """
+    base = step_s.get(current)
+    timed = {name: s for name, s in step_s.items() if s is not None and name != current}
+    if base is None or not timed:
+        return current, f"nothing to compare with {current}: kept it"
+    best = min(timed, key=lambda name: timed[name])
+    gain = 1.0 - timed[best] / base
+    if gain >= margin and gain > 0:
+        return best, f"{best} {100 * gain:.1f}% faster than {current} (margin {100 * margin:.0f}%)"
+    if gain <= 0:
+        return current, f"{best} not faster than {current} ({100 * -gain:.1f}% slower): kept {current}"
+    return current, f"{best} only {100 * gain:.1f}% faster than {current} (margin {100 * margin:.0f}%): kept {current}"
+
+
+def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | None], tolerance: float = 0.1) -> str:
+    """An empty string when a trial's losses are finite and not clearly worse than the reference's; else why not.
+
+    Both trials start from the same weights and see the same batches, so their mean losses should agree closely;
+    "clearly worse" is a mean more than ``tolerance`` (relative) above the reference's.
+
+    Example:
+        >>> loss_is_sound([2.30, 2.25], [2.30, 2.24])
+        ''
+        >>> loss_is_sound([2.30, float("nan")], [2.30, 2.24])
+        'non-finite loss'
+        >>> loss_is_sound([3.0, 3.1], [2.30, 2.24])
+        'mean loss 3.05 vs 2.27 (more than 10% worse)'
+    """
+    values = [v for v in losses if v is not None]
+    if any(not math.isfinite(v) for v in values):
+        return "non-finite loss"
+    ref = [v for v in reference if v is not None and math.isfinite(v)]
+    if not values or not ref:
+        return ""
+    mean, ref_mean = statistics.fmean(values), statistics.fmean(ref)
+    if mean > ref_mean + tolerance * abs(ref_mean):
+        return f"mean loss {mean:.3g} vs {ref_mean:.3g} (more than {100 * tolerance:.0f}% worse)"
+    return ""
+
+
+def steps_left(trainer: pl.Trainer) -> float:
+    """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``."""
+    estimated = trainer.estimated_stepping_batches
+    if math.isinf(estimated):
+        return math.inf
+    return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches
