@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.parsing import lightning_setattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
@@ -36,7 +37,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
-from lightning_speedkit.decisions import check_probe_steps
+from lightning_speedkit.decisions import check_probe_steps, choose_setting, loss_is_sound, probe_pays_back, steps_left
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.timing import StepTimer
 
@@ -51,6 +52,9 @@ __all__ = [
     "Setting",
     "TrialResult",
     "TrialSession",
+    "decision_summary",
+    "log_decision",
+    "measure",
 ]
 
 
@@ -88,10 +92,16 @@ class BatchSize(Setting):
     def __init__(self, batch_arg_name: str, size: int) -> None:
         self.batch_arg_name, self.size, self.name = batch_arg_name, size, str(size)
         self._check = _BatchCheck(size)
+        self._was: Any = None
 
     @override
     def apply(self, trainer: pl.Trainer) -> None:
+        self._was = lightning_getattr(trainer.lightning_module, self.batch_arg_name)
         lightning_setattr(trainer.lightning_module, self.batch_arg_name, self.size)
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        lightning_setattr(trainer.lightning_module, self.batch_arg_name, self._was)
 
     @override
     def callbacks(self) -> Sequence[Callback]:
@@ -490,3 +500,81 @@ def _reset_grad_scaler(plugin: Any) -> None:
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
         scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def measure(
+    trainer: pl.Trainer,
+    current: Setting,
+    candidates: Sequence[Setting],
+    steps: int,
+    margin: float,
+    max_gain: float,
+    warmup: int = 1,
+    loss_tolerance: float | None = None,
+) -> dict[str, Any]:
+    """Decide between the setting in place and ``candidates`` by real training steps; the report of that decision.
+
+    Follows the rules of `lightning_speedkit.decisions`: no probe when it cannot pay back within the run (a reason
+    says so); otherwise one trial per setting in one `TrialSession` (the setting in place first), and the fastest
+    candidate is chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate
+    whose losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the same
+    report; the caller applies ``report["decision"]``.
+
+    Returns:
+        ``decision`` (a setting's name), ``reason``, ``probed``, ``probe_s`` (seconds the trials took, set-up
+        included), ``steps_left``, ``step_s`` (median seconds per step by setting), ``rejected`` (setting: why) and
+        ``trials`` (each `TrialResult` as a dict).
+
+    Raises:
+        ValueError: If the train loader has fewer batches per epoch than ``steps``.
+    """
+    left = steps_left(trainer)
+    pays, why = probe_pays_back(steps * (1 + len(candidates)), left, max_gain)
+    report: dict[str, Any] = {"decision": current.name, "reason": why, "probed": False, "probe_s": 0.0}
+    report.update(steps_left=None if math.isinf(left) else left, step_s={}, rejected={}, trials=[])
+    if not pays:
+        return report
+    with TrialSession(trainer, steps, warmup) as session:
+        batches = session.batches_per_epoch()
+        if batches is not None and batches < steps:
+            raise ValueError(
+                f"`probe_steps` must not be longer than the train loader: got {steps}, the loader has {batches}"
+                " batches per epoch."
+            )
+        results = [session.run(setting) for setting in (current, *candidates)]
+    reference = results[0]
+    for result in results:
+        problem = result.error if not result.fits else ""
+        if not problem and loss_tolerance is not None and result is not reference:
+            problem = loss_is_sound(result.losses, reference.losses, loss_tolerance)
+        if problem:
+            report["rejected"][result.setting] = problem
+        report["step_s"][result.setting] = None if problem else result.median_step_s
+    decision, reason = choose_setting(report["step_s"], current.name, margin)
+    report.update(decision=decision, reason=reason, probed=True, probe_s=session.elapsed_s)
+    report["trials"] = [result.as_dict() for result in results]
+    return report
+
+
+def decision_summary(decision: Mapping[str, Any]) -> dict[str, Any]:
+    """A `measure` report for a lever's ``report()``: step times in milliseconds (``step_ms``), the trials left out.
+
+    Example:
+        >>> decision_summary({"decision": "a", "step_s": {"a": 0.01, "b": None}, "trials": []})
+        {'decision': 'a', 'step_ms': {'a': 10.0, 'b': None}}
+    """
+    out = {k: v for k, v in decision.items() if k not in ("step_s", "trials")}
+    if decision.get("step_s"):
+        out["step_ms"] = {k: None if v is None else 1e3 * v for k, v in decision["step_s"].items()}
+    return out
+
+
+def log_decision(trainer: pl.Trainer, area: str, decision: Mapping[str, Any]) -> None:
+    """Log a measured decision on rank zero: ``speedkit/<area>/<setting>_step_ms`` and ``speedkit/<area>/probe_s``."""
+    if not (trainer.is_global_zero and decision.get("probed")):
+        return
+    step_s = decision.get("step_s") or {}
+    metrics = {f"speedkit/{area}/{name}_step_ms": 1e3 * s for name, s in step_s.items() if s is not None}
+    metrics[f"speedkit/{area}/probe_s"] = float(decision.get("probe_s", 0.0))
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

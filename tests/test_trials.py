@@ -1,0 +1,172 @@
+"""The trial mechanism: real steps under a setting, and the run afterwards exactly as it would be without them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import TinyClassifier, rank_records, tiny_trainer
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from typing_extensions import override
+
+from lightning_speedkit.trials import AsIs, BatchSize, Setting, TrialSession, measure
+
+
+class _Dropout(TinyClassifier):
+    """Adam, a StepLR schedule and dropout, so optimizer state, scheduler state and the RNG all matter."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.01, batch_size=8, num_samples=64, optimizer="adam")
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+class _TenfoldLR(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] *= 10
+
+
+class _LRSchedule(Setting):
+    """An LR schedule for the length of a trial: the LR grows tenfold every step (an LR range test's shape)."""
+
+    name = "lr schedule"
+
+    @override
+    def callbacks(self) -> list[L.Callback]:
+        return [_TenfoldLR()]
+
+
+class _Trials(L.Callback):
+    """Runs trials of several kinds of setting at fit start, as a lever would."""
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with TrialSession(trainer, steps=3) as session:
+            self.results = [session.run(s) for s in (AsIs(), BatchSize("batch_size", 4), _LRSchedule())]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+class _Recorder(L.Callback):
+    """Writes, at the first real training batch and at the end, everything a trial must leave as it found it."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        self.out, self.name = out, name
+        self.first: dict[str, Any] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.first is not None:
+            return
+        optimizer = trainer.optimizers[0]
+        self.first = {
+            "weights": [p.detach().tolist() for p in pl_module.parameters()],
+            "optimizer": _digest({k: {n: t.tolist() for n, t in v.items()} for k, v in optimizer.state.items()}),
+            "lrs": [g["lr"] for g in optimizer.param_groups] + trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+            "torch_rng": _digest(torch.get_rng_state().tolist()),
+            "numpy_rng": _digest(np.random.get_state()[1].tolist()),
+            "python_rng": _digest(random.getstate()),
+            "batch": [t.tolist() for t in batch],
+            "global_step": trainer.global_step,
+        }
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record = {"first": self.first, "final": [p.detach().tolist() for p in pl_module.parameters()]}
+        (self.out / f"{self.name}{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _fit(tmp_path: Path, name: str, trials: bool, **kwargs: Any) -> _Trials:
+    L.seed_everything(0, verbose=False)
+    runner = _Trials()
+    callbacks = ([runner] if trials else []) + [_Recorder(tmp_path, name)]
+    tiny_trainer(tmp_path, max_epochs=2, callbacks=callbacks, **kwargs).fit(_Dropout())
+    return runner
+
+
+def test_a_trial_leaves_the_run_exactly_as_without_it(tmp_path: Path) -> None:
+    """Weights, optimizer state, LRs, RNG streams, the next batch and the final weights equal a run without trials."""
+    runner = _fit(tmp_path, "with", trials=True)
+    _fit(tmp_path, "without", trials=False)
+    with_trials, without = rank_records(tmp_path, "with", 1)[0], rank_records(tmp_path, "without", 1)[0]
+    assert with_trials == without
+    assert [r.fits for r in runner.results] == [True, True, True]
+    assert [len(r.step_s) for r in runner.results] == [3, 3, 3]
+    assert runner.results[1].samples == [4, 4, 4]
+    assert all(loss is not None for r in runner.results for loss in r.losses)
+
+
+def test_every_trial_starts_from_the_same_state_and_batches(tmp_path: Path) -> None:
+    """Two trials of the same setting train on the same batches from the same weights: identical losses."""
+
+    class Twice(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            with TrialSession(trainer, steps=3) as session:
+                self.losses = [session.run(AsIs()).losses for _ in range(2)]
+
+    twice = Twice()
+    L.seed_everything(0, verbose=False)
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[twice]).fit(_Dropout())
+    assert twice.losses[0] == twice.losses[1]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_under_ddp_trials_leave_both_ranks_as_without_them(tmp_path: Path) -> None:
+    """2-process DDP: on each rank the run after the trials equals the run without them, and the ranks agree."""
+    for name, trials in (("with", True), ("without", False)):
+        strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+        _fit(tmp_path, name, trials=trials, strategy=strategy, devices=2)
+    with_trials, without = rank_records(tmp_path, "with"), rank_records(tmp_path, "without")
+    assert with_trials == without
+    flat = [[x for row in rank["final"] for x in np.ravel(row)] for rank in with_trials]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-6)
+
+
+def test_measure_skips_a_probe_that_cannot_pay_back(tmp_path: Path) -> None:
+    """A run of a few steps gets no probe: the setting in place stays and the reason gives the numbers."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.report = measure(trainer, AsIs(), [BatchSize("batch_size", 4)], 3, margin=0.05, max_gain=0.5)
+
+    lever = Lever()
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[lever]).fit(_Dropout())
+    assert lever.report["decision"] == "as is"
+    assert not lever.report["probed"]
+    assert lever.report["reason"] == (
+        "skipped: the probe (6 steps) cannot pay back in 8 steps left (at best 4 saved, 12 needed)"
+    )
+
+
+def test_a_probe_longer_than_the_loader_is_refused(tmp_path: Path) -> None:
+    """More probe steps than the train loader has batches: a ValueError naming `probe_steps` and both numbers."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            measure(trainer, AsIs(), [AsIs("again")], 9, margin=0.05, max_gain=0.5)
+
+    with pytest.raises(ValueError, match=r"`probe_steps` .* got 9, the loader has 8 batches"):
+        tiny_trainer(tmp_path, max_epochs=100, callbacks=[Lever()]).fit(_Dropout())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"steps": 0}, "`steps`"), ({"steps": 3, "warmup": 3}, "`warmup`")])
+def test_bad_session_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    """Non-positive steps, or a warm-up that leaves no timed step, get a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        TrialSession(tiny_trainer(tmp_path), **kwargs)
