@@ -186,7 +186,7 @@ def precision_part(s: dict[str, Any], device: torch.device, root: Path, data: De
         loader = DataLoader(_Resident(train, s["warmup"] + s["steps"]), batch_size=None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        callbacks: list[L.Callback] = [ChannelsLast(), clock] if channels_last else [clock]
+        callbacks: list[L.Callback] = [ChannelsLast(measure=False), clock] if channels_last else [clock]
         trainer = _trainer(device, root, precision=precision, max_steps=s["warmup"] + s["steps"], callbacks=callbacks)
         trainer.fit(model, train_dataloaders=loader)
         seconds = clock.end - clock.start

@@ -1,8 +1,9 @@
 """ChannelsLast: keep a conv net's weights in the channels-last (NHWC) memory layout, which oneDNN and cuDNN run faster.
 
 Converting the weights is enough: a convolution whose weight is channels-last returns a channels-last output, so the
-layout propagates through the network without touching the user's batches. ``benchmarks/channels_last.py`` measures
-the gain against the default layout in the same run (1.33-1.36x per training step for the demo ResNet on 2 CPU cores).
+layout propagates through the network without touching the user's batches. Whether NHWC is faster depends on the model
+and the hardware, so the callback times real training steps in both layouts (`lightning_speedkit.trials.measure`) and
+keeps NHWC only when it wins by a margin. ``benchmarks/channels_last.py`` shows the gain and the decision per model.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
+from lightning_speedkit.decisions import check_margin, check_probe_steps, probe_pays_back, steps_left
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,
@@ -26,6 +30,35 @@ from lightning_speedkit.layout import (
 )
 
 __all__ = ["ChannelsLast"]
+
+_NHWC, _NCHW = "channels_last", "default"
+_MAX_GAIN = 0.4
+"""The most NHWC is taken to save of a step when deciding whether a probe can pay back (1.33-1.36x measured here)."""
+
+
+class _Layout(trials.Setting):
+    """A memory format for a trial: the conv weights (and the optimizer state that follows them) in NHWC or NCHW."""
+
+    def __init__(self, channels_last: bool) -> None:
+        self.channels_last, self.name = channels_last, _NHWC if channels_last else _NCHW
+        self._was = False
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        self._was = is_channels_last(trainer.lightning_module)
+        _set_layout(trainer, self.channels_last)
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        _set_layout(trainer, self._was)
+
+
+def _set_layout(trainer: pl.Trainer, channels_last: bool) -> int:
+    """Move the conv weights, and the optimizer state that follows them; the number of weights moved."""
+    moved = (to_channels_last if channels_last else to_default_layout)(trainer.lightning_module)
+    for optimizer in trainer.optimizers:
+        align_optimizer_state(optimizer)
+    return moved
 
 
 class ChannelsLast(Callback):
@@ -40,9 +73,22 @@ class ChannelsLast(Callback):
     later (in ``configure_model`` or lazily) are reported at fit start; `StructuredPruning` keeps the layout of the
     layers it shrinks. Values never change, so checkpoints load into a model in either layout.
 
+    At fit start, with ``measure=True``, ``probe_steps`` real training steps are timed in each layout (through
+    `lightning_speedkit.trials.measure`: state restored afterwards, one verdict on every rank) and NHWC is kept only
+    when it is at least ``margin`` faster; otherwise the model goes back to the default layout (under DDP the wrapper
+    is rebuilt so its gradient buckets match). When the run is too short for the probe to pay back, the layout is left
+    as the user had it, and the report says why. The decision is in ``state_dict``: a resumed run does not probe.
+
     Args:
-        enabled: ``False`` makes the callback a no-op (how `~lightning_speedkit.preset` switches it off).
+        enabled: ``False`` makes the callback a no-op.
         verify: Check the model on its ``example_input_array`` before keeping the new layout.
+        measure: Time both layouts and keep NHWC only when it wins; ``False`` keeps NHWC without timing it.
+        margin: How much faster (relative step time, in [0, 1)) NHWC must be to be kept.
+        probe_steps: Training steps timed per layout (the first is a warm-up).
+
+    Raises:
+        ValueError: For a non-bool ``enabled``/``verify``/``measure``, a ``margin`` outside [0, 1) or
+            ``probe_steps`` below 2.
 
     Example:
         >>> from lightning_speedkit import preset
@@ -51,14 +97,26 @@ class ChannelsLast(Callback):
         False
     """
 
-    def __init__(self, enabled: bool = True, verify: bool = True) -> None:
-        for name, value in (("enabled", enabled), ("verify", verify)):
+    def __init__(
+        self,
+        enabled: bool = True,
+        verify: bool = True,
+        measure: bool = True,
+        margin: float = 0.03,
+        probe_steps: int = 4,
+    ) -> None:
+        for name, value in (("enabled", enabled), ("verify", verify), ("measure", measure)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
         self.enabled = enabled
         self.verify = verify
+        self.measure = measure
+        self.margin = check_margin("margin", margin)
+        self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.converted = 0
         self._status = "not set up"
+        self._verified = False
+        self._decision: dict[str, Any] = {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -82,7 +140,7 @@ class ChannelsLast(Callback):
             return
         expected = None
         if self.verify:
-            example = move_data_to_device(example, pl_module.device)
+            example = move_data_to_device(example, _parameter_device(pl_module))
             try:
                 expected = self._outputs(pl_module, example)
             except Exception as err:  # the model's own problem: let training report it, leave the layout alone
@@ -99,10 +157,28 @@ class ChannelsLast(Callback):
                 return
         self.converted += converted
         self._status = "channels_last"
+        self._verified = True
+        if self.measure and stage == "fit":
+            # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
+            pays, why = probe_pays_back(2 * self.probe_steps, steps_left(trainer), _MAX_GAIN)
+            if not pays:
+                to_default_layout(pl_module)
+                self.converted -= converted
+                self._status = f"default layout: probe {why}"
+                self._decision = self._decision or {"decision": _NCHW, "reason": why, "probed": False, "probe_s": 0.0}
+                rank_zero_info(f"ChannelsLast: layout left as it is; probe {why}.")
+                return
         rank_zero_info(f"ChannelsLast: {converted} convolution weights moved to the channels-last layout.")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._verified and self.measure:
+            if not self._decision:
+                self._decision = trials.measure(
+                    trainer, _Layout(False), [_Layout(True)], self.probe_steps, self.margin, _MAX_GAIN
+                )
+                trials.log_decision(trainer, "layout", self._decision)
+            self._use(trainer, self._decision["decision"] == _NHWC)
         set_up = self._status in ("channels_last", "no convolutions at setup")
         if set_up and has_convolutions(pl_module) and not is_channels_last(pl_module):
             rank_zero_warn(
@@ -116,9 +192,36 @@ class ChannelsLast(Callback):
             for optimizer in trainer.optimizers:
                 align_optimizer_state(optimizer)
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": self._decision}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._decision = dict(state_dict.get("decision") or {})
+
     def report(self) -> dict[str, Any]:
-        """``{"status", "converted"}``: what happened at setup, and how many weights changed layout."""
-        return {"status": self._status, "converted": self.converted}
+        """What happened: ``status``, ``converted`` (weights that changed layout) and the measured decision.
+
+        With a measurement: ``decision`` (``"channels_last"`` or ``"default"``), ``reason``, ``step_ms`` (median
+        training-step milliseconds per layout), ``probe_s`` and ``probed``.
+        """
+        return {"status": self._status, "converted": self.converted, **trials.decision_summary(self._decision)}
+
+    def _use(self, trainer: pl.Trainer, channels_last: bool) -> None:
+        """Put the decided layout in place (a no-op when it is); a DDP wrapper is rebuilt so its buckets match."""
+        module = trainer.lightning_module
+        if is_channels_last(module) != channels_last:
+            count = _set_layout(trainer, channels_last)
+            strategy = trainer.strategy
+            if isinstance(strategy.model, DistributedDataParallel) and hasattr(strategy, "_setup_model"):
+                strategy.model = strategy._setup_model(strategy.model.module)
+                if hasattr(strategy, "_register_ddp_hooks"):
+                    strategy._register_ddp_hooks()
+            self.converted = count if channels_last else 0
+        reason = self._decision["reason"]
+        self._status = "channels_last" if channels_last else f"default layout: {reason}"
+        rank_zero_info(f"ChannelsLast: {'channels-last' if channels_last else 'default'} layout kept: {reason}.")
 
     @staticmethod
     def _outputs(module: torch.nn.Module, example: Any) -> Any:
@@ -136,3 +239,9 @@ class ChannelsLast(Callback):
         except (AssertionError, TypeError, ValueError):
             return "its output differs from the default layout's"
         return None
+
+
+def _parameter_device(module: torch.nn.Module) -> torch.device:
+    """Where the weights are: in ``setup`` Lightning already reports ``module.device`` as the target device."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")

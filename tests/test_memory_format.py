@@ -37,7 +37,7 @@ def _fit(tmp_path: Path, callbacks: list[L.Callback], **kwargs: object) -> tuple
 def test_fit_trains_in_channels_last_to_the_same_weights(tmp_path: Path) -> None:
     """A real fit with the callback ends with NHWC weights equal (to float tolerance) to a run without it."""
     plain, _ = _fit(tmp_path / "plain", [])
-    fast, trainer = _fit(tmp_path / "fast", [ChannelsLast()])
+    fast, trainer = _fit(tmp_path / "fast", [ChannelsLast(measure=False)])
     assert is_channels_last(fast)
     assert not is_channels_last(plain)
     assert trainer.callbacks[0].converted > 0  # type: ignore[attr-defined]
@@ -47,7 +47,7 @@ def test_fit_trains_in_channels_last_to_the_same_weights(tmp_path: Path) -> None
 
 def test_checkpoint_loads_into_either_layout_and_resume_stays_channels_last(tmp_path: Path) -> None:
     """A checkpoint of an NHWC model loads into a fresh default-layout module; resuming with the callback stays NHWC."""
-    model, trainer = _fit(tmp_path, [ChannelsLast()])
+    model, trainer = _fit(tmp_path, [ChannelsLast(measure=False)])
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     fresh = DemoClassifier(width=4, crop_size=16)
@@ -55,7 +55,7 @@ def test_checkpoint_loads_into_either_layout_and_resume_stays_channels_last(tmp_
     assert not is_channels_last(fresh)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
     resumed = DemoClassifier(width=4, crop_size=16)
-    tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast()]).fit(
+    tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast(measure=False)]).fit(
         resumed, _images(), _images(16), ckpt_path=path
     )
     assert is_channels_last(resumed)
@@ -65,7 +65,7 @@ def test_model_without_convolutions_and_disabled_callback_are_left_alone(tmp_pat
     """A conv-free model keeps even its 4-D parameters; ``enabled=False`` converts nothing even on a conv net."""
     model = TinyClassifier()
     model.positions = nn.Parameter(torch.zeros(1, 2, 4, 4))
-    callback = ChannelsLast()
+    callback = ChannelsLast(measure=False)
     tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model)
     assert callback.report() == {"status": "no convolutions at setup", "converted": 0}
     assert not has_convolutions(model)
@@ -87,7 +87,7 @@ def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) 
     """``view`` on an activation fails NHWC: the check on ``example_input_array`` reverts, warns, and fit runs."""
     L.seed_everything(0, verbose=False)
     model = _ViewNet(width=4, crop_size=16)
-    callback = ChannelsLast()
+    callback = ChannelsLast(measure=False)
     with pytest.warns(UserWarning, match="does not run channels-last"):
         tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model, _images(), _images(16))
     assert not is_channels_last(model)
@@ -99,7 +99,7 @@ def test_the_check_keeps_each_submodules_train_or_eval_mode(tmp_path: Path) -> N
     """Running the example in eval mode for the check leaves a submodule the user froze (eval) frozen."""
     model = DemoClassifier(width=4, crop_size=16)
     model.model.stem[1].eval()  # a frozen BatchNorm
-    ChannelsLast().setup(tiny_trainer(tmp_path), model, "fit")
+    ChannelsLast(measure=False).setup(tiny_trainer(tmp_path), model, "fit")
     assert is_channels_last(model)
     assert model.training
     assert not model.model.stem[1].training
@@ -111,7 +111,9 @@ def test_without_an_example_input_only_verify_false_converts(tmp_path: Path) -> 
         L.seed_everything(0, verbose=False)
         model = DemoClassifier(width=4, crop_size=16)
         model.example_input_array = None
-        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(verify=verify)]).fit(model, _images())
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(verify=verify, measure=False)]).fit(
+            model, _images()
+        )
         assert is_channels_last(model) is expected
 
 
@@ -140,7 +142,7 @@ class _LateConvs(L.LightningModule):
 def test_convolutions_built_in_configure_model_are_reported(tmp_path: Path) -> None:
     """Layers that appear after setup cannot be converted there: fit start says so and how to do it."""
     with pytest.warns(UserWarning, match="configure_model"):
-        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast()]).fit(_LateConvs(), _images())
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(measure=False)]).fit(_LateConvs(), _images())
 
 
 def test_resuming_a_default_layout_checkpoint_aligns_the_optimizer_state(tmp_path: Path) -> None:
@@ -149,7 +151,7 @@ def test_resuming_a_default_layout_checkpoint_aligns_the_optimizer_state(tmp_pat
     path = tmp_path / "nchw.ckpt"
     trainer.save_checkpoint(path)
     resumed = DemoClassifier(width=4, crop_size=16)
-    resumer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast()])
+    resumer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast(measure=False)])
     resumer.fit(resumed, _images(), _images(16), ckpt_path=path)
     optimizer = resumer.optimizers[0]
     convs = [m.weight for m in resumed.modules() if isinstance(m, nn.Conv2d)]
@@ -159,7 +161,7 @@ def test_resuming_a_default_layout_checkpoint_aligns_the_optimizer_state(tmp_pat
 
 def test_validate_after_fit_keeps_the_report(tmp_path: Path) -> None:
     """A later ``validate`` finds the model converted and keeps fit's count."""
-    model, trainer = _fit(tmp_path, [callback := ChannelsLast()])
+    model, trainer = _fit(tmp_path, [callback := ChannelsLast(measure=False)])
     converted = callback.converted
     trainer.validate(model, _images(16), verbose=False)
     assert callback.report() == {"status": "channels_last", "converted": converted}
@@ -186,7 +188,7 @@ def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path, capf
     The reducer never has to copy a gradient whose strides differ from its bucket view (1x1 convs included).
     """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
-    _fit(tmp_path, [ChannelsLast(), _RankState(tmp_path)], strategy=strategy, devices=2)
+    _fit(tmp_path, [ChannelsLast(measure=False), _RankState(tmp_path)], strategy=strategy, devices=2)
     ranks = rank_records(tmp_path)
     assert ranks[0]["channels_last"]
     assert ranks[1]["channels_last"]
