@@ -1,0 +1,135 @@
+"""PrecisionTuner: the precision is chosen by timing real steps, and a slower or unsound candidate is rejected."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_speedkit import trials
+from lightning_speedkit.precision import PrecisionTuner, precision_candidates
+
+BOTH = ["32-true", "bf16-mixed"]
+
+
+class _Handicapped(TinyClassifier):
+    """Slower (a real sleep) or non-finite in one precision, to show what the tuner does with such a candidate."""
+
+    def __init__(self, slow_in: str | None = None, nan_in: str | None = None) -> None:
+        super().__init__(num_samples=256, batch_size=4)
+        self.slow_in, self.nan_in = slow_in, nan_in
+        self.autocast_seen: list[bool] = []
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        precision = self.trainer.precision
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        if precision == self.slow_in:
+            time.sleep(0.02)
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if precision == self.nan_in else loss
+
+
+def _fit(tmp_path: Path, model: TinyClassifier, tuner: PrecisionTuner, **kwargs: Any) -> Any:
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_val_batches=0, **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+def test_candidates_follow_the_hardware() -> None:
+    """bf16 is tried on a CPU only with bf16 instructions; on CUDA fp16 and (where supported) bf16 autocast."""
+    assert precision_candidates("cpu", frozenset({"amx_bf16"})) == BOTH
+    assert precision_candidates("cpu", frozenset()) == ["32-true"]
+    assert precision_candidates("cuda", frozenset(), cuda_bf16=False) == ["16-mixed"]
+
+
+def test_a_faster_candidate_is_installed_and_trains(tmp_path: Path) -> None:
+    """When fp32 steps are slower, bf16 autocast wins by more than the margin and the fit then runs under it."""
+    model = _Handicapped(slow_in="32-true")
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    report = tuner.report()
+    assert report["decision"] == "bf16-mixed", report
+    assert report["probed"]
+    assert report["probe_s"] > 0
+    assert report["step_ms"]["bf16-mixed"] < report["step_ms"]["32-true"]
+    assert trainer.precision == "bf16-mixed"
+    assert model.autocast_seen[-1] is True
+
+
+def test_a_slower_candidate_is_rejected(tmp_path: Path) -> None:
+    """An injected slower bf16 loses the measurement: fp32 stays, and the reason says bf16 was not faster."""
+    model = _Handicapped(slow_in="bf16-mixed")
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    assert tuner.report()["decision"] == "32-true"
+    assert "not faster" in tuner.report()["reason"]
+    assert trainer.precision == "32-true"
+    assert model.autocast_seen[-1] is False
+
+
+def test_a_candidate_with_a_non_finite_loss_is_rejected(tmp_path: Path) -> None:
+    """A candidate whose trial loss is NaN is rejected even when it is faster; fp32 stays."""
+    model = _Handicapped(slow_in="32-true", nan_in="bf16-mixed")
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    report = tuner.report()
+    assert report["decision"] == "32-true"
+    assert report["rejected"] == {"bf16-mixed": "non-finite loss"}
+    assert trainer.precision == "32-true"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> None:
+    """Tens of steps cannot repay a probe: no trial runs, the Trainer's precision stays and the reason says why."""
+    model = _Handicapped(slow_in="32-true")
+    _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=1, max_steps=20)
+    report = tuner.report()
+    assert report["decision"] == "32-true"
+    assert not report["probed"]
+    assert report["reason"].startswith("skipped: the probe (8 steps) cannot pay back in 20 steps left")
+    assert len(model.autocast_seen) == 20  # only the real steps ran
+
+
+def test_resume_installs_the_decision_without_probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed fit installs the saved precision and runs no trial."""
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    first = PrecisionTuner(candidates=BOTH)
+    trainer = tiny_trainer(tmp_path, callbacks=[first, ckpt], limit_val_batches=0, enable_checkpointing=True)
+    trainer.fit(_Handicapped(slow_in="32-true"))
+    saved = first.report()
+    assert saved["probed"]
+    monkeypatch.setattr(trials, "measure", lambda *args, **kwargs: pytest.fail("probed again on resume"))
+    resumed_tuner = PrecisionTuner(candidates=BOTH)
+    resumed = tiny_trainer(tmp_path, callbacks=[resumed_tuner], limit_val_batches=0, max_epochs=2)
+    resumed.fit(_Handicapped(slow_in="32-true"), ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
+    assert resumed_tuner.report()["decision"] == saved["decision"]
+    assert resumed.precision == saved["decision"]
+
+
+def test_a_non_autocast_plugin_is_left_alone(tmp_path: Path) -> None:
+    """A Trainer built with a true-half precision keeps it: only autocast plugins are swapped."""
+    trainer = _fit(tmp_path, TinyClassifier(), tuner := PrecisionTuner(), precision="bf16-true")
+    assert trainer.precision == "bf16-true"
+    assert "not an autocast plugin" in tuner.report()["reason"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"candidates": []}, "`candidates`"),
+        ({"candidates": ["16-true"]}, "`candidates`"),
+        ({"candidates": "bf16-mixed"}, "`candidates`"),
+        ({"probe_steps": 1}, "`probe_steps`"),
+        ({"margin": 1.0}, "`margin`"),
+        ({"margin": -0.1}, "`margin`"),
+        ({"loss_tolerance": -1}, "`loss_tolerance`"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    """Each bad argument gets a ValueError that names it."""
+    with pytest.raises(ValueError, match=match):
+        PrecisionTuner(**kwargs)
