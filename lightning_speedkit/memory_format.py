@@ -160,7 +160,7 @@ class ChannelsLast(Callback):
         self._verified = True
         if self.measure and stage == "fit":
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            pays, why = probe_pays_back(2 * self.probe_steps, steps_left(trainer), _MAX_GAIN)
+            pays, why = probe_pays_back(2 * trials.PROBE_ROUNDS * self.probe_steps, steps_left(trainer), _MAX_GAIN)
             if not pays:
                 to_default_layout(pl_module)
                 self.converted -= converted

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "PROBE_ROUNDS",
     "AsIs",
     "BatchSize",
     "Setting",
@@ -56,6 +57,10 @@ __all__ = [
     "log_decision",
     "measure",
 ]
+
+
+PROBE_ROUNDS = 2
+"""Rounds of one trial per setting that `measure` interleaves (a probe costs ``steps * rounds * settings`` steps)."""
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -510,15 +515,17 @@ def measure(
     margin: float,
     max_gain: float,
     warmup: int = 1,
+    rounds: int = PROBE_ROUNDS,
     loss_tolerance: float | None = None,
 ) -> dict[str, Any]:
     """Decide between the setting in place and ``candidates`` by real training steps; the report of that decision.
 
     Follows the rules of `lightning_speedkit.decisions`: no probe when it cannot pay back within the run (a reason
-    says so); otherwise one trial per setting in one `TrialSession` (the setting in place first), and the fastest
-    candidate is chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate
-    whose losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the same
-    report; the caller applies ``report["decision"]``.
+    says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in place
+    first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the median
+    of its timed steps over all rounds. The fastest candidate is chosen only if it beats the setting in place by
+    ``margin``. With ``loss_tolerance``, a candidate whose first-round losses are non-finite or clearly worse than the
+    setting in place's is rejected. Every rank returns the same report; the caller applies ``report["decision"]``.
 
     Returns:
         ``decision`` (a setting's name), ``reason``, ``probed``, ``probe_s`` (seconds the trials took, set-up
@@ -528,8 +535,9 @@ def measure(
     Raises:
         ValueError: If the train loader has fewer batches per epoch than ``steps``.
     """
+    settings = (current, *candidates)
     left = steps_left(trainer)
-    pays, why = probe_pays_back(steps * (1 + len(candidates)), left, max_gain)
+    pays, why = probe_pays_back(steps * rounds * len(settings), left, max_gain)
     report: dict[str, Any] = {"decision": current.name, "reason": why, "probed": False, "probe_s": 0.0}
     report.update(steps_left=None if math.isinf(left) else left, step_s={}, rejected={}, trials=[])
     if not pays:
@@ -541,15 +549,17 @@ def measure(
                 f"`probe_steps` must not be longer than the train loader: got {steps}, the loader has {batches}"
                 " batches per epoch."
             )
-        results = [session.run(setting) for setting in (current, *candidates)]
-    reference = results[0]
-    for result in results:
+        results = [session.run(setting) for _ in range(rounds) for setting in settings]
+    first = results[: len(settings)]
+    for setting, result in zip(settings, first, strict=True):
         problem = result.error if not result.fits else ""
-        if not problem and loss_tolerance is not None and result is not reference:
-            problem = loss_is_sound(result.losses, reference.losses, loss_tolerance)
-        if problem:
-            report["rejected"][result.setting] = problem
-        report["step_s"][result.setting] = None if problem else result.median_step_s
+        if not problem and loss_tolerance is not None and result is not first[0]:
+            problem = loss_is_sound(result.losses, first[0].losses, loss_tolerance)
+        own = [r for r in results if r.setting == setting.name]
+        timed = [t for r in own if r.fits for t in r.step_s[r.warmup :]]
+        if problem or not all(r.fits for r in own):
+            report["rejected"][setting.name] = problem or next(r.error for r in own if not r.fits)
+        report["step_s"][setting.name] = statistics.median(timed) if timed and not problem else None
     decision, reason = choose_setting(report["step_s"], current.name, margin)
     report.update(decision=decision, reason=reason, probed=True, probe_s=session.elapsed_s)
     report["trials"] = [result.as_dict() for result in results]

@@ -14,16 +14,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_speedkit import ChannelsLast
+from lightning_speedkit import ChannelsLast, trials
 from lightning_speedkit.demo import DemoClassifier
 from lightning_speedkit.layout import has_convolutions, is_channels_last
 
 
-def _images(n: int = 32, size: int = 16) -> DataLoader[tuple[torch.Tensor, ...]]:
+def _images(n: int = 32, size: int = 16, batch_size: int = 8) -> DataLoader[tuple[torch.Tensor, ...]]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, size, size, generator=generator)
     y = torch.randint(0, 10, (n,), generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=8)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
 def _fit(tmp_path: Path, callbacks: list[L.Callback], **kwargs: object) -> tuple[DemoClassifier, L.Trainer]:
@@ -206,3 +206,98 @@ def test_benchmark_quick_mode_compares_both_layouts_in_one_run(tmp_path: Path) -
     assert converted["resnet"] > 0
     assert converted["mlp"] == 0
     assert all(row["nchw_ms"] > 0 and row["nhwc_ms"] > 0 for row in result["rows"])
+
+
+# ---------------------------------------------------------------------------------------------------- measured layout
+def _measured_fit(
+    tmp_path: Path, architecture: str, callback: ChannelsLast, steps: int = 96, **kwargs: object
+) -> tuple[DemoClassifier, L.Trainer]:
+    """A fit of ``steps`` batches of 32 images, long enough (by default) for the layout probe to pay back."""
+    L.seed_everything(0, verbose=False)
+    model = DemoClassifier(width=8, crop_size=32, architecture=architecture)
+    callbacks = [callback, *kwargs.pop("extra", [])]  # type: ignore[misc]
+    trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=callbacks, limit_val_batches=0, **kwargs)
+    trainer.fit(model, _images(32 * steps, size=32, batch_size=32))
+    return model, trainer
+
+
+def test_a_model_nhwc_does_not_speed_up_stays_in_the_default_layout(tmp_path: Path) -> None:
+    """FlatHeadNet (NHWC 1.4-2.2x slower here) is timed in both layouts and kept NCHW, with both step times reported."""
+    model, _ = _measured_fit(tmp_path, "flat_head", callback := ChannelsLast())
+    report = callback.report()
+    assert report["probed"]
+    assert report["decision"] == "default", report
+    assert report["step_ms"]["channels_last"] > report["step_ms"]["default"]
+    assert not is_channels_last(model)
+    assert report["converted"] == 0
+
+
+def test_the_decision_follows_the_measurement(tmp_path: Path) -> None:
+    """On the demo ResNet the layout kept is NHWC exactly when its measured step is at least the margin faster."""
+    model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(margin=0.03))
+    report = callback.report()
+    faster = report["step_ms"]["channels_last"] <= (1 - 0.03) * report["step_ms"]["default"]
+    assert report["decision"] == ("channels_last" if faster else "default")
+    assert is_channels_last(model) == faster
+    assert report["probe_s"] > 0
+
+
+def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) -> None:
+    """Tens of steps cannot repay timing both layouts: no probe, the default layout stays, the reason says so."""
+    model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=12)
+    report = callback.report()
+    assert not report["probed"]
+    assert report["decision"] == "default"
+    assert report["reason"].startswith("skipped: the probe (16 steps) cannot pay back in 12 steps left")
+    assert not is_channels_last(model)
+
+
+def test_resume_keeps_the_measured_layout_without_probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed fit applies the saved decision and runs no trial."""
+    _measured_fit(tmp_path / "a", "flat_head", original := ChannelsLast(), enable_checkpointing=True)
+    saved = original.report()["decision"]
+    checkpoint = next((tmp_path / "a").rglob("*.ckpt"))
+    monkeypatch.setattr(trials, "measure", lambda *args, **kwargs: pytest.fail("probed again on resume"))
+    resumed_callback = ChannelsLast()
+    L.seed_everything(0, verbose=False)
+    resumed = DemoClassifier(width=8, crop_size=32, architecture="flat_head")
+    trainer = tiny_trainer(tmp_path / "b", max_epochs=2, callbacks=[resumed_callback], limit_val_batches=0)
+    trainer.fit(resumed, _images(32 * 96, size=32, batch_size=32), ckpt_path=str(checkpoint))
+    assert resumed_callback.report()["decision"] == saved
+    assert is_channels_last(resumed) == (saved == "channels_last")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"margin": 1.0}, "`margin`"),
+        ({"margin": -0.01}, "`margin`"),
+        ({"probe_steps": 1}, "`probe_steps`"),
+        ({"measure": "yes"}, "`measure`"),
+    ],
+)
+def test_bad_measurement_arguments_are_refused(kwargs: dict[str, object], match: str) -> None:
+    """A margin outside [0, 1), fewer than 2 probe steps or a non-bool ``measure`` get a ValueError naming it."""
+    with pytest.raises(ValueError, match=match):
+        ChannelsLast(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_reverting_to_the_default_layout_keeps_ranks_in_sync(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """2-process DDP: the ranks agree on FlatHeadNet's layout, timed inside the DDP wrapper; both end identical.
+
+    Reverting to NCHW after wrapping rebuilds the wrapper, so the reducer never copies a gradient whose strides differ
+    from its bucket view.
+    """
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
+    _measured_fit(
+        tmp_path, "flat_head", ChannelsLast(), steps=96, strategy=strategy, devices=2, extra=[_RankState(tmp_path)]
+    )
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["channels_last"] == ranks[1]["channels_last"]
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err

@@ -8,7 +8,7 @@ Used by ``speedkit demo``, the benchmarks and the tests::
 """
 
 from lightning_speedkit.demo.data import CLASSES, DemoDataModule, ShapesDataset, ensure_shapes, render_shape
-from lightning_speedkit.demo.model import DemoClassifier, DemoResNet
+from lightning_speedkit.demo.model import DemoClassifier, DemoResNet, FlatHeadNet
 from lightning_speedkit.demo.run import DemoConfig, format_report, run_demo, train_variant
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "DemoConfig",
     "DemoDataModule",
     "DemoResNet",
+    "FlatHeadNet",
     "ShapesDataset",
     "ensure_shapes",
     "format_report",

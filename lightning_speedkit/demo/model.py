@@ -73,6 +73,35 @@ class DemoResNet(nn.Module):
         return self.classifier(torch.flatten(self.pool(x), 1))  # type: ignore[no-any-return]
 
 
+class FlatHeadNet(nn.Module):
+    """One cheap convolution, gated activations and a linear head on the flattened map: a net NHWC makes slower.
+
+    After an NHWC convolution, ``flatten`` must copy the activation back to NCHW order, and the element-wise
+    backward ops run on tensors of mixed layouts; the single small convolution cannot pay for that. On 2 EPYC cores a
+    training step ran 1.4-2.2x slower channels-last (``benchmarks/results/channels_last.json``), which is why
+    `~lightning_speedkit.ChannelsLast` measures before it keeps NHWC.
+
+    Example:
+        >>> FlatHeadNet(crop_size=16)(torch.zeros(2, 3, 16, 16)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, num_classes: int = 10, width: int = 8, crop_size: int = 32) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.fc = nn.Linear(width * crop_size * crop_size, num_classes)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        x = nn.functional.gelu(x) * torch.sigmoid(x)
+        return self.fc(x.flatten(1))  # type: ignore[no-any-return]
+
+
+ARCHITECTURES = ("resnet", "flat_head")
+"""The demo's networks: `DemoResNet`, and `FlatHeadNet` (the counter-example for channels-last)."""
+
+
 class DemoClassifier(L.LightningModule):
     """The demo model as a LightningModule: AdamW at a constant LR, the optimizer a user would sensibly write.
 
@@ -83,6 +112,8 @@ class DemoClassifier(L.LightningModule):
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         crop_size: Side of the input images (sets ``example_input_array``).
+        architecture: ``"resnet"`` (`DemoResNet`, the demo's) or ``"flat_head"`` (`FlatHeadNet`; ``width``
+            channels, blocks unused).
 
     Logged metrics: ``train_loss`` (each step), ``val_loss`` and ``val_acc`` (each validation epoch).
 
@@ -100,13 +131,20 @@ class DemoClassifier(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 1e-4,
         crop_size: int = 56,
+        architecture: str = "resnet",
     ) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"`lr` must be positive, got {lr}.")
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"`architecture` must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}.")
         self.save_hyperparameters()
         self.lr = lr
-        self.model = DemoResNet(num_classes, width, blocks_per_stage)
+        self.model: nn.Module = (
+            DemoResNet(num_classes, width, blocks_per_stage)
+            if architecture == "resnet"
+            else FlatHeadNet(num_classes, width, crop_size)
+        )
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.example_input_array = torch.zeros(1, 3, crop_size, crop_size)
 
