@@ -138,18 +138,24 @@ def _precision(cpu: CpuInfo, gpus: Sequence[GpuInfo]) -> dict[str, Any]:
             return _choice("32-true", f"{_describe(old)} predates Volta (compute < 7.0): no tensor cores for fp16")
         no_bf16 = [gpu for gpu in gpus if not gpu.bf16]
         bf16_note = (
-            "'bf16-mixed' is also available (every GPU has compute >= 8.0) and needs no loss scaling"
+            "'bf16-mixed' is also available (every GPU has compute >= 8.0), needs no loss scaling, and preset's"
+            " PrecisionTuner times it against '16-mixed' at fit start"
             if not no_bf16
             else f"'bf16-mixed' is not: {_describe(no_bf16)} has compute < 8.0"
         )
-        return _choice("16-mixed", f"speedkit's default on CUDA, tensor cores on every GPU; {bf16_note}")
-    if cpu.has_amx_bf16:
-        return _choice("bf16-mixed", "CPU has AMX-BF16, which runs bf16 matrix maths in hardware")
-    avx512_note = "; avx512_bf16 without AMX was not shown to help" if "avx512_bf16" in cpu.flags else ""
+        return _choice("16-mixed", f"to start on CUDA, tensor cores on every GPU; {bf16_note}")
+    bf16_flags = cpu.bf16_instructions
+    if bf16_flags:
+        return _choice(
+            "32-true",
+            f"to start; the CPU has {' and '.join(bf16_flags)}, so preset's PrecisionTuner times 'bf16-mixed'"
+            " against it on real training steps at fit start and keeps the faster (measured on one such CPU:"
+            " benchmarks/results/precision.json)",
+        )
     return _choice(
         "32-true",
-        "no AMX-BF16: Lightning silently turns '16-mixed' into 'bf16-mixed' on CPU, "
-        f"measured ~10x slower than fp32 on an AVX2 CPU{avx512_note}",
+        "no bf16 instructions: bf16 autocast would be emulated (about 10x slower than fp32 measured on an AVX2 CPU),"
+        " so it is not tried; Lightning turns '16-mixed' into 'bf16-mixed' on CPU (with a warning)",
     )
 
 

@@ -124,8 +124,18 @@ class CpuInfo:
 
     @property
     def has_amx_bf16(self) -> bool:
-        """Whether the CPU has AMX with bf16 (Intel Sapphire Rapids and later), where bf16 autocast pays off."""
+        """Whether the CPU has AMX with bf16 (Intel Sapphire Rapids and later)."""
         return "amx_bf16" in self.flags
+
+    @property
+    def bf16_instructions(self) -> list[str]:
+        """The CPU's bf16 instructions (``avx512_bf16``, ``amx_bf16``): without them bf16 autocast is emulated.
+
+        Example:
+            >>> CpuInfo(2, 2, "EPYC", ("avx2", "avx512_bf16"), "AVX512").bf16_instructions
+            ['avx512_bf16']
+        """
+        return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in self.flags]
 
 
 @dataclass(frozen=True)

@@ -33,24 +33,24 @@ _MAX_GAIN = 0.5
 """The most a precision is taken to save of a step when deciding whether a probe can pay back (bf16 measured 1.5x)."""
 
 
-def precision_candidates(device_type: str, cpu_flags: frozenset[str], cuda_bf16: bool = False) -> list[str]:
+def precision_candidates(device_type: str, cpu_bf16: bool = False, cuda_bf16: bool = False) -> list[str]:
     """The autocast precisions worth timing on this hardware, the usual default first.
 
-    CPU: ``32-true``, and ``bf16-mixed`` only when the CPU has bf16 instructions (``avx512_bf16`` or ``amx_bf16``;
-    elsewhere bf16 is emulated and a trial of it alone would cost many steps). CUDA: ``16-mixed``, and
+    CPU: ``32-true``, and ``bf16-mixed`` only when the CPU has bf16 instructions (``cpu_bf16``: ``avx512_bf16`` or
+    ``amx_bf16``; elsewhere bf16 is emulated and a trial of it alone would cost many steps). CUDA: ``16-mixed``, and
     ``bf16-mixed`` where the GPU supports it; ``32-true`` is then only the fallback, not a candidate.
 
     Example:
-        >>> precision_candidates("cpu", frozenset({"avx2", "avx512_bf16"}))
+        >>> precision_candidates("cpu", cpu_bf16=True)
         ['32-true', 'bf16-mixed']
-        >>> precision_candidates("cpu", frozenset({"avx2"}))
+        >>> precision_candidates("cpu")
         ['32-true']
-        >>> precision_candidates("cuda", frozenset(), cuda_bf16=True)
+        >>> precision_candidates("cuda", cuda_bf16=True)
         ['16-mixed', 'bf16-mixed']
     """
     if device_type == "cuda":
         return ["16-mixed", "bf16-mixed"] if cuda_bf16 else ["16-mixed"]
-    return ["32-true", "bf16-mixed"] if cpu_flags & {"avx512_bf16", "amx_bf16"} else ["32-true"]
+    return ["32-true", "bf16-mixed"] if cpu_bf16 else ["32-true"]
 
 
 def _plugin(precision: str, device_type: str) -> Precision:
@@ -169,10 +169,13 @@ class PrecisionTuner(Callback):
     def _measure(self, trainer: pl.Trainer, current: str) -> dict[str, Any]:
         device = trainer.strategy.root_device.type
         cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
-        wanted = self.candidates or precision_candidates(device, frozenset(cpu_info().flags), cuda_bf16)
+        wanted = self.candidates or precision_candidates(device, bool(cpu_info().bf16_instructions), cuda_bf16)
         others = [_Autocast(p) for p in wanted if p != current]
         if device != "cuda":
             others = [c for c in others if c.name != "16-mixed"]  # fp16 autocast on CPU: Lightning makes it bf16
+        if not others:
+            reason = f"no other autocast precision to try on this {device.upper()} (candidates: {', '.join(wanted)})"
+            return {"decision": current, "reason": reason, "probed": False, "probe_s": 0.0}
         return trials.measure(
             trainer,
             _Autocast(current),

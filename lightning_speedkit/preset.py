@@ -20,6 +20,7 @@ from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary
 from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
+from lightning_speedkit.precision import PrecisionTuner
 from lightning_speedkit.pruning import StructuredPruning
 from lightning_speedkit.warmup import WarmupScheduler
 
@@ -33,7 +34,8 @@ _PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "64-true", "bf16-tru
 class PresetChoices(dict[str, Any]):
     """What `preset` chose and why, as a plain dict that serialises as it is.
 
-    Keys: ``accelerator``, ``devices``, ``num_nodes``, ``precision``, ``strategy``, ``channels_last``,
+    Keys: ``accelerator``, ``devices``, ``num_nodes``, ``precision``, ``tune_precision`` (whether `PrecisionTuner`
+    measures the precision at fit start; it then writes its choice and reason here), ``strategy``, ``channels_last``,
     ``num_workers``, ``logger``, ``callbacks`` and ``reasons`` (a one-line reason per choice).
     """
 
@@ -57,11 +59,13 @@ def choose(
     strategy: str = "auto",
     channels_last: bool | str = "auto",
 ) -> PresetChoices:
-    """Decide accelerator, devices, precision, strategy and layout from hardware facts (pure: no Trainer is built).
+    """Decide accelerator, devices, the starting precision, strategy and layout from hardware facts (no Trainer built).
 
-    ``channels_last="auto"`` turns `~lightning_speedkit.ChannelsLast` on for CPUs (measured 1.33-1.36x per step
-    in ``benchmarks/channels_last.py``) and for GPUs with mixed precision (NHWC is the layout tensor cores use), not
-    for fp32 on a GPU, where cuDNN's NHWC kernels can be slower.
+    What hardware facts cannot decide is left to a measurement at fit start. ``precision="auto"`` starts from
+    ``"32-true"`` on CPU (``"16-mixed"`` on CUDA) and sets ``tune_precision``, so `PrecisionTuner` times the other
+    autocast precisions the hardware supports on real steps and keeps the fastest. ``channels_last="auto"`` adds
+    `~lightning_speedkit.ChannelsLast`, which times both layouts and keeps NHWC only when it wins (it helps the demo
+    ResNet on CPU and slows `~lightning_speedkit.demo.FlatHeadNet`: ``benchmarks/results/channels_last.json``).
 
     Raises:
         ValueError: If ``devices`` asks for more GPUs (or, on CPU, processes than cores) than exist, or an
@@ -70,10 +74,10 @@ def choose(
     Example:
         >>> cpu = CpuInfo(8, 8, "test CPU", ("avx2",), "AVX2")
         >>> c = choose(cpu, [GpuInfo(i, "NVIDIA A100", (8, 0), 40 * 2**30) for i in range(4)], devices=4)
-        >>> c["accelerator"], c["devices"], c["precision"], c["strategy"], c["channels_last"]
-        ('gpu', 4, '16-mixed', 'ddp', True)
-        >>> choose(cpu, [])["precision"], choose(cpu, [])["channels_last"]
-        ('32-true', True)
+        >>> c["accelerator"], c["devices"], c["precision"], c["strategy"], c["channels_last"], c["tune_precision"]
+        ('gpu', 4, '16-mixed', 'ddp', True, True)
+        >>> choose(cpu, [])["precision"], choose(cpu, [], precision="32-true")["tune_precision"]
+        ('32-true', False)
     """
     if not (isinstance(num_nodes, int) and num_nodes >= 1):
         raise ValueError(f"`num_nodes` must be a positive int, got {num_nodes!r}.")
@@ -95,7 +99,8 @@ def choose(
     advice = recommend(cpu, list(gpus[:count]))
     reasons: dict[str, str] = {"accelerator": "CUDA GPU found" if gpus else "no CUDA GPU: CPU"}
     reasons["devices"] = f"{count} of {available} {unit}" + (f" x {num_nodes} nodes" if num_nodes > 1 else "")
-    if precision == "auto":
+    tune_precision = precision == "auto"
+    if tune_precision:
         precision = str(advice["precision"]["value"])
         reasons["precision"] = advice["precision"]["reason"]
     else:
@@ -108,17 +113,15 @@ def choose(
         reasons["strategy"] = "single process" if world == 1 else "as asked"
     if channels_last != "auto":
         reasons["channels_last"] = "as asked"
-    elif not gpus:
-        channels_last, reasons["channels_last"] = True, "conv nets only; NHWC measured faster on CPU"
-    elif precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true"):
-        channels_last, reasons["channels_last"] = True, "conv nets only; NHWC feeds tensor cores"
     else:
-        channels_last, reasons["channels_last"] = False, "fp32 on a GPU: NHWC not assumed faster"
+        channels_last = True
+        reasons["channels_last"] = "conv nets only; both layouts timed at fit start, NHWC kept if >= 3% faster"
     return PresetChoices(
         accelerator=accelerator,
         devices=count,
         num_nodes=num_nodes,
         precision=precision,
+        tune_precision=tune_precision,
         strategy=strategy,
         channels_last=channels_last,
         num_workers=advice["num_workers"]["value"],
@@ -134,13 +137,16 @@ def default_callbacks(
     warmup: bool | dict[str, Any] = True,
     monitor: bool | dict[str, Any] = True,
     tune_data: bool | dict[str, Any] = True,
-    channels_last: bool = True,
+    channels_last: bool | dict[str, Any] = True,
+    precision: bool | dict[str, Any] = False,
 ) -> list[Callback]:
     """Speedkit's callbacks in the order they must act, with the user's own merged in.
 
-    Order: DataLoaderTuner -> ChannelsLast -> BatchSizeFinder -> WarmupScheduler -> UtilizationMonitor ->
-    StructuredPruning -> Int8Export. A callback in ``callbacks`` of the same type as one of ours *replaces* ours in
-    that slot (never a duplicate); the user's other callbacks follow ours.
+    Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> WarmupScheduler ->
+    UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so the loader is
+    tuned against the step the run will really take (workers compete with it for cores). A callback in ``callbacks``
+    of the same type as one of ours *replaces* ours in that slot (never a duplicate); the user's other callbacks
+    follow ours.
 
     Args:
         batch_size: ``"auto"`` (or a dict of `BatchSizeFinder` arguments) to search the batch size; None to keep it.
@@ -150,27 +156,37 @@ def default_callbacks(
         warmup: ``False`` to leave the LR alone, or a dict of `WarmupScheduler` arguments.
         monitor: ``False`` for no `UtilizationMonitor`, or a dict of its arguments.
         tune_data: ``False`` for no `DataLoaderTuner`, or a dict of its arguments.
-        channels_last: ``False`` for no `ChannelsLast` (it acts only on models with convolutions).
+        channels_last: ``False`` for no `ChannelsLast` (it acts only on models with convolutions), or a dict of its
+            arguments.
+        precision: ``True`` (or a dict of its arguments) for a `PrecisionTuner`; preset sets it when ``precision``
+            is left to it.
 
     Example:
         >>> [type(c).__name__ for c in default_callbacks()]
-        ['DataLoaderTuner', 'ChannelsLast', 'WarmupScheduler', 'UtilizationMonitor']
+        ['ChannelsLast', 'DataLoaderTuner', 'WarmupScheduler', 'UtilizationMonitor']
         >>> mine = WarmupScheduler(warmup=10)
         >>> default_callbacks(callbacks=[mine])[2] is mine
         True
     """
-    for name, value in (("warmup", warmup), ("monitor", monitor), ("tune_data", tune_data)):
+    options = (
+        ("warmup", warmup),
+        ("monitor", monitor),
+        ("tune_data", tune_data),
+        ("channels_last", channels_last),
+        ("precision", precision),
+    )
+    for name, value in options:
         if not isinstance(value, (bool, dict)):
             raise ValueError(f"`{name}` must be True, False or a dict of arguments, got {value!r}.")
-    if not isinstance(channels_last, bool):
-        raise ValueError(f"`channels_last` must be True or False, got {channels_last!r}.")
     if any(not isinstance(c, Callback) for c in callbacks or ()):
         raise TypeError(f"`callbacks` must hold lightning Callbacks, got {list(callbacks or ())!r}.")
     ours: list[Callback] = []
+    if channels_last is not False:
+        ours.append(ChannelsLast(**_kwargs(channels_last)))
+    if precision is not False:
+        ours.append(PrecisionTuner(**_kwargs(precision)))
     if tune_data is not False:
         ours.append(DataLoaderTuner(**_kwargs(tune_data)))
-    if channels_last:
-        ours.append(ChannelsLast())
     if batch_size is not None:
         from lightning_speedkit.batch_size import BatchSizeFinder
 
@@ -211,16 +227,20 @@ def preset(
 ) -> L.Trainer:
     """A ``lightning.Trainer`` tuned for this machine, with speedkit's callbacks.
 
-    - Precision: ``"16-mixed"`` on CUDA (``"bf16-mixed"`` is named when every GPU supports it); on CPU ``"32-true"``
-      unless the CPU has AMX-BF16 (Lightning would silently turn ``"16-mixed"`` into a bf16 that is slower here).
+    - Precision: with ``precision="auto"`` the Trainer starts in ``"16-mixed"`` on CUDA and ``"32-true"`` on CPU, and a
+      `PrecisionTuner` times the other autocast precisions the hardware supports (``"bf16-mixed"`` on GPUs that have
+      it and on CPUs with bf16 instructions) on real steps at fit start, keeping the fastest; an explicit
+      ``precision`` is used as it is.
     - Strategy: ``devices * num_nodes > 1`` gives DDP (`DDPStrategy` with ``gradient_as_bucket_view=True``; gloo on
       CPU, NCCL on GPU). Multi-node runs take their ranks from Lightning's cluster environments: launch with
       ``torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train.py`` or
       ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)`` in ``train.py``.
     - Callbacks: `default_callbacks` (a user callback of the same type replaces ours), then a
       `~lightning_speedkit.loggers.RunSummary` that writes every callback's report to ``speedkit_summary.json``
-      (and the W&B run summary). `ChannelsLast` (``channels_last="auto"``) is on for CPUs and for GPUs with mixed
-      precision (`choose`), ``False`` switches it off; it acts only on conv nets that it has checked run NHWC.
+      (and the W&B run summary). `ChannelsLast` (``channels_last="auto"``) acts only on conv nets that it has
+      checked run NHWC, and keeps NHWC only when real steps are faster; ``False`` switches it off.
+    - Every probe is skipped when the run is too short for it to pay back (`lightning_speedkit.decisions`), so a short
+      job is not made slower; each callback's ``report()`` says what it measured, skipped and why.
     - Logger: a W&B logger when wandb is installed (offline without an API key; ``speedkit/*`` metrics grouped on
       ``trainer/global_step``), else a CSV logger; ``logger=False`` for none, or pass your own.
 
@@ -236,7 +256,12 @@ def preset(
     """
     choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy, channels_last)
     chosen_callbacks = default_callbacks(
-        batch_size=batch_size, prune=prune, export=export, callbacks=callbacks, channels_last=choices["channels_last"]
+        batch_size=batch_size,
+        prune=prune,
+        export=export,
+        callbacks=callbacks,
+        channels_last=choices["channels_last"],
+        precision=choices["tune_precision"],
     )
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
         chosen_callbacks.append(RunSummary())

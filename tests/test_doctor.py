@@ -25,7 +25,7 @@ A100S = [GpuInfo(i, "NVIDIA A100", (8, 0), 40 * 2**30) for i in range(4)]
     [
         (CPU_2_CORES_AVX512_BF16, [], "32-true", "auto", 0),
         (CPU_2_CORES_AVX2, [], "32-true", "auto", 0),
-        (CPU_AMX, [], "bf16-mixed", "auto", 28),
+        (CPU_AMX, [], "32-true", "auto", 28),
         (CPU_32_CORES, [H100], "16-mixed", "auto", 8),
         (CPU_2_CORES_AVX2, [H100], "16-mixed", "auto", 1),
         (CPU_32_CORES, [T4], "16-mixed", "auto", 8),
@@ -50,9 +50,9 @@ def test_recommend_values(cpu: CpuInfo, gpus: list[GpuInfo], precision: str, str
 @pytest.mark.parametrize(
     ("cpu", "gpus", "key", "fragments", "absent"),
     [
-        (CPU_2_CORES_AVX2, [], "precision", ["silently", "'16-mixed'", "'bf16-mixed'", "10x"], ["avx512_bf16"]),
-        (CPU_2_CORES_AVX512_BF16, [], "precision", ["silently", "avx512_bf16 without AMX was not shown"], []),
-        (CPU_AMX, [], "precision", ["AMX-BF16"], []),
+        (CPU_2_CORES_AVX2, [], "precision", ["no bf16 instructions", "'16-mixed'", "10x", "warning"], ["avx512_bf16"]),
+        (CPU_2_CORES_AVX512_BF16, [], "precision", ["avx512_bf16", "PrecisionTuner", "precision.json"], ["silently"]),
+        (CPU_AMX, [], "precision", ["avx512_bf16 and amx_bf16", "times 'bf16-mixed'"], []),
         (CPU_32_CORES, [H100], "precision", ["'bf16-mixed' is also available"], []),
         (CPU_32_CORES, [T4], "precision", ["'bf16-mixed' is not", "Tesla T4, 7.5"], []),
         (CPU_32_CORES, [P100], "precision", ["no tensor cores", "Tesla P100, 6.0"], []),
@@ -65,7 +65,7 @@ def test_recommend_values(cpu: CpuInfo, gpus: list[GpuInfo], precision: str, str
 def test_recommend_reasons(
     cpu: CpuInfo, gpus: list[GpuInfo], key: str, fragments: list[str], absent: list[str]
 ) -> None:
-    """Each reason names the fact that decided it (the silent bf16 switch, bf16 availability, devices, cores)."""
+    """Each reason names the fact that decided it (bf16 instructions and the measurement, devices, cores)."""
     reason = doctor.recommend(cpu, gpus)[key]["reason"]
     for fragment in fragments:
         assert fragment in reason

@@ -44,9 +44,9 @@ def _fit(tmp_path: Path, model: TinyClassifier, tuner: PrecisionTuner, **kwargs:
 
 def test_candidates_follow_the_hardware() -> None:
     """bf16 is tried on a CPU only with bf16 instructions; on CUDA fp16 and (where supported) bf16 autocast."""
-    assert precision_candidates("cpu", frozenset({"amx_bf16"})) == BOTH
-    assert precision_candidates("cpu", frozenset()) == ["32-true"]
-    assert precision_candidates("cuda", frozenset(), cuda_bf16=False) == ["16-mixed"]
+    assert precision_candidates("cpu", cpu_bf16=True) == BOTH
+    assert precision_candidates("cpu", cpu_bf16=False) == ["32-true"]
+    assert precision_candidates("cuda", cuda_bf16=False) == ["16-mixed"]
 
 
 def test_a_faster_candidate_is_installed_and_trains(tmp_path: Path) -> None:

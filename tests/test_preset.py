@@ -30,7 +30,7 @@ P100 = GpuInfo(0, "Tesla P100", (6, 0), 16 * 2**30)
     [
         (CPU2, [], "auto", ("cpu", 1, "32-true", "auto")),
         (CPU2, [], 2, ("cpu", 2, "32-true", "ddp")),
-        (CPU_AMX, [], 1, ("cpu", 1, "bf16-mixed", "auto")),
+        (CPU_AMX, [], 1, ("cpu", 1, "32-true", "auto")),
         (CPU2, [A100], "auto", ("gpu", 1, "16-mixed", "auto")),
         (CPU2, [A100] * 4, 4, ("gpu", 4, "16-mixed", "ddp")),
         (CPU2, [P100], 1, ("gpu", 1, "32-true", "auto")),
@@ -45,9 +45,12 @@ def test_choices_follow_the_hardware(
     assert all(chosen["reasons"][key] for key in ("accelerator", "devices", "precision", "strategy"))
 
 
-def test_cpu_precision_reason_explains_the_bf16_trap() -> None:
-    """On a CPU without AMX the reason says why fp32 beats Lightning's silent bf16."""
-    assert "bf16" in choose(CPU2, [])["reasons"]["precision"]
+def test_cpu_precision_is_a_starting_point_that_is_measured() -> None:
+    """precision="auto" starts from fp32 on a CPU with bf16 instructions and asks PrecisionTuner to measure bf16."""
+    chosen = choose(CPU2, [])
+    assert chosen["tune_precision"] is True
+    assert "PrecisionTuner times 'bf16-mixed'" in chosen["reasons"]["precision"]
+    assert choose(CPU2, [], precision="bf16-mixed")["tune_precision"] is False
 
 
 @pytest.mark.parametrize(
@@ -69,9 +72,9 @@ def test_bad_choices_are_refused(kwargs: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize(
     ("gpus", "precision", "asked", "expected"),
     [
-        ([], "auto", "auto", True),  # measured faster on this CPU (benchmarks/channels_last.py)
-        ([A100], "auto", "auto", True),  # 16-mixed: NHWC feeds tensor cores
-        ([A100], "32-true", "auto", False),  # fp32 on a GPU: not assumed faster
+        ([], "auto", "auto", True),  # ChannelsLast times both layouts at fit start
+        ([A100], "auto", "auto", True),
+        ([A100], "32-true", "auto", True),  # fp32 on a GPU: measured too, not assumed either way
         ([], "auto", False, False),
         ([A100], "32-true", True, True),
     ],
@@ -79,7 +82,7 @@ def test_bad_choices_are_refused(kwargs: dict[str, Any], match: str) -> None:
 def test_channels_last_is_chosen_by_device_and_precision(
     gpus: list[GpuInfo], precision: str, asked: bool | str, expected: bool
 ) -> None:
-    """``channels_last="auto"``: on for CPUs and mixed-precision GPUs, off for fp32 GPUs; an explicit value wins."""
+    """``channels_last="auto"`` adds the measuring ChannelsLast on every device; an explicit value wins."""
     choices = choose(CPU2, gpus, precision=precision, channels_last=asked)
     assert choices["channels_last"] is expected
     assert choices["reasons"]["channels_last"]
@@ -93,10 +96,11 @@ def test_more_gpus_than_exist_is_an_error() -> None:
 
 def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     """Ours come in acting order; the batch-size finder, pruning and export only when asked for."""
-    names = [type(c).__name__ for c in default_callbacks(batch_size="auto", prune=0.5, export=tmp_path)]
+    names = [type(c).__name__ for c in default_callbacks(batch_size="auto", prune=0.5, export=tmp_path, precision=True)]
     assert names == [
-        "DataLoaderTuner",
         "ChannelsLast",
+        "PrecisionTuner",
+        "DataLoaderTuner",
         "BatchSizeFinder",
         "WarmupScheduler",
         "UtilizationMonitor",
@@ -134,7 +138,8 @@ def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert trainer.speedkit["precision"] == "32-true"
     assert isinstance(trainer.logger, CSVLogger)
     names = [type(c).__name__ for c in trainer.callbacks]
-    assert {"DataLoaderTuner", "ChannelsLast", "WarmupScheduler", "UtilizationMonitor", "RunSummary"} <= set(names)
+    expected = {"DataLoaderTuner", "ChannelsLast", "PrecisionTuner", "WarmupScheduler", "UtilizationMonitor"}
+    assert expected | {"RunSummary"} <= set(names)
     assert "precision" in trainer.speedkit.summary()
     assert "channels_last" in trainer.speedkit.summary()
 
