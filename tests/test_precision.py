@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -133,3 +134,14 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
     """Each bad argument gets a ValueError that names it."""
     with pytest.raises(ValueError, match=match):
         PrecisionTuner(**kwargs)
+
+
+def test_benchmark_quick_mode_records_the_cpu_and_both_precisions(tmp_path: Path, demo_cache: Path) -> None:
+    """``benchmarks/precision.py --quick`` times both precisions per step and end to end and records the CPU's flags."""
+    benchmark = load_benchmark("precision")
+    result = benchmark.main(["--quick", "--out", str(tmp_path / "precision.json"), "--cache-dir", str(demo_cache)])
+    assert json.loads((tmp_path / "precision.json").read_text()) == result
+    assert {row["layout"] for row in result["per_step"]} == {"NCHW", "NHWC"}
+    assert all(row["fp32_ms"] > 0 and row["bf16_ms"] > 0 for row in result["per_step"])
+    assert {row["run"] for row in result["end_to_end"]} == {"32-true", "bf16-mixed", "PrecisionTuner"}
+    assert "bf16_instructions" in result["cpu"]
