@@ -1,9 +1,13 @@
 """ChannelsLast: training-step and inference time of the same model in the default (NCHW) and channels-last layout.
 
-For the demo ResNet (width 16, 56 px crops) at the batch sizes the demo and a throughput search use, and for an MLP
-as the control (no convolutions: `ChannelsLast` leaves it alone, the ratio must be ~1). Both layouts start from the
-same weights and see the same batch; rounds are interleaved (NCHW, NHWC, NCHW, ...) so drift on a shared machine
-hits both alike. The figure is the median step time over all rounds, and the speed-up is NCHW time / NHWC time.
+For the demo ResNet (width 16, 56 px crops) at the batch sizes the demo and a throughput search use, for FlatHeadNet
+(a net NHWC makes slower), and for an MLP as the control (no convolutions: `ChannelsLast` leaves it alone, the ratio
+must be ~1). Both layouts start from the same weights and see the same batch; rounds are interleaved (NCHW, NHWC,
+NCHW, ...) so drift on a shared machine hits both alike. The figure is the median step time over all rounds, and the
+speed-up is NCHW time / NHWC time.
+
+Then, for each conv net, what the callback itself decides: a real fit with ``ChannelsLast()`` long enough for its
+probe to pay back, with the step times it measured and the layout it kept.
 
     python benchmarks/channels_last.py            # about a minute on 2 CPU cores
     python benchmarks/channels_last.py --quick    # seconds: a smoke run for the tests
@@ -17,10 +21,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_speedkit.demo import DemoResNet
+from lightning_speedkit import ChannelsLast
+from lightning_speedkit.demo import DemoClassifier, DemoResNet, FlatHeadNet
 from lightning_speedkit.layout import to_channels_last
 from lightning_speedkit.report import write_json_atomic
 from lightning_speedkit.timing import median_ms
@@ -30,15 +37,24 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "channels_last.json"
 
 def _settings(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"rounds": 1, "repeats": 2, "cases": [("resnet", "train", 8), ("mlp", "train", 8)]}
-    cases = [("resnet", "train", 32), ("resnet", "train", 128), ("resnet", "inference", 256), ("mlp", "train", 32)]
-    return {"rounds": 5, "repeats": 10, "cases": cases}
+        cases = [("resnet", "train", 8), ("flat_head", "train", 8), ("mlp", "train", 8)]
+        return {"rounds": 1, "repeats": 2, "cases": cases, "fit_crop": 16, "fit_batch": 4}
+    cases = [
+        ("resnet", "train", 32),
+        ("resnet", "train", 128),
+        ("resnet", "inference", 256),
+        ("flat_head", "train", 32),
+        ("mlp", "train", 32),
+    ]
+    return {"rounds": 5, "repeats": 10, "cases": cases, "fit_crop": 56, "fit_batch": 32}
 
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "resnet":
         return DemoResNet(width=16)
+    if kind == "flat_head":
+        return FlatHeadNet(crop_size=56)
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 56 * 56, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
@@ -89,12 +105,37 @@ def measure(kind: str, mode: str, batch_size: int, rounds: int, repeats: int) ->
     }
 
 
+def decide(architecture: str, crop: int, batch: int, steps: int = 96) -> dict[str, Any]:
+    """What ``ChannelsLast()`` keeps for a model in a real fit of ``steps`` batches (long enough for its probe)."""
+    L.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * batch, 3, crop, crop, generator=generator)
+    y = torch.randint(0, 10, (steps * batch,), generator=generator)
+    callback = ChannelsLast()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    model = DemoClassifier(width=16 if architecture == "resnet" else 8, crop_size=crop, architecture=architecture)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True))
+    report = callback.report()
+    return {"model": architecture, "batch_size": batch, "crop": crop, **report}
+
+
 def run(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
     """Measure every case, print the table and write the JSON."""
     s = _settings(quick)
     rows = [measure(kind, mode, bs, s["rounds"], s["repeats"]) for kind, mode, bs in s["cases"]]
-    result = {"settings": {"quick": quick, "rounds": s["rounds"], "torch_threads": torch.get_num_threads()}}
-    result["rows"] = rows  # type: ignore[assignment]
+    result: dict[str, Any] = {
+        "settings": {"quick": quick, "rounds": s["rounds"], "torch_threads": torch.get_num_threads()}
+    }
+    result["rows"] = rows
+    result["decisions"] = [decide(kind, s["fit_crop"], s["fit_batch"]) for kind in ("resnet", "flat_head")]
     print(format_table(result))
     write_json_atomic(result, out)
     print(f"wrote {out}")
@@ -103,12 +144,17 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a fixed-width text table."""
-    lines = [f"{'model':<8}{'mode':<11}{'batch':>6}{'NCHW ms':>10}{'NHWC ms':>10}{'speed-up':>10}{'samples/s':>11}"]
+    lines = [f"{'model':<10}{'mode':<11}{'batch':>6}{'NCHW ms':>10}{'NHWC ms':>10}{'speed-up':>10}{'samples/s':>11}"]
     for r in result["rows"]:
         lines.append(
-            f"{r['model']:<8}{r['mode']:<11}{r['batch_size']:>6}{r['nchw_ms']:>10.2f}{r['nhwc_ms']:>10.2f}"
+            f"{r['model']:<10}{r['mode']:<11}{r['batch_size']:>6}{r['nchw_ms']:>10.2f}{r['nhwc_ms']:>10.2f}"
             f"{r['speedup']:>9.2f}x{r['nhwc_samples_per_s']:>11.0f}"
         )
+    lines.append("\nwhat ChannelsLast() decided in a real fit (its own probe):")
+    for d in result.get("decisions", []):
+        ms = d.get("step_ms") or {}
+        shown = ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items() if v is not None) or "not probed"
+        lines.append(f"  {d['model']:<10} kept {d.get('decision', '?'):<14} ({shown}): {d.get('reason', '')}")
     return "\n".join(lines)
 
 

@@ -206,6 +206,9 @@ def test_benchmark_quick_mode_compares_both_layouts_in_one_run(tmp_path: Path) -
     assert converted["resnet"] > 0
     assert converted["mlp"] == 0
     assert all(row["nchw_ms"] > 0 and row["nhwc_ms"] > 0 for row in result["rows"])
+    decided = {d["model"]: d for d in result["decisions"]}
+    assert set(decided) == {"resnet", "flat_head"}
+    assert all(d["decision"] in ("channels_last", "default") and d["reason"] for d in decided.values())
 
 
 # ---------------------------------------------------------------------------------------------------- measured layout
