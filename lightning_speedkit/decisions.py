@@ -6,7 +6,8 @@ The rules every lever follows, in one place (the trials themselves run in `light
   a real step whose work is thrown away). A lever can at best save ``max_gain`` of each remaining step, so it probes
   only when ``max_gain * steps_left >= payback * probe_steps`` (`probe_pays_back`, ``payback=2``); otherwise the probe
   is skipped, and the reason is in the lever's ``report()``. The steps left come from
-  ``trainer.estimated_stepping_batches`` (`steps_left`). Every probe's seconds are in its lever's report.
+  ``trainer.estimated_stepping_batches`` (`lightning_speedkit.trials.steps_left`). Every probe's seconds are in its
+  lever's report.
 - **A candidate is kept only when it wins by a margin** over the setting in place, measured in the same run
   (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
 - **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
@@ -18,12 +19,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
-__all__ = ["check_margin", "check_probe_steps", "choose_setting", "loss_is_sound", "probe_pays_back", "steps_left"]
+__all__ = ["check_margin", "check_probe_steps", "choose_setting", "loss_is_sound", "probe_pays_back"]
 
 
 def check_margin(name: str, value: object) -> float:
@@ -130,11 +127,3 @@ def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | No
     if mean > ref_mean + tolerance * abs(ref_mean):
         return f"mean loss {mean:.3g} vs {ref_mean:.3g} (more than {100 * tolerance:.0f}% worse)"
     return ""
-
-
-def steps_left(trainer: pl.Trainer) -> float:
-    """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``."""
-    estimated = trainer.estimated_stepping_batches
-    if math.isinf(estimated):
-        return math.inf
-    return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches

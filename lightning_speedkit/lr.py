@@ -1,11 +1,15 @@
-"""The one place that changes learning rates: rescale optimizers and their schedulers together."""
+"""The one place that changes learning rates, and the maths of an LR range test.
+
+Rescaling writes optimizers and their schedulers together and cooperates with a warmup callback; the range test's
+schedule, smoothing and "valley" rule are pure functions here, used by `lightning_speedkit.LRFinder`.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -15,7 +19,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LR_GROUP_KEYS", "LR_SCHEDULER_ATTRS", "param_group_lrs", "scale_lrs", "scale_trainer_lrs"]
+__all__ = [
+    "LR_GROUP_KEYS",
+    "LR_SCHEDULER_ATTRS",
+    "WarmupLike",
+    "diverged",
+    "param_group_lrs",
+    "range_test_factors",
+    "rescale_run_lrs",
+    "scale_lrs",
+    "scale_trainer_lrs",
+    "smooth_losses",
+    "suggest_lr",
+    "valley_index",
+    "warmups",
+]
 
 LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 """Param-group keys that hold an LR: ``lr``, the ``initial_lr`` schedulers start from, ``OneCycleLR``'s bounds."""
@@ -104,3 +122,156 @@ def scale_trainer_lrs(trainer: pl.Trainer, factor: float) -> None:
     """Multiply every LR of the Trainer's optimizers and LR scheduler configs by ``factor`` (see `scale_lrs`)."""
     scale_lrs(factor, trainer.optimizers, trainer.lr_scheduler_configs)
     log.debug("scaled all learning rates by %s", factor)
+
+
+@runtime_checkable
+class WarmupLike(Protocol):
+    """How callbacks cooperate with a warmup callback (`lightning_speedkit.WarmupScheduler`), found by its methods.
+
+    A callback that changes the LR (the batch-size finder, the LR finder, the training guard) asks the warmup to
+    rescale its base LRs, so the warmup ramps to the new peak; one that rebuilds the optimizer (pruning) asks it to
+    restart.
+    """
+
+    warmup: int | float
+    total_steps: int | None
+
+    def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None:
+        """Multiply the base LRs by ``factor``; the warmup ramps to the new peak."""
+
+    def set_warmup_steps(self, warmup_steps: int) -> None:
+        """Make the warmup ``warmup_steps`` long."""
+
+    def restart(self, warmup: int | float, total_steps: int | None = None) -> None:
+        """Start a new warmup and decay at the next batch."""
+
+
+def warmups(trainer: pl.Trainer) -> list[WarmupLike]:
+    """The warmup callbacks on ``trainer``, in callback order."""
+    return [c for c in trainer.callbacks if isinstance(c, WarmupLike)]  # type: ignore[attr-defined]
+
+
+def rescale_run_lrs(trainer: pl.Trainer, scale: float, lengthen_warmup: bool = True) -> None:
+    """Scale every LR of the run once; warmup callbacks follow, and lengthen their warmup when the LR grows.
+
+    With a warmup callback the rescale goes through its ``rescale_base_lrs`` (so its ramp reaches the new peak);
+    with ``lengthen_warmup`` and ``scale > 1`` each warmup's length is multiplied by ``scale`` (capped at its total),
+    since a higher peak needs a longer ramp. Without one, `scale_trainer_lrs` does it.
+    """
+    found = warmups(trainer)
+    if not found:
+        scale_trainer_lrs(trainer, scale)
+        return
+    found[0].rescale_base_lrs(trainer, scale)
+    if scale <= 1.0 or not lengthen_warmup:
+        return
+    estimated = trainer.estimated_stepping_batches
+    remaining = None if math.isinf(estimated) else max(1, int(estimated) - trainer.global_step)
+    for warmup in found:
+        total = warmup.total_steps or remaining
+        steps = warmup.warmup if isinstance(warmup.warmup, int) else None
+        if steps is None and total is not None:
+            steps = math.ceil(warmup.warmup * total)
+        if steps:
+            longer = math.ceil(steps * scale)
+            warmup.set_warmup_steps(min(longer, total) if total is not None else longer)
+
+
+# ---------------------------------------------------------------------------------------------------- LR range test
+def range_test_factors(steps: int, start_factor: float = 0.01, end_factor: float = 100.0) -> list[float]:
+    """Multipliers of the user's LR for an LR range test: ``steps`` values growing exponentially between the bounds.
+
+    Example:
+        >>> [round(f, 4) for f in range_test_factors(5)]
+        [0.01, 0.1, 1.0, 10.0, 100.0]
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"`steps` must be an int >= 2, got {steps!r}.")
+    for name, value in (("start_factor", start_factor), ("end_factor", end_factor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+    if end_factor <= start_factor:
+        raise ValueError(f"`end_factor` must be greater than `start_factor` ({start_factor}), got {end_factor!r}.")
+    ratio = (end_factor / start_factor) ** (1.0 / (steps - 1))
+    return [start_factor * ratio**k for k in range(steps)]
+
+
+def smooth_losses(losses: Sequence[float], beta: float = 0.9) -> list[float]:
+    """Exponentially smoothed losses, bias-corrected as in fastai's LR finder (the first value is the first loss).
+
+    Example:
+        >>> [round(v, 3) for v in smooth_losses([1.0, 0.0, 0.0], beta=0.5)]
+        [1.0, 0.333, 0.143]
+    """
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        raise ValueError(f"`beta` must be in [0, 1), got {beta!r}.")
+    out, average = [], 0.0
+    for k, loss in enumerate(losses, start=1):
+        average = beta * average + (1.0 - beta) * loss
+        out.append(average / (1.0 - beta**k))
+    return out
+
+
+def diverged(smoothed: Sequence[float], factor: float = 4.0) -> bool:
+    """Whether the last smoothed loss is non-finite or above ``factor`` times the lowest so far (the test stops).
+
+    Example:
+        >>> diverged([2.0, 1.0, 3.9]), diverged([2.0, 1.0, 4.1]), diverged([2.0, float("nan")])
+        (False, True, True)
+    """
+    if not smoothed:
+        return False
+    last = smoothed[-1]
+    return not math.isfinite(last) or last > factor * min(smoothed)
+
+
+def valley_index(losses: Sequence[float]) -> int | None:
+    """Fastai's "valley" rule: the index a little past the middle of the longest stretch where the loss falls.
+
+    The longest decreasing subsequence of the (smoothed) losses marks the valley; the suggestion sits in its middle
+    third. Unlike the steepest slope (Lightning's rule, fooled by an early spike: Lightning issue #1767), one noisy
+    step cannot move it far. None when the loss never falls.
+
+    Example:
+        >>> valley_index([3.0, 2.9, 2.5, 2.0, 1.5, 1.2, 1.1, 2.0, 9.0])
+        2
+        >>> valley_index([1.0, 2.0, 3.0]) is None
+        True
+    """
+    n = len(losses)
+    if n < 2:
+        return None
+    longest = [1] * n
+    start = end = 0
+    for i in range(1, n):
+        for j in range(i):
+            if losses[i] < losses[j] and longest[i] < longest[j] + 1:
+                longest[i] = longest[j] + 1
+        if longest[end] < longest[i]:
+            end, start = i, i - longest[i]
+    if end == 0:
+        return None
+    third = (end - start) / 3
+    return max(0, min(n - 1, start + int(third) + int(third / 2)))
+
+
+def suggest_lr(lrs: Sequence[float], losses: Sequence[float], beta: float = 0.9) -> tuple[float | None, str]:
+    """The LR an LR range test suggests (None if none), and why: the valley of the smoothed curve.
+
+    Example:
+        >>> lrs = [1e-4 * 10 ** (k / 2) for k in range(9)]
+        >>> lr, why = suggest_lr(lrs, [2.3, 2.3, 2.2, 1.9, 1.4, 1.0, 0.9, 3.0, 20.0], beta=0.0)
+        >>> round(lr, 6), why
+        (0.003162, 'valley of the smoothed loss (steps 1-6 of 9)')
+    """
+    if len(lrs) != len(losses):
+        raise ValueError(f"`lrs` and `losses` must have the same length, got {len(lrs)} and {len(losses)}.")
+    finite = [k for k, loss in enumerate(losses) if math.isfinite(loss)]
+    usable = finite[-1] + 1 if finite and finite == list(range(len(finite))) else len(finite)
+    smoothed = smooth_losses(list(losses[:usable]), beta)
+    index = valley_index(smoothed)
+    if index is None:
+        return None, f"the loss never fell over {usable} steps"
+    drops = [k for k in range(1, len(smoothed)) if smoothed[k] < smoothed[k - 1]]
+    first, last = (drops[0] - 1, drops[-1]) if drops else (0, 0)
+    return float(lrs[index]), f"valley of the smoothed loss (steps {first}-{last} of {len(losses)})"

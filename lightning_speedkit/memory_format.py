@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
-from lightning_speedkit.decisions import check_margin, check_probe_steps, probe_pays_back, steps_left
+from lightning_speedkit.decisions import check_margin, check_probe_steps, probe_pays_back
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,
@@ -160,7 +160,9 @@ class ChannelsLast(Callback):
         self._verified = True
         if self.measure and stage == "fit":
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            pays, why = probe_pays_back(2 * trials.PROBE_ROUNDS * self.probe_steps, steps_left(trainer), _MAX_GAIN)
+            pays, why = probe_pays_back(
+                2 * trials.PROBE_ROUNDS * self.probe_steps, trials.steps_left(trainer), _MAX_GAIN
+            )
             if not pays:
                 to_default_layout(pl_module)
                 self.converted -= converted

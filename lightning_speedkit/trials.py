@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
@@ -37,7 +38,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
-from lightning_speedkit.decisions import check_probe_steps, choose_setting, loss_is_sound, probe_pays_back, steps_left
+from lightning_speedkit.decisions import check_probe_steps, choose_setting, loss_is_sound, probe_pays_back
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.timing import StepTimer
 
@@ -55,8 +56,30 @@ __all__ = [
     "TrialSession",
     "decision_summary",
     "log_decision",
+    "loss_of",
     "measure",
+    "steps_left",
 ]
+
+
+def steps_left(trainer: pl.Trainer) -> float:
+    """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``.
+
+    Estimating builds the train loader and its iterator, which draws from the global RNG; a fit that has not built
+    them yet gets them back unbuilt and its RNG untouched, so asking changes nothing about the run.
+    """
+    fit_loop = trainer.fit_loop
+    built = fit_loop._combined_loader is not None
+    with isolate_rng(include_cuda=torch.cuda.is_available()):
+        estimated = trainer.estimated_stepping_batches
+    if not built and fit_loop._combined_loader is not None:
+        if fit_loop._data_fetcher is not None:
+            fit_loop._data_fetcher.teardown()
+            fit_loop._data_fetcher = None
+        fit_loop._combined_loader = None
+    if math.isinf(estimated):
+        return math.inf
+    return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches
 
 
 PROBE_ROUNDS = 2
@@ -192,7 +215,13 @@ def _agree_failed(trainer: pl.Trainer) -> None:
     trainer.strategy.reduce_boolean_decision(False, all=True)
 
 
-def _loss_of(outputs: Any) -> float | None:
+def loss_of(outputs: Any) -> float | None:
+    """The scalar training loss in a ``training_step``'s outputs (a tensor, or a dict's ``"loss"``), else None.
+
+    Example:
+        >>> loss_of({"loss": torch.tensor(0.5)}), loss_of(None)
+        (0.5, None)
+    """
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     return float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
@@ -229,7 +258,7 @@ class _Probe(Callback):
     ) -> None:
         _agree(trainer)
         self.timer.step_end()
-        self.losses.append(_loss_of(outputs))
+        self.losses.append(loss_of(outputs))
 
     @override
     def on_validation_batch_end(
@@ -307,6 +336,12 @@ class TrialSession:
             "limits": (trainer.limit_train_batches, trainer.limit_val_batches, trainer.accumulate_grad_batches),
             "loop_limits": (fit_loop.max_epochs, fit_loop.min_epochs, epoch_loop.max_steps, epoch_loop.min_steps),
             "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
+            # A train loader built before the trials (its iterator already drew from the RNG) is put back as it was.
+            "data": (
+                (fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch)
+                if fit_loop._combined_loader is not None
+                else None
+            ),
             "generators": {},
         }
         self._saved["generators"] = {id(g): (g, g.get_state()) for g in self._loader_generators()}
@@ -490,7 +525,12 @@ class TrialSession:
         connector = trainer._logger_connector
         connector.reset_results()
         connector.reset_metrics()
-        fit_loop._combined_loader = None
+        if saved["data"] is not None:
+            fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch = saved[
+                "data"
+            ]
+        else:
+            fit_loop._combined_loader = None
         fit_loop.epoch_loop.val_loop._combined_loader = None
         self.elapsed_s = time.perf_counter() - self._started
         release_memory()

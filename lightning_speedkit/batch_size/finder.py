@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -23,7 +22,7 @@ from lightning_speedkit.batch_size.search import (
     lr_scale_factor,
     next_trial_size,
 )
-from lightning_speedkit.lr import scale_trainer_lrs
+from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.trials import BatchSize, TrialResult, TrialSession
 
 if TYPE_CHECKING:
@@ -32,18 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchSizeFinder"]
-
-
-@runtime_checkable
-class _Warmup(Protocol):
-    """What the finder needs of a warmup callback (`lightning_speedkit.WarmupScheduler`), found by its methods."""
-
-    warmup: int | float
-    total_steps: int | None
-
-    def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None: ...
-
-    def set_warmup_steps(self, warmup_steps: int) -> None: ...
 
 
 def _is_int(value: object, low: int = 1) -> bool:
@@ -311,7 +298,7 @@ class BatchSizeFinder(Callback):
             )
         else:
             if scale != 1.0:
-                self._rescale(trainer, scale)
+                rescale_run_lrs(trainer, scale)
             rank_zero_info(
                 f"BatchSizeFinder: batch size {decision['configured_batch_size']} -> {size} per device"
                 f" ({decision['reason']}); global batch {decision['global_batch']} = {size} x {trainer.world_size}"
@@ -323,23 +310,3 @@ class BatchSizeFinder(Callback):
                        "speedkit/accumulate_grad_batches": float(accumulation)}  # fmt: skip
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _rescale(self, trainer: pl.Trainer, scale: float) -> None:
-        """Scale every LR once; ask warmup callbacks to follow and lengthen their warmup when the LR grows."""
-        warmups = [c for c in trainer.callbacks if isinstance(c, _Warmup)]  # type: ignore[attr-defined]
-        if not warmups:
-            scale_trainer_lrs(trainer, scale)
-            return
-        warmups[0].rescale_base_lrs(trainer, scale)
-        if scale <= 1.0:
-            return
-        estimated = trainer.estimated_stepping_batches
-        remaining = None if math.isinf(estimated) else max(1, int(estimated) - trainer.global_step)
-        for warmup in warmups:
-            total = warmup.total_steps or remaining
-            steps = warmup.warmup if isinstance(warmup.warmup, int) else None
-            if steps is None and total is not None:
-                steps = math.ceil(warmup.warmup * total)
-            if steps:
-                longer = math.ceil(steps * scale)
-                warmup.set_warmup_steps(min(longer, total) if total is not None else longer)

@@ -1,0 +1,144 @@
+"""LRFinder: a range test through the trial mechanism raises a too-low LR, lowers a too-high one, changes only LRs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, rank_records, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_speedkit import LRFinder, WarmupScheduler
+from lightning_speedkit.lr import param_group_lrs
+from lightning_speedkit.trials import TrialSession
+
+FINDER = {"max_fraction": 1.0}  # a range test of 60 steps may take the whole of these short fits
+
+
+def _model(lr: float) -> TinyClassifier:
+    L.seed_everything(0, verbose=False)
+    return TinyClassifier(lr=lr, optimizer="adam", num_samples=256, batch_size=16)
+
+
+def _fit(tmp_path: Path, model: TinyClassifier, *callbacks: L.Callback, **kwargs: Any) -> L.Trainer:
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    options: dict[str, Any] = {"max_epochs": 5, "limit_val_batches": 0, **kwargs}
+    trainer = tiny_trainer(tmp_path, callbacks=list(callbacks), **options)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+class _FirstBatch(L.Callback):
+    """Keeps the weights, optimizer state and LRs the first real training step starts from."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if not hasattr(self, "weights"):
+            self.weights = [p.detach().clone() for p in pl_module.parameters()]
+            self.state = dict(trainer.optimizers[0].state)
+            self.lrs = param_group_lrs(trainer.optimizers)[0]
+            self.batch = [t.clone() for t in batch]
+
+
+@pytest.mark.parametrize(("lr", "direction"), [(1e-4, "raises"), (1.0, "lowers")])
+def test_a_lr_100x_off_is_corrected(tmp_path: Path, lr: float, direction: str) -> None:
+    """Adam at 1e-4 (100x too low for this task) is raised; at 1.0 (100x too high) it is lowered."""
+    finder = LRFinder(**FINDER)
+    trainer = _fit(tmp_path, _model(lr), finder)
+    report = finder.report()
+    assert report["probed"]
+    assert (report["scale"] > 2.0) if direction == "raises" else (report["scale"] < 0.5), report["reason"]
+    assert report["chosen_lr"] == pytest.approx(lr * report["scale"])
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(report["chosen_lr"])
+    assert len(report["curve"]["lrs"]) == report["steps"] == len(report["curve"]["losses"])
+    if direction == "lowers":
+        assert report["steps"] < finder.steps  # the loss blew up and the test stopped early
+
+
+def test_after_the_search_only_the_lrs_differ(tmp_path: Path) -> None:
+    """Weights, optimizer state and the first batch equal a run without the finder; the LRs are scaled."""
+    plain, searched = _FirstBatch(), _FirstBatch()
+    _fit(tmp_path / "plain", _model(1e-4), plain, max_epochs=1)
+    finder = LRFinder(**FINDER)
+    _fit(tmp_path / "searched", _model(1e-4), finder, searched)
+    for a, b in zip(plain.weights, searched.weights, strict=True):
+        assert torch.equal(a, b)
+    assert plain.state == searched.state == {}
+    for a, b in zip(plain.batch, searched.batch, strict=True):
+        assert torch.equal(a, b)
+    assert searched.lrs == pytest.approx([1e-4 * finder.report()["scale"]])
+
+
+def test_the_warmup_ramps_to_the_found_peak(tmp_path: Path) -> None:
+    """With a WarmupScheduler, the rescale goes through it: the base LR it warms up to is the found LR."""
+    finder, warmup = LRFinder(**FINDER), WarmupScheduler(warmup=10, decay="constant")
+    trainer = _fit(tmp_path, _model(1e-4), finder, warmup)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(finder.report()["chosen_lr"])
+
+
+def test_a_resume_does_not_search_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed fit keeps the saved scale (its LRs come back with the optimizer) and runs no range test."""
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    first = LRFinder(**FINDER)
+    _fit(tmp_path, _model(1e-4), first, ckpt, enable_checkpointing=True, max_epochs=4)
+    monkeypatch.setattr(TrialSession, "run", lambda *a, **k: pytest.fail("searched again on resume"))
+    resumed = LRFinder(**FINDER)
+    trainer = _fit(tmp_path, _model(1e-4), resumed, ckpt_path=str(tmp_path / "ckpt" / "epoch=2.ckpt"))
+    assert resumed.report() == first.report()
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(first.report()["chosen_lr"])
+
+
+def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
+    """A range test longer than max_fraction of the run is skipped: the LR stays, and the report says why."""
+    finder = LRFinder()
+    trainer = _fit(tmp_path, _model(1e-4), finder, max_epochs=2)
+    assert finder.report()["scale"] == 1.0
+    assert finder.report()["reason"].startswith("skipped: a 60-step range test is more than 15% of the 32 steps left")
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+class _RankLR(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        finder = next(c for c in trainer.callbacks if isinstance(c, LRFinder))  # type: ignore[attr-defined]
+        record = {"scale": finder.report()["scale"], "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+        record["weights"] = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
+    """2-process DDP: rank zero's curve decides, both ranks apply the same LR and end with the same weights."""
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    _fit(tmp_path, _model(1e-4), LRFinder(**FINDER), _RankLR(tmp_path), strategy=strategy, devices=2, max_epochs=8)
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["scale"] == ranks[1]["scale"] > 1.0
+    assert ranks[0]["lr"] == ranks[1]["lr"]
+    assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": 2}, "`steps`"),
+        ({"start_factor": 0}, "`start_factor`"),
+        ({"end_factor": -1.0}, "`end_factor`"),
+        ({"start_factor": 10.0, "end_factor": 1.0}, "`end_factor`"),
+        ({"min_scale": 0.0}, "`min_scale`"),
+        ({"min_scale": 2.0, "max_scale": 1.0}, "`max_scale`"),
+        ({"divergence": 1.0}, "`divergence`"),
+        ({"smoothing": 1.0}, "`smoothing`"),
+        ({"max_fraction": 0.0}, "`max_fraction`"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    """Non-positive factors and the other bad arguments get a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        LRFinder(**kwargs)
