@@ -1,0 +1,304 @@
+"""TrainingGuard: keep a last-good snapshot, and roll back with a lower LR on a NaN, a loss spike or a stalled run.
+
+Anchors: LLM Foundry's ``KillLossSpike`` (a loss well above the window's), OLMo-core's skip-step optimizer (a z-score
+over a window of recent losses) and PaLM's manual restarts from a checkpoint before the spike, with the data moving on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_speedkit.lr import rescale_run_lrs
+
+__all__ = ["TrainingGuard", "robust_z", "snapshot_bytes"]
+
+
+def robust_z(value: float, window: Sequence[float]) -> float:
+    """How many robust standard deviations ``value`` lies above the window's median (median absolute deviation).
+
+    One outlier in the window barely moves the median or the MAD, so a spike cannot hide the next one. 0 when the
+    window has fewer than two values or no spread.
+
+    Example:
+        >>> robust_z(10.0, [1.0, 1.1, 0.9, 1.0, 1.2])
+        60.7
+        >>> robust_z(1.05, [1.0, 1.1, 0.9, 1.0, 1.2])
+        0.34
+    """
+    if len(window) < 2:
+        return 0.0
+    median = statistics.median(window)
+    mad = statistics.median(abs(v - median) for v in window)
+    if mad <= 0:
+        return 0.0
+    return round((value - median) / (1.4826 * mad), 2)
+
+
+def snapshot_bytes(*states: Any) -> int:
+    """The bytes the tensors in ``states`` take (what a host-memory snapshot of them costs).
+
+    Example:
+        >>> import torch
+        >>> snapshot_bytes({"w": torch.zeros(10)}, [{"m": torch.zeros(5, dtype=torch.float64)}])
+        80
+    """
+    total = 0
+
+    def count(tensor: Tensor) -> Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    apply_to_collection(states, Tensor, count)
+    return total
+
+
+def _host_copy(value: Any) -> Any:
+    return copy.deepcopy(apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu", copy=True)))
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 16 * 2**30
+
+
+class TrainingGuard(Callback):
+    """Roll training back to the last good state, at a lower LR, when the loss goes wrong; then go on.
+
+    Every ``every_n_steps`` optimizer steps (and at the first step), the weights, optimizer, LR-scheduler and
+    precision-plugin states are copied to host memory. After each step the train loss, averaged over ranks (so every
+    rank decides alike), is checked:
+
+    - **non-finite**: a NaN or an infinity;
+    - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
+      ``window`` losses;
+    - **stall**: with ``stall_steps``, the mean loss over the last ``window`` steps is still above ``stall_fraction``
+      times the mean of the first ``window`` steps, ``stall_steps`` steps after the start (or after a stall
+      rollback): a run stuck on a plateau (at too high an LR, typically). A stall rolls back to the first snapshot.
+
+    A rollback restores the snapshot, multiplies every LR by ``backoff`` (through `lightning_speedkit.lr`, so a
+    `WarmupScheduler` follows) and goes on with the next batch. After ``max_rollbacks`` rollbacks the next trigger
+    raises a `RuntimeError` that says what happened. A snapshot larger than ``max_snapshot_bytes`` (default: a
+    quarter of host memory) is not taken: the guard then only watches and raises on the first trigger. Its state is
+    checkpointed (counters, events, the loss window); snapshots are not, since a checkpoint is one.
+
+    Args:
+        every_n_steps: Optimizer steps between snapshots.
+        window: Losses the spike and stall checks look back over (>= 2).
+        spike_z: Robust z-score above which a loss is a spike.
+        stall_steps: Steps after which a run whose loss has not fallen is stalled; None never checks.
+        stall_fraction: The loss must be below this fraction of its starting value by ``stall_steps``, in (0, 1).
+        backoff: LR multiplier after a rollback, in (0, 1).
+        max_rollbacks: Rollbacks allowed before the guard stops the run (>= 0).
+        max_snapshot_bytes: Largest snapshot kept in host memory; None: a quarter of the machine's memory.
+
+    Raises:
+        ValueError: For a non-positive ``every_n_steps``, ``spike_z`` or ``stall_steps``, a ``window`` below 2,
+            ``backoff`` or ``stall_fraction`` outside (0, 1), or a negative ``max_rollbacks``.
+
+    Logged metrics: ``speedkit/guard/rollbacks``, ``speedkit/guard/lr_scale`` and ``speedkit/guard/snapshot_mb``.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(logger=False, callbacks=[TrainingGuard(every_n_steps=50, backoff=0.5)])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        window: int = 50,
+        spike_z: float = 8.0,
+        stall_steps: int | None = None,
+        stall_fraction: float = 0.9,
+        backoff: float = 0.5,
+        max_rollbacks: int = 3,
+        max_snapshot_bytes: int | None = None,
+    ) -> None:
+        for name, value, low in (("every_n_steps", every_n_steps, 1), ("window", window, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        if stall_steps is not None and (
+            isinstance(stall_steps, bool) or not isinstance(stall_steps, int) or stall_steps < 1
+        ):
+            raise ValueError(f"`stall_steps` must be a positive int or None, got {stall_steps!r}.")
+        if isinstance(spike_z, bool) or not isinstance(spike_z, (int, float)) or not spike_z > 0:
+            raise ValueError(f"`spike_z` must be a positive number, got {spike_z!r}.")
+        for name, number in (("backoff", backoff), ("stall_fraction", stall_fraction)):
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0.0 < number < 1.0:
+                raise ValueError(f"`{name}` must be in (0, 1), got {number!r}.")
+        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
+            raise ValueError(f"`max_rollbacks` must be an int >= 0, got {max_rollbacks!r}.")
+        if max_snapshot_bytes is not None and (
+            isinstance(max_snapshot_bytes, bool) or not isinstance(max_snapshot_bytes, int) or max_snapshot_bytes < 0
+        ):
+            raise ValueError(f"`max_snapshot_bytes` must be an int >= 0 or None, got {max_snapshot_bytes!r}.")
+        self.every_n_steps, self.window, self.spike_z = every_n_steps, window, float(spike_z)
+        self.stall_steps, self.stall_fraction = stall_steps, float(stall_fraction)
+        self.backoff, self.max_rollbacks = float(backoff), max_rollbacks
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self._losses: deque[float] = deque(maxlen=window)
+        self._start_losses: list[float] = []
+        self._stall_from = 0
+        self._rollbacks = 0
+        self._lr_scale = 1.0
+        self._events: list[dict[str, Any]] = []
+        self._snapshot: dict[str, Any] | None = None
+        self._first: dict[str, Any] | None = None
+        self._watch_only = ""
+        self._snapshot_size = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._snapshot is None and not self._watch_only:
+            self._take(trainer, first=True)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "TrainingGuard: `training_step` must return a scalar loss tensor (or a dict with one under 'loss'),"
+                f" got {type(outputs).__name__}; remove the guard for manual optimization without a returned loss."
+            )
+        value = float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean"))
+        trigger = self._judge(value, trainer.global_step)
+        if trigger is not None:
+            self._roll_back(trainer, trigger, value)
+            return
+        self._losses.append(value)
+        if len(self._start_losses) < self.window:
+            self._start_losses.append(value)
+        if trainer.global_step % self.every_n_steps == 0 and not self._watch_only:
+            self._take(trainer, first=False)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "losses": list(self._losses),
+            "start_losses": list(self._start_losses),
+            "stall_from": self._stall_from,
+            "rollbacks": self._rollbacks,
+            "lr_scale": self._lr_scale,
+            "events": list(self._events),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._losses = deque(state_dict.get("losses", []), maxlen=self.window)
+        self._start_losses = list(state_dict.get("start_losses", []))
+        self._stall_from = int(state_dict.get("stall_from", 0))
+        self._rollbacks = int(state_dict.get("rollbacks", 0))
+        self._lr_scale = float(state_dict.get("lr_scale", 1.0))
+        self._events = list(state_dict.get("events", []))
+
+    def report(self) -> dict[str, Any]:
+        """What the guard did, as a plain dict.
+
+        Keys: ``rollbacks``, ``lr_scale`` (the product of the backoffs), ``events`` (step, trigger, loss (None when
+        non-finite), restored step, LR scale), ``snapshot_bytes`` and ``watch_only`` (why no snapshot is kept, if so).
+        """
+        return {
+            "rollbacks": self._rollbacks,
+            "lr_scale": self._lr_scale,
+            "events": list(self._events),
+            "snapshot_bytes": self._snapshot_size,
+            "watch_only": self._watch_only,
+        }
+
+    def _judge(self, value: float, step: int) -> str | None:
+        if not math.isfinite(value):
+            return "non-finite loss"
+        if len(self._losses) >= self.window and robust_z(value, list(self._losses)) > self.spike_z:
+            return "loss spike"
+        if (
+            self.stall_steps is not None
+            and step - self._stall_from == self.stall_steps
+            and len(self._start_losses) >= min(self.window, self.stall_steps)
+            and statistics.fmean(self._losses) > self.stall_fraction * statistics.fmean(self._start_losses)
+        ):
+            return "stalled"
+        return None
+
+    def _take(self, trainer: pl.Trainer, first: bool) -> None:
+        states = {
+            "model": trainer.lightning_module.state_dict(),
+            "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+        }
+        size = snapshot_bytes(states)
+        budget = self.max_snapshot_bytes if self.max_snapshot_bytes is not None else _host_memory() // 4
+        if size > budget:
+            self._watch_only = f"a snapshot takes {size / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
+            rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
+            return
+        snapshot = _host_copy(states)
+        snapshot["schedulers"] = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+        snapshot["precision"] = _host_copy(trainer.precision_plugin.state_dict())
+        snapshot["step"], snapshot["lr_scale"] = trainer.global_step, self._lr_scale
+        self._snapshot, self._snapshot_size = snapshot, size
+        if first:
+            self._first = snapshot
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"speedkit/guard/snapshot_mb": size / 2**20}, step=trainer.global_step)
+
+    def _roll_back(self, trainer: pl.Trainer, trigger: str, loss: float) -> None:
+        step = trainer.global_step
+        if self._rollbacks >= self.max_rollbacks or self._snapshot is None:
+            why = self._watch_only or f"{self._rollbacks} rollbacks already (max_rollbacks={self.max_rollbacks})"
+            raise RuntimeError(
+                f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}) and no rollback left: {why}. Lower the"
+                " learning rate, or check the data and the model for the cause."
+            )
+        snapshot = self._first if trigger == "stalled" and self._first is not None else self._snapshot
+        module = trainer.lightning_module
+        module.load_state_dict(snapshot["model"])
+        for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+            optimizer.zero_grad(set_to_none=True)
+        for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"], strict=True):
+            config.scheduler.load_state_dict(state)
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot["precision"]))
+        self._rollbacks += 1
+        new_scale = self._lr_scale * self.backoff
+        rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
+        self._lr_scale = new_scale
+        self._losses.clear()
+        if trigger == "stalled":
+            self._start_losses, self._stall_from = [], step
+        self._events.append(
+            {
+                "step": step,
+                "trigger": trigger,
+                "loss": loss if math.isfinite(loss) else None,  # None for NaN/inf: the report stays plain JSON
+                "restored_step": snapshot["step"],
+                "lr_scale": new_scale,
+            }
+        )
+        rank_zero_warn(
+            f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and"
+            f" multiplied the LR by {self.backoff} (now x{new_scale:.3g}); rollback {self._rollbacks}"
+            f" of {self.max_rollbacks}."
+        )
+        if trainer.is_global_zero:
+            metrics = {"speedkit/guard/rollbacks": float(self._rollbacks), "speedkit/guard/lr_scale": new_scale}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)

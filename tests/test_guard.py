@@ -1,0 +1,187 @@
+"""TrainingGuard: a NaN, a loss spike or a stall rolls back once to the last good state, at a lower LR, and goes on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, rank_records, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_speedkit import TrainingGuard
+from lightning_speedkit.guard import robust_z
+
+
+class _Faulty(TinyClassifier):
+    """Its loss is NaN, spikes or stalls at chosen optimizer steps (on chosen ranks)."""
+
+    def __init__(
+        self,
+        nan_at: tuple[int, ...] = (),
+        spike_at: tuple[int, ...] = (),
+        stall: bool = False,
+        ranks: tuple[int, ...] = (0,),
+    ) -> None:
+        super().__init__(lr=0.05, num_samples=256, batch_size=8)
+        self.nan_at, self.spike_at, self.stall, self.ranks = nan_at, spike_at, stall, ranks
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank not in self.ranks:
+            return loss
+        if self.stall:
+            return loss * 0.0 + 2.3  # no gradient: the loss cannot fall
+        if self.global_step in self.nan_at:
+            return loss * float("nan")
+        if self.global_step in self.spike_at:
+            return loss * 1000.0
+        return loss
+
+
+def _fit(tmp_path: Path, model: TinyClassifier, guard: TrainingGuard, **kwargs: Any) -> L.Trainer:
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    extra = kwargs.pop("callbacks", [])
+    trainer = tiny_trainer(tmp_path, callbacks=[guard, *extra], limit_val_batches=0, **{"max_epochs": 2, **kwargs})
+    L.seed_everything(0, verbose=False)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_robust_z_ignores_one_outlier_in_the_window() -> None:
+    """A spike already in the window barely moves the median and MAD, so the next one still stands out."""
+    window = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]
+    assert robust_z(50.0, window) > 100
+    assert robust_z(1.02, window) < 1
+
+
+def test_a_nan_rolls_back_once_and_training_ends_finite(tmp_path: Path) -> None:
+    """A NaN loss at one step restores the last snapshot, halves the LR, and the run ends with finite weights."""
+    model = _Faulty(nan_at=(20,))
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    trainer = _fit(tmp_path, model, guard)
+    report = guard.report()
+    assert report["rollbacks"] == 1
+    assert [(e["trigger"], e["step"], e["restored_step"]) for e in report["events"]] == [("non-finite loss", 21, 20)]
+    assert report["lr_scale"] == 0.5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)
+    assert _finite(model)
+    assert trainer.global_step == 64  # the run went on to its end
+
+
+def test_a_loss_spike_rolls_back_once(tmp_path: Path) -> None:
+    """A loss 1000x the window's typical value is a spike: one rollback, then training goes on."""
+    model = _Faulty(spike_at=(30,))
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    _fit(tmp_path, model, guard)
+    assert [e["trigger"] for e in guard.report()["events"]] == ["loss spike"]
+    assert _finite(model)
+
+
+def test_a_stalled_run_rolls_back_to_the_start_once(tmp_path: Path) -> None:
+    """A loss that has not fallen below 90% of its start after stall_steps restores the first snapshot, once."""
+    model = _Faulty(stall=True)
+    guard = TrainingGuard(every_n_steps=5, window=10, stall_steps=40)
+    _fit(tmp_path, model, guard, max_steps=60)
+    events = guard.report()["events"]
+    assert [(e["trigger"], e["restored_step"]) for e in events] == [("stalled", 0)]
+    assert events[0]["step"] == 40
+
+
+def test_past_max_rollbacks_the_run_stops_with_a_clear_error(tmp_path: Path) -> None:
+    """With max_rollbacks=1 a second NaN raises a RuntimeError that says what happened and what to do."""
+    guard = TrainingGuard(every_n_steps=5, window=10, max_rollbacks=1)
+    with pytest.raises(RuntimeError, match=r"non-finite loss at step 31 .* no rollback left.*Lower the learning rate"):
+        _fit(tmp_path, _Faulty(nan_at=(20, 30)), guard)
+
+
+def test_over_the_memory_budget_it_only_watches(tmp_path: Path) -> None:
+    """A snapshot larger than max_snapshot_bytes is not taken; the report says so and a NaN then stops the run."""
+    guard = TrainingGuard(max_snapshot_bytes=10)
+    with pytest.raises(RuntimeError, match="over the 0 MiB budget"):
+        _fit(tmp_path, _Faulty(nan_at=(3,)), guard)
+    assert guard.report()["watch_only"].startswith("a snapshot takes")
+
+
+def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
+    """After a rollback in epoch 0, a fit resumed from that epoch's checkpoint still counts it and lists its event."""
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    first = TrainingGuard(every_n_steps=5, window=10)
+    _fit(tmp_path, _Faulty(nan_at=(10,)), first, callbacks=[ckpt], enable_checkpointing=True, max_epochs=1)
+    resumed = TrainingGuard(every_n_steps=5, window=10)
+    trainer = _fit(tmp_path, _Faulty(), resumed, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
+    assert resumed.report()["rollbacks"] == first.report()["rollbacks"] == 1
+    assert resumed.report()["events"] == first.report()["events"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)
+
+
+def test_a_step_without_a_scalar_loss_is_a_clear_error(tmp_path: Path) -> None:
+    """A training_step returning a dict without a loss tensor gets an error naming what the guard needs."""
+
+    class NoLoss(TinyClassifier):
+        @override
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return {"loss": super().training_step(batch, batch_idx), "extra": 1} if batch_idx < 0 else None
+
+    with pytest.raises(ValueError, match="must return a scalar loss"):
+        _fit(tmp_path, NoLoss(), TrainingGuard())
+
+
+class _RankWeights(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        guard = next(c for c in trainer.callbacks if isinstance(c, TrainingGuard))  # type: ignore[attr-defined]
+        weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+        record = {"rollbacks": guard.report()["rollbacks"], "weights": weights}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_roll_back_together(tmp_path: Path) -> None:
+    """2-process DDP: a NaN on rank 1 only rolls both ranks back, and they end with the same finite weights."""
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    _fit(
+        tmp_path,
+        _Faulty(nan_at=(12,), ranks=(1,)),
+        guard,
+        strategy=strategy,
+        devices=2,
+        callbacks=[_RankWeights(tmp_path)],
+    )
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["rollbacks"] == ranks[1]["rollbacks"] == 1
+    assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backoff": 1.0}, "`backoff`"),
+        ({"backoff": 0.0}, "`backoff`"),
+        ({"max_rollbacks": -1}, "`max_rollbacks`"),
+        ({"window": 1}, "`window`"),
+        ({"every_n_steps": 0}, "`every_n_steps`"),
+        ({"spike_z": 0}, "`spike_z`"),
+        ({"stall_steps": 0}, "`stall_steps`"),
+        ({"stall_fraction": 1.5}, "`stall_fraction`"),
+        ({"max_snapshot_bytes": -1}, "`max_snapshot_bytes`"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    """Each bad argument gets a ValueError naming it."""
+    with pytest.raises(ValueError, match=match):
+        TrainingGuard(**kwargs)
