@@ -4,10 +4,10 @@ The rules every lever follows, in one place (the trials themselves run in `light
 
 - **A probe runs only when it can pay back.** A probe costs about ``probe_steps`` training steps (each trial step is
   a real step whose work is thrown away). A lever can at best save ``max_gain`` of each remaining step, so it probes
-  only when ``max_gain * steps_left >= payback * probe_steps`` (`probe_pays_back`, ``payback=2``); otherwise the probe
-  is skipped, and the reason is in the lever's ``report()``. The steps left come from
-  ``trainer.estimated_stepping_batches`` (`lightning_speedkit.trials.steps_left`). Every probe's seconds are in its
-  lever's report.
+  only when ``max_gain * steps_left >= payback * probe_steps`` (`probe_pays_back`; ``payback=4``, since the best
+  case is rarely met). Otherwise the probe is skipped, and the reason is in the lever's ``report()``. The steps left
+  come from ``trainer.estimated_stepping_batches`` (`lightning_speedkit.trials.steps_left`). Every probe's seconds
+  are in its lever's report. So a job of tens of steps is never slowed by probing.
 - **A candidate is kept only when it wins by a margin** over the setting in place, measured in the same run
   (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
 - **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
@@ -55,7 +55,7 @@ def check_probe_steps(name: str, value: object, low: int = 1) -> int:
     return value
 
 
-def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 2.0) -> tuple[bool, str]:
+def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 4.0) -> tuple[bool, str]:
     """Whether a probe of ``probe_steps`` training steps can pay itself back within ``steps_left`` steps.
 
     The best a lever can do is save ``max_gain`` of every remaining step (0.5: each step twice as fast), so the probe
@@ -66,7 +66,7 @@ def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payb
         >>> probe_pays_back(probe_steps=8, steps_left=1000, max_gain=0.3)
         (True, 'the probe (8 steps) can pay back: at best 300 of 1000 steps saved')
         >>> probe_pays_back(probe_steps=8, steps_left=40, max_gain=0.3)[1]
-        'skipped: the probe (8 steps) cannot pay back in 40 steps left (at best 12 saved, 16 needed)'
+        'skipped: the probe (8 steps) cannot pay back in 40 steps left (at best 12 saved, 32 needed)'
     """
     saved = max_gain * steps_left
     needed = payback * probe_steps

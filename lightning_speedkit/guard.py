@@ -87,9 +87,9 @@ class TrainingGuard(Callback):
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
       ``window`` losses;
-    - **stall**: with ``stall_steps``, the mean loss over the last ``window`` steps is still above ``stall_fraction``
-      times the mean of the first ``window`` steps, ``stall_steps`` steps after the start (or after a stall
-      rollback): a run stuck on a plateau (at too high an LR, typically). A stall rolls back to the first snapshot.
+    - **stall**: with ``stall_steps``, the mean of the latest losses is still above ``stall_fraction`` times the mean
+      of the first ones, ``stall_steps`` steps after the start (or after a stall rollback): a run stuck on a plateau
+      (at too high an LR, typically). A stall rolls back to the first snapshot.
 
     A rollback restores the snapshot, multiplies every LR by ``backoff`` (through `lightning_speedkit.lr`, so a
     `WarmupScheduler` follows) and goes on with the next batch. After ``max_rollbacks`` rollbacks the next trigger
@@ -101,7 +101,9 @@ class TrainingGuard(Callback):
         every_n_steps: Optimizer steps between snapshots.
         window: Losses the spike and stall checks look back over (>= 2).
         spike_z: Robust z-score above which a loss is a spike.
-        stall_steps: Steps after which a run whose loss has not fallen is stalled; None never checks.
+        stall_steps: Steps after which a run whose loss has not fallen is stalled (a float in (0, 1): that fraction
+            of the run's steps); None never checks. The means compared are over ``min(window, stall_steps // 2)``
+            steps, so the two never overlap.
         stall_fraction: The loss must be below this fraction of its starting value by ``stall_steps``, in (0, 1).
         backoff: LR multiplier after a rollback, in (0, 1).
         max_rollbacks: Rollbacks allowed before the guard stops the run (>= 0).
@@ -123,7 +125,7 @@ class TrainingGuard(Callback):
         every_n_steps: int = 50,
         window: int = 50,
         spike_z: float = 8.0,
-        stall_steps: int | None = None,
+        stall_steps: int | float | None = None,
         stall_fraction: float = 0.9,
         backoff: float = 0.5,
         max_rollbacks: int = 3,
@@ -133,9 +135,14 @@ class TrainingGuard(Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
         if stall_steps is not None and (
-            isinstance(stall_steps, bool) or not isinstance(stall_steps, int) or stall_steps < 1
+            isinstance(stall_steps, bool)
+            or not isinstance(stall_steps, (int, float))
+            or (isinstance(stall_steps, int) and stall_steps < 1)
+            or (isinstance(stall_steps, float) and not 0.0 < stall_steps < 1.0)
         ):
-            raise ValueError(f"`stall_steps` must be a positive int or None, got {stall_steps!r}.")
+            raise ValueError(
+                f"`stall_steps` must be a positive int, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
+            )
         if isinstance(spike_z, bool) or not isinstance(spike_z, (int, float)) or not spike_z > 0:
             raise ValueError(f"`spike_z` must be a positive number, got {spike_z!r}.")
         for name, number in (("backoff", backoff), ("stall_fraction", stall_fraction)):
@@ -161,6 +168,13 @@ class TrainingGuard(Callback):
         self._first: dict[str, Any] | None = None
         self._watch_only = ""
         self._snapshot_size = 0
+        self._stall_at: int | None = stall_steps if isinstance(stall_steps, int) else None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(self.stall_steps, float):
+            total = trainer.estimated_stepping_batches
+            self._stall_at = None if math.isinf(total) else max(4, int(self.stall_steps * total))
 
     @override
     def on_train_batch_start(
@@ -229,13 +243,11 @@ class TrainingGuard(Callback):
             return "non-finite loss"
         if len(self._losses) >= self.window and robust_z(value, list(self._losses)) > self.spike_z:
             return "loss spike"
-        if (
-            self.stall_steps is not None
-            and step - self._stall_from == self.stall_steps
-            and len(self._start_losses) >= min(self.window, self.stall_steps)
-            and statistics.fmean(self._losses) > self.stall_fraction * statistics.fmean(self._start_losses)
-        ):
-            return "stalled"
+        if self._stall_at is not None and step - self._stall_from == self._stall_at:
+            n = min(self.window, self._stall_at // 2)
+            latest, first = list(self._losses)[-n:], self._start_losses[:n]
+            if len(first) == n and statistics.fmean(latest) > self.stall_fraction * statistics.fmean(first):
+                return "stalled"
         return None
 
     def _take(self, trainer: pl.Trainer, first: bool) -> None:

@@ -16,8 +16,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.doctor import recommend
+from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary
+from lightning_speedkit.lr_finder import LRFinder
 from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.precision import PrecisionTuner
@@ -139,14 +141,16 @@ def default_callbacks(
     tune_data: bool | dict[str, Any] = True,
     channels_last: bool | dict[str, Any] = True,
     precision: bool | dict[str, Any] = False,
+    lr_finder: bool | dict[str, Any] = False,
+    guard: bool | dict[str, Any] = True,
 ) -> list[Callback]:
     """Speedkit's callbacks in the order they must act, with the user's own merged in.
 
-    Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> WarmupScheduler ->
-    UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so the loader is
-    tuned against the step the run will really take (workers compete with it for cores). A callback in ``callbacks``
-    of the same type as one of ours *replaces* ours in that slot (never a duplicate); the user's other callbacks
-    follow ours.
+    Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> LRFinder -> WarmupScheduler ->
+    TrainingGuard -> UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so
+    the loader is tuned against the step the run will really take (workers compete with it for cores); the LR is
+    found for the batch size the run will use. A callback in ``callbacks`` of the same type as one of ours *replaces*
+    ours in that slot (never a duplicate); the user's other callbacks follow ours.
 
     Args:
         batch_size: ``"auto"`` (or a dict of `BatchSizeFinder` arguments) to search the batch size; None to keep it.
@@ -160,10 +164,12 @@ def default_callbacks(
             arguments.
         precision: ``True`` (or a dict of its arguments) for a `PrecisionTuner`; preset sets it when ``precision``
             is left to it.
+        lr_finder: ``True`` (or a dict of its arguments) for an `LRFinder`; preset sets it with ``lr="auto"``.
+        guard: ``False`` for no `TrainingGuard`, or a dict of its arguments.
 
     Example:
         >>> [type(c).__name__ for c in default_callbacks()]
-        ['ChannelsLast', 'DataLoaderTuner', 'WarmupScheduler', 'UtilizationMonitor']
+        ['ChannelsLast', 'DataLoaderTuner', 'WarmupScheduler', 'TrainingGuard', 'UtilizationMonitor']
         >>> mine = WarmupScheduler(warmup=10)
         >>> default_callbacks(callbacks=[mine])[2] is mine
         True
@@ -174,6 +180,8 @@ def default_callbacks(
         ("tune_data", tune_data),
         ("channels_last", channels_last),
         ("precision", precision),
+        ("lr_finder", lr_finder),
+        ("guard", guard),
     )
     for name, value in options:
         if not isinstance(value, (bool, dict)):
@@ -195,8 +203,12 @@ def default_callbacks(
                 f"`batch_size` must be None, 'auto' or a dict of BatchSizeFinder arguments, got {batch_size!r}."
             )
         ours.append(BatchSizeFinder(**_kwargs(batch_size if isinstance(batch_size, dict) else True)))
+    if lr_finder is not False:
+        ours.append(LRFinder(**_kwargs(lr_finder)))
     if warmup is not False:
         ours.append(WarmupScheduler(**_kwargs(warmup)))
+    if guard is not False:
+        ours.append(TrainingGuard(**_kwargs(guard)))
     if monitor is not False:
         ours.append(UtilizationMonitor(**_kwargs(monitor)))
     if prune is not None:
@@ -222,6 +234,8 @@ def preset(
     export: str | os.PathLike[str] | dict[str, Any] | Callback | None = None,
     callbacks: Sequence[Callback] | None = None,
     channels_last: bool | str = "auto",
+    lr: str | None = None,
+    guard: bool | dict[str, Any] = True,
     verbose: bool = True,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
@@ -239,6 +253,10 @@ def preset(
       `~lightning_speedkit.loggers.RunSummary` that writes every callback's report to ``speedkit_summary.json``
       (and the W&B run summary). `ChannelsLast` (``channels_last="auto"``) acts only on conv nets that it has
       checked run NHWC, and keeps NHWC only when real steps are faster; ``False`` switches it off.
+    - LR: ``lr=None`` keeps the user's; ``lr="auto"`` adds an `LRFinder`, whose range test at fit start scales every
+      LR to its suggestion (the warmup then ramps to it). A `TrainingGuard` keeps a last-good snapshot and rolls back
+      at half the LR on a NaN or a loss spike; ``guard=False`` switches it off, and a dict configures it (its stall
+      check, ``{"stall_steps": ...}``, is off by default: an early plateau is normal for many nets).
     - Every probe is skipped when the run is too short for it to pay back (`lightning_speedkit.decisions`), so a short
       job is not made slower; each callback's ``report()`` says what it measured, skipped and why.
     - Logger: a W&B logger when wandb is installed (offline without an API key; ``speedkit/*`` metrics grouped on
@@ -254,6 +272,10 @@ def preset(
         >>> trainer.speedkit["precision"], type(trainer.strategy).__name__
         ('32-true', 'SingleDeviceStrategy')
     """
+    if lr not in (None, "auto"):
+        raise ValueError(f"`lr` must be None (keep yours) or 'auto' (an LRFinder range test), got {lr!r}.")
+    if not isinstance(guard, (bool, dict)):
+        raise ValueError(f"`guard` must be True, False or a dict of TrainingGuard arguments, got {guard!r}.")
     choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy, channels_last)
     chosen_callbacks = default_callbacks(
         batch_size=batch_size,
@@ -262,6 +284,8 @@ def preset(
         callbacks=callbacks,
         channels_last=choices["channels_last"],
         precision=choices["tune_precision"],
+        lr_finder=lr == "auto",
+        guard=guard,
     )
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
         chosen_callbacks.append(RunSummary())

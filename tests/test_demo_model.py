@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoResNet, format_report, run_demo
-from lightning_speedkit.demo.run import ABLATION
+from lightning_speedkit.demo.run import ABLATION, format_seeds, parse_seeds, run_seeds
 
 
 @pytest.mark.parametrize(("width", "blocks"), [(8, 1), (16, 1), (8, 2)])
@@ -46,8 +46,10 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
         assert 0.0 <= run["final_val_acc"] <= 1.0
         assert run["samples_per_s"] > 0
         assert run["diagnosis"] in {"data_bound", "h2d_bound", "compute_bound", "underutilized", "memory_thrash"}
-    assert report["runs"]["speedkit"]["choices"]["precision"] == "32-true"
-    assert "DataLoaderTuner" in report["runs"]["speedkit"]["choices"]["callbacks"]
+    choices = report["runs"]["speedkit"]["choices"]
+    assert choices["precision"] == "32-true"  # one short epoch: no probe can pay back, the reason says so
+    assert choices["precision_reason"].startswith("skipped: the probe")
+    assert {"DataLoaderTuner", "LRFinder", "TrainingGuard"} <= set(choices["callbacks"])
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["runs"]["baseline"]["timeline"] == report["runs"]["baseline"]["timeline"]
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
@@ -59,11 +61,11 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
 
 
 def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> None:
-    """Each ablation run differs from the one before by one lever: cache, then ChannelsLast, then preset + schedule.
+    """Each ablation run differs from the one before by one lever: cache, then ChannelsLast, then preset(lr="auto").
 
-    Only speedkit's run changes the LR: its peak LR, a warmup + cosine schedule, and its epoch budget as max_epochs.
+    Every run gets the same LR and the same epoch budget: only the library's own choices differ.
     """
-    config = DemoConfig.quick(num_images=100, max_epochs=2, speedkit_epochs=1, cache_dir=str(demo_cache))
+    config = DemoConfig.quick(num_images=100, max_epochs=2, cache_dir=str(demo_cache))
     runs = run_demo(config, out_dir=tmp_path, progress=False, variants=ABLATION)["runs"]
     assert list(runs) == ["baseline", "cache", "channels_last", "speedkit"]
     assert [runs[n]["choices"]["callbacks"] for n in ("baseline", "cache", "channels_last")] == [
@@ -71,12 +73,37 @@ def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> No
         [],
         ["ChannelsLast"],
     ]
-    assert {"ChannelsLast", "WarmupScheduler", "DataLoaderTuner"} <= set(runs["speedkit"]["choices"]["callbacks"])
-    assert [runs[n]["lr"] for n in ABLATION] == [config.lr, config.lr, config.lr, config.speedkit_lr]
+    assert {"ChannelsLast", "LRFinder", "WarmupScheduler", "DataLoaderTuner"} <= set(
+        runs["speedkit"]["choices"]["callbacks"]
+    )
+    assert [runs[n]["lr"] for n in ABLATION] == [config.lr] * 4  # too short a run for the LR finder to search
     assert [runs[n]["schedule"] for n in ABLATION[:3]] == ["constant"] * 3
     assert runs["speedkit"]["schedule"].startswith("warmup")
-    assert [runs[n]["max_epochs"] for n in ABLATION] == [2, 2, 2, 1]
-    assert runs["speedkit"]["epochs"] == 1
+    assert [runs[n]["max_epochs"] for n in ABLATION] == [2, 2, 2, 2]
+
+
+def test_seeds_alternate_the_order_and_a_miss_counts_as_zero(tmp_path: Path, demo_cache: Path) -> None:
+    """run_seeds runs both sides per seed, baseline first on even positions; a target missed scores 0.00x."""
+    config = DemoConfig.quick(num_images=100, max_epochs=1, target_acc=1.0, cache_dir=str(demo_cache))
+    report = run_seeds(config, [0, 1], out_dir=tmp_path, progress=False)
+    assert [row["order"] for row in report["seeds"]] == [["baseline", "speedkit"], ["speedkit", "baseline"]]
+    assert [row["speedup"] for row in report["seeds"]] == [0.0, 0.0]
+    assert report["summary"] == {"median": 0.0, "worst": 0.0, "reached": 0, "baseline_reached": 0, "total": 2}
+    assert json.loads((tmp_path / "demo.json").read_text())["summary"] == report["summary"]
+    assert format_seeds(report).endswith("speed-up over seeds: median 0.00x, worst 0.00x, reached 0/2")
+
+
+@pytest.mark.parametrize(("text", "seeds"), [("0-4", [0, 1, 2, 3, 4]), ("2,5", [2, 5]), ("3", [3])])
+def test_parse_seeds(text: str, seeds: list[int]) -> None:
+    """Ranges, lists and single seeds are understood."""
+    assert parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["", "a-b", "-1", "4-2"])
+def test_bad_seeds_are_refused(text: str) -> None:
+    """A malformed or empty seed list is a ValueError naming `seeds`."""
+    with pytest.raises(ValueError, match="`seeds`"):
+        parse_seeds(text)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ class _Handicapped(TinyClassifier):
         precision = self.trainer.precision
         self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
         if precision == self.slow_in:
-            time.sleep(0.02)
+            time.sleep(0.05)
         loss = super().training_step(batch, batch_idx)
         return loss * float("nan") if precision == self.nan_in else loss
 
@@ -99,7 +99,9 @@ def test_resume_installs_the_decision_without_probing(tmp_path: Path, monkeypatc
     """A resumed fit installs the saved precision and runs no trial."""
     ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
     first = PrecisionTuner(candidates=BOTH)
-    trainer = tiny_trainer(tmp_path, callbacks=[first, ckpt], limit_val_batches=0, enable_checkpointing=True)
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[first, ckpt], limit_val_batches=0, enable_checkpointing=True, max_epochs=2
+    )
     trainer.fit(_Handicapped(slow_in="32-true"))
     saved = first.report()
     assert saved["probed"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_benchmark
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -96,18 +97,21 @@ def test_more_gpus_than_exist_is_an_error() -> None:
 
 def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     """Ours come in acting order; the batch-size finder, pruning and export only when asked for."""
-    names = [type(c).__name__ for c in default_callbacks(batch_size="auto", prune=0.5, export=tmp_path, precision=True)]
+    everything = {"batch_size": "auto", "prune": 0.5, "export": tmp_path, "precision": True, "lr_finder": True}
+    names = [type(c).__name__ for c in default_callbacks(**everything)]
     assert names == [
         "ChannelsLast",
         "PrecisionTuner",
         "DataLoaderTuner",
         "BatchSizeFinder",
+        "LRFinder",
         "WarmupScheduler",
+        "TrainingGuard",
         "UtilizationMonitor",
         "StructuredPruning",
         "Int8Export",
     ]
-    off = {"warmup": False, "monitor": False, "tune_data": False, "channels_last": False}
+    off = {"warmup": False, "monitor": False, "tune_data": False, "channels_last": False, "guard": False}
     assert [type(c).__name__ for c in default_callbacks(**off)] == []
 
 
@@ -191,3 +195,50 @@ def test_wandb_offline_run_receives_speedkit_keys(tmp_path: Path) -> None:
     assert {b"speedkit/lr/factor", b"speedkit/monitor/data_wait_fraction", b"speedkit/data/num_workers"} <= keys
     summary = json.loads(next(tmp_path.rglob("speedkit_summary.json")).read_text())
     assert {"UtilizationMonitor", "DataLoaderTuner"} <= set(summary)
+
+
+def test_lr_auto_adds_the_lr_finder_and_guard_false_removes_the_guard(tmp_path: Path) -> None:
+    """``lr="auto"`` adds an LRFinder (the default keeps the user's LR); the guard is on unless ``guard=False``."""
+    names = lambda trainer: [type(c).__name__ for c in trainer.callbacks]  # noqa: E731
+    default = preset(logger=False, verbose=False, default_root_dir=tmp_path)
+    assert "LRFinder" not in names(default)
+    assert "TrainingGuard" in names(default)
+    tuned = preset(logger=False, verbose=False, default_root_dir=tmp_path, lr="auto", guard={"backoff": 0.25})
+    assert "LRFinder" in names(tuned)
+    guard = next(c for c in tuned.callbacks if isinstance(c, speedkit.TrainingGuard))
+    assert guard.backoff == 0.25
+    assert "TrainingGuard" not in names(preset(logger=False, verbose=False, guard=False))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"lr": 1e-3}, "`lr`"), ({"guard": "yes"}, "`guard`")])
+def test_preset_refuses_a_bad_lr_or_guard(kwargs: dict[str, Any], match: str) -> None:
+    """``lr`` takes None or 'auto'; ``guard`` takes a bool or a dict: anything else names the argument."""
+    with pytest.raises(ValueError, match=match):
+        preset(logger=False, verbose=False, **kwargs)
+
+
+def test_a_short_job_under_preset_skips_every_probe_and_says_why(tmp_path: Path) -> None:
+    """88 steps of a small CNN (benchmarks/short_job.py's job): no lever probes, and each report gives the reason."""
+    job = load_benchmark("short_job")
+    trainer = preset(logger=False, verbose=False, default_root_dir=tmp_path, max_epochs=2, enable_progress_bar=False)
+    trainer.fit(job.SmallCNN(), job.SmallData())
+    assert trainer.global_step == 88
+    reports = {type(c).__name__: c.report() for c in trainer.callbacks if type(c).__name__ in LEVERS}
+    assert set(reports) == set(LEVERS)
+    for name, report in reports.items():
+        assert report["probed"] is False, name
+        assert report["reason"].startswith("skipped: the probe"), (name, report["reason"])
+    assert trainer.precision == "32-true"
+    assert not reports["ChannelsLast"].get("converted")
+
+
+LEVERS = ("ChannelsLast", "PrecisionTuner", "DataLoaderTuner")
+
+
+def test_short_job_benchmark_quick_mode(tmp_path: Path) -> None:
+    """``benchmarks/short_job.py --quick`` fits the job both ways and records each lever's skip reason."""
+    benchmark = load_benchmark("short_job")
+    result = benchmark.main(["--quick", "--out", str(tmp_path / "short_job.json")])
+    assert json.loads((tmp_path / "short_job.json").read_text()) == result
+    assert {row["run"] for row in result["rows"]} == {"plain", "preset"}
+    assert all(not lever["probed"] for lever in result["levers"].values())

@@ -150,7 +150,7 @@ def test_measure_skips_a_probe_that_cannot_pay_back(tmp_path: Path) -> None:
     assert lever.report["decision"] == "as is"
     assert not lever.report["probed"]
     assert lever.report["reason"] == (
-        "skipped: the probe (12 steps) cannot pay back in 8 steps left (at best 4 saved, 24 needed)"
+        "skipped: the probe (12 steps) cannot pay back in 8 steps left (at best 4 saved, 48 needed)"
     )
 
 
