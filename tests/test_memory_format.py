@@ -325,3 +325,19 @@ def test_ddp_reverting_to_the_default_layout_keeps_ranks_in_sync(
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
     assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
+
+
+def test_the_check_runs_where_the_weights_are_not_where_lightning_says(tmp_path: Path) -> None:
+    """The check runs on the weights' device, not on ``module.device``, so a GPU run converts.
+
+    In ``setup`` Lightning 2.6 already reports ``module.device`` as the target (cuda:0 on a GPU) while the weights
+    are still on the CPU.
+    """
+
+    class CudaAlready(L.Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            pl_module._device = torch.device("cuda", 0)  # what Lightning reports there on a GPU machine
+
+    model, _ = _fit(tmp_path, [CudaAlready(), callback := ChannelsLast(measure=False)])
+    assert callback.report()["status"] == "channels_last"
+    assert is_channels_last(model)
