@@ -1,52 +1,92 @@
-"""DataLoaderTuner: measure the train loader under candidate settings at fit start, keep the fastest."""
+"""DataLoaderTuner: time real training steps under candidate loader settings at fit start; keep a clear winner."""
 
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_speedkit.batch import batch_size_of
+from lightning_speedkit.decisions import check_margin, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.timing import StepTimer
+from lightning_speedkit.trials import AsIs, Setting, measure
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DataLoaderTuner",
+    "LoaderSettings",
     "NotRebuildableError",
-    "choose_fastest",
+    "complete_settings",
     "default_candidates",
-    "probe_loader",
+    "loader_settings",
     "rebuild_dataloader",
+    "settings_name",
 ]
 
 _SETTINGS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")
 _HOOKS = ("train_dataloader", "val_dataloader")
 _Owner = pl.LightningModule | pl.LightningDataModule
+_MISSING = object()
 
 
 class NotRebuildableError(ValueError):
     """A DataLoader that cannot be rebuilt with other settings without changing what it yields."""
 
 
+def complete_settings(
+    num_workers: int,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    pin_memory: bool = False,
+) -> dict[str, Any]:
+    """All four loader settings; with workers, persistent ones and ``prefetch_factor=2`` unless given.
+
+    Example:
+        >>> complete_settings(2)
+        {'num_workers': 2, 'persistent_workers': True, 'prefetch_factor': 2, 'pin_memory': False}
+        >>> complete_settings(0, persistent_workers=True, prefetch_factor=4)
+        {'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}
+    """
+    workers = num_workers > 0
+    return {
+        "num_workers": num_workers,
+        "persistent_workers": workers and (persistent_workers is None or bool(persistent_workers)),
+        "prefetch_factor": (prefetch_factor or 2) if workers else None,
+        "pin_memory": bool(pin_memory),
+    }
+
+
+def loader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The four settings ``loader`` was built with.
+
+    Example:
+        >>> loader_settings(DataLoader(list(range(8)), num_workers=1))
+        {'num_workers': 1, 'persistent_workers': False, 'prefetch_factor': 2, 'pin_memory': False}
+    """
+    return complete_settings(loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory)
+
+
+def settings_name(settings: dict[str, Any]) -> str:
+    """The label of a setting in reports (``decision``, ``step_s``).
+
+    Example:
+        >>> settings_name(complete_settings(0))
+        'num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False'
+    """
+    return ", ".join(f"{name}={settings[name]}" for name in _SETTINGS)
+
+
 def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[str, Any]]:
     """Candidate settings: ``num_workers`` 0, 1, 2, 4, ... up to ``max_workers`` (always included).
 
-    Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``; `DataLoaderTuner` also tries
-    ``prefetch_factor=4`` for the best worker count.
+    Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``.
 
     Example:
         >>> [c["num_workers"] for c in default_candidates(6)]
@@ -57,33 +97,7 @@ def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[
     if max_workers < 0:
         raise ValueError(f"`max_workers` must be >= 0, got {max_workers}.")
     counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers] + [max_workers]
-    return [_settings(w, 2, pin_memory) for w in sorted(set(counts))]
-
-
-def _settings(num_workers: int, prefetch_factor: int, pin_memory: bool) -> dict[str, Any]:
-    return {
-        "num_workers": num_workers,
-        "persistent_workers": num_workers > 0,
-        "prefetch_factor": prefetch_factor if num_workers > 0 else None,
-        "pin_memory": pin_memory,
-    }
-
-
-def choose_fastest(results: Sequence[dict[str, Any]], tolerance: float = 0.05) -> dict[str, Any]:
-    """The candidate with the fewest workers whose throughput is within ``tolerance`` of the best.
-
-    Fewer workers cost less memory and leave more cores to the model, so a near-tie goes to the smaller setting.
-
-    Example:
-        >>> choose_fastest([{"num_workers": 0, "batches_per_s": 50.0}, {"num_workers": 2, "batches_per_s": 100.0},
-        ...                 {"num_workers": 4, "batches_per_s": 103.0}])["num_workers"]
-        2
-    """
-    if not results:
-        raise ValueError("`results` must hold at least one measured candidate, got none.")
-    best = max(r["batches_per_s"] for r in results)
-    near = [r for r in results if r["batches_per_s"] >= (1.0 - tolerance) * best]
-    return min(near, key=lambda r: (r["num_workers"], -r["batches_per_s"]))
+    return [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
 
 
 def rebuild_dataloader(loader: DataLoader[Any], settings: dict[str, Any]) -> DataLoader[Any]:
@@ -131,166 +145,173 @@ def rebuild_dataloader(loader: DataLoader[Any], settings: dict[str, Any]) -> Dat
     return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
 
 
-@contextmanager
-def _rng_preserved(loader: DataLoader[Any]) -> Iterator[None]:
-    """Restore the global RNGs and the loader's own generators afterwards: a probe must not reorder training."""
-    generators = {
-        id(g): g
-        for g in (loader.generator, getattr(loader.sampler, "generator", None))
-        if isinstance(g, torch.Generator)
-    }
-    states = {key: g.get_state() for key, g in generators.items()}
-    torch_state, np_state, py_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(torch_state)
-        np.random.set_state(np_state)
-        random.setstate(py_state)
-        for key, g in generators.items():
-            g.set_state(states[key])
+class LoaderSettings(Setting):
+    """Loader settings as a trial `~lightning_speedkit.trials.Setting`: the owner's hooks return rebuilt loaders.
 
+    `apply` patches the hooks of the LightningDataModule (or LightningModule) that builds the loaders, so each call
+    returns the user's loader rebuilt with `rebuild_dataloader`; `revert` removes the patches. Only hooks the owner
+    overrides are patched. A loader that cannot be rebuilt is returned as it is, and ``on_refused`` gets the reason.
 
-def probe_loader(loader: DataLoader[Any], batches: int = 20, warmup: int = 2) -> dict[str, float]:
-    """Measure a loader on a fresh iterator: start-up seconds, then batches/s over ``batches`` batches.
-
-    The global RNGs and the loader's generators are restored afterwards, so the training epoch that follows sees
-    the same order and augmentation as without the probe. Timing goes through `~lightning_speedkit.timing.StepTimer`
-    (each fetch is a data wait), the same path the UtilizationMonitor measures training steps with.
-
-    Example:
-        >>> result = probe_loader(DataLoader(list(range(64)), batch_size=8), batches=4)
-        >>> sorted(result), result["batches"]
-        (['batches', 'batches_per_s', 'samples_per_s', 'startup_s'], 4.0)
+    Args:
+        owner: The LightningDataModule or LightningModule whose hooks build the loaders.
+        settings: The four settings (see `complete_settings`).
+        hooks: The hooks to patch; a trial needs only the train loader.
+        on_refused: Called with the reason when a hook's loader cannot be rebuilt.
     """
-    if batches < 1 or warmup < 0:
-        raise ValueError(f"`batches` must be >= 1 and `warmup` >= 0, got batches={batches}, warmup={warmup}.")
-    timer = StepTimer(window=batches)
-    with _rng_preserved(loader):
-        start = time.perf_counter()
-        iterator = iter(loader)
-        try:
-            for _ in range(warmup):
-                next(iterator)
-            startup_s = time.perf_counter() - start
-            timer.mark()
-            for _ in range(batches):
-                batch = next(iterator)
-                timer.step_start(samples=batch_size_of(batch) or 0)
-                timer.step_end()
-        except StopIteration:
-            startup_s = time.perf_counter() - start if timer.started == 0 else startup_s
-        finally:
-            del iterator  # shuts its workers down
-    stats = timer.window_stats()
-    return {
-        "startup_s": startup_s,
-        "batches": float(stats.steps),
-        "batches_per_s": stats.steps_per_second,
-        "samples_per_s": stats.samples_per_second,
-    }
+
+    def __init__(
+        self,
+        owner: _Owner,
+        settings: dict[str, Any],
+        hooks: Sequence[str] = ("train_dataloader",),
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self.owner, self.settings, self.hooks, self.on_refused = owner, dict(settings), tuple(hooks), on_refused
+        self.name = settings_name(self.settings)
+        self._saved: dict[str, Any] = {}
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        for hook in self.hooks:
+            if hook in self._saved or not is_overridden(hook, self.owner):
+                continue
+            self._saved[hook] = vars(self.owner).get(hook, _MISSING)
+            setattr(self.owner, hook, self._rebuilding(hook, getattr(self.owner, hook)))
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        for hook, previous in self._saved.items():
+            if previous is _MISSING:
+                vars(self.owner).pop(hook, None)
+            else:
+                setattr(self.owner, hook, previous)
+        self._saved = {}
+
+    def _rebuilding(self, hook: str, original: Callable[[], Any]) -> Callable[[], Any]:
+        def rebuilt() -> Any:
+            loader = original()
+            try:
+                return rebuild_dataloader(loader, self.settings) if isinstance(loader, DataLoader) else loader
+            except NotRebuildableError as error:
+                if self.on_refused is not None:
+                    self.on_refused(f"{hook}: {error}")
+                return loader
+
+        return rebuilt
 
 
 class DataLoaderTuner(Callback):
-    """Measure the train dataloader under candidate settings at fit start; rebuild train and val with the fastest.
+    """Time real training steps under candidate loader settings at fit start; rebuild the loaders with a clear winner.
 
-    At ``on_fit_start`` rank zero probes the train loader (``probe_batches`` batches on a fresh iterator per
-    candidate, with the RNGs restored afterwards, so the training epoch is neither consumed nor reordered), picks the
-    candidate with the fewest workers within ``tolerance`` of the best throughput, and broadcasts the choice. The
-    ``train_dataloader``/``val_dataloader`` hooks of the LightningDataModule (or LightningModule) then return the
-    same loaders rebuilt with those settings: sampler, batch size, ``collate_fn``, ``drop_last`` and everything else
-    are kept. The hooks are restored at teardown. The choice is in ``state_dict``: a resumed run does not probe.
+    At ``on_fit_start`` every rank runs, through `~lightning_speedkit.trials.measure`, trials of ``probe_steps`` real
+    training steps with the train loader as the user built it and with each candidate, in interleaved rounds (model,
+    optimizers, loops and RNGs restored after each, so the fit that follows is the fit without the probe). Data loading,
+    the step and any competition between worker processes and the step for the same cores are all in those times. A
+    candidate is kept only when its median step time beats the loader's own by ``margin``; then the ``train_dataloader``
+    and ``val_dataloader`` hooks of the LightningDataModule (or LightningModule) return their loaders rebuilt with it
+    (sampler, batch size, ``collate_fn``, ``drop_last`` and the rest kept) until teardown. Otherwise the loaders stay as
+    they are, and `report` says why. The probe is skipped, with the reason, when it cannot pay back within the run's
+    steps left (`lightning_speedkit.decisions.probe_pays_back`). The decision is in ``state_dict``: a resumed run does
+    not probe again.
 
     A loader that cannot be rebuilt safely (a DataLoader subclass, an IterableDataset with workers) or loaders
     passed straight to ``fit()`` are left alone, with one line saying why.
 
     Args:
-        candidates: Settings to try (dicts with ``num_workers``, ``persistent_workers``, ``prefetch_factor``,
-            ``pin_memory``); default: `default_candidates` up to ``max_workers``, then ``prefetch_factor=4`` for the
-            best worker count.
-        probe_batches: Batches timed per candidate, after ``warmup_batches`` untimed ones.
+        candidates: Settings to try (dicts with ``num_workers`` and optionally ``persistent_workers``,
+            ``prefetch_factor``, ``pin_memory``; with workers, missing ones are persistent workers and
+            ``prefetch_factor=2``; ``pin_memory`` defaults to the loader's); default: `default_candidates` up to
+            ``max_workers``. A candidate equal to the loader's own settings is not tried twice.
+        probe_steps: Training steps per setting; the first ``min(2, probe_steps - 1)`` are not timed (worker
+            start-up).
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
             this node (DDP local ranks).
-        warmup_batches: Untimed batches per candidate (worker start-up).
-        tolerance: Relative throughput within which fewer workers win.
+        margin: How much faster (relative median step time) a candidate must be than the loader's own settings.
 
     Raises:
-        ValueError: For a non-positive ``probe_batches``, negative ``max_workers``/``warmup_batches``, a
-            ``tolerance`` outside [0, 1) or a candidate with an unknown key or negative ``num_workers``.
+        ValueError: For ``probe_steps`` < 1, a negative ``max_workers``, a ``margin`` outside [0, 1), empty
+            ``candidates`` or a candidate with an unknown key or a bad value.
 
-    Logged metrics: ``speedkit/data/num_workers``, ``speedkit/data/batches_per_s`` (the chosen candidate's probe)
-    and ``speedkit/data/speedup`` (over the loader's original settings).
+    Logged metrics (rank zero, once the decision is made or restored): ``speedkit/data/num_workers`` (of the loaders
+    in use), ``speedkit/data/speedup`` (median step time of the loader's own settings over the chosen one's; 1.0 when
+    they are kept) and ``speedkit/data/probe_s`` (seconds the probe took; 0.0 when skipped).
 
     Example:
         >>> import lightning as L
-        >>> trainer = L.Trainer(logger=False, callbacks=[DataLoaderTuner(probe_batches=10)])
+        >>> trainer = L.Trainer(logger=False, callbacks=[DataLoaderTuner(probe_steps=4)])
     """
+
+    MAX_GAIN = 0.5
+    """The payback rule's best case: loader settings can at most hide the data loading behind the step, and we assume
+    that is at most half of it (2x, a data-bound pipeline); the probe runs only when saving half of every step left
+    would repay it (`~lightning_speedkit.decisions.probe_pays_back`). A pipeline more data-bound than that gains more,
+    so on a run long enough to probe it still repays."""
+
+    WARMUP_STEPS = 2
+    """Untimed steps at the start of each trial: worker processes start and fill their prefetch queues."""
 
     def __init__(
         self,
         candidates: Sequence[dict[str, Any]] | None = None,
-        probe_batches: int = 20,
+        probe_steps: int = 6,
         max_workers: int | None = None,
-        warmup_batches: int = 2,
-        tolerance: float = 0.05,
+        margin: float = 0.05,
     ) -> None:
-        if not isinstance(probe_batches, int) or probe_batches < 1:
-            raise ValueError(f"`probe_batches` must be a positive int, got {probe_batches!r}.")
-        if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
+        check_probe_steps("probe_steps", probe_steps)
+        if max_workers is not None and (
+            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 0
+        ):
             raise ValueError(f"`max_workers` must be an int >= 0 or None, got {max_workers!r}.")
-        if not isinstance(warmup_batches, int) or warmup_batches < 0:
-            raise ValueError(f"`warmup_batches` must be an int >= 0, got {warmup_batches!r}.")
-        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < 1.0:
-            raise ValueError(f"`tolerance` must be in [0, 1), got {tolerance!r}.")
+        self.margin = check_margin("margin", margin)
+        if candidates is not None and (isinstance(candidates, (str, dict)) or not candidates):
+            raise ValueError(f"`candidates` must be a non-empty list of settings dicts or None, got {candidates!r}.")
         for candidate in candidates or ():
-            unknown = set(candidate) - set(_SETTINGS) if isinstance(candidate, dict) else {"?"}
-            workers = candidate.get("num_workers", 0) if not unknown else 0
-            if unknown or not isinstance(workers, int) or workers < 0:
+            if not _valid_candidate(candidate):
                 raise ValueError(
-                    f"`candidates` entries take keys {', '.join(_SETTINGS)} with num_workers >= 0, got {candidate!r}."
+                    f"`candidates` entries take keys {', '.join(_SETTINGS)} (num_workers an int >= 0,"
+                    f" prefetch_factor an int >= 1 or None, the others bools), got {candidate!r}."
                 )
         self.candidates = [dict(c) for c in candidates] if candidates is not None else None
-        self.probe_batches = probe_batches
+        self.probe_steps = probe_steps
         self.max_workers = max_workers
-        self.warmup_batches = warmup_batches
-        self.tolerance = tolerance
         self._report: dict[str, Any] = {}
-        self._patched: list[tuple[_Owner, str]] = []
+        self._applied: LoaderSettings | None = None
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(probe_batches=self.probe_batches, max_workers=self.max_workers)
+        return self._generate_state_key(probe_steps=self.probe_steps, max_workers=self.max_workers)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         owner = self._owner(trainer, pl_module)
         if owner is None:
             return
-        if not self._report.get("chosen"):
-            report = self._measure(trainer, owner) if trainer.is_global_zero else {}
-            self._report = trainer.strategy.broadcast(report, src=0)
-        chosen = self._report.get("chosen")
-        if not chosen:
+        if "chosen" not in self._report:
+            self._report.update(self._decide(trainer, owner))
+            if "chosen" in self._report:
+                rank_zero_info(self._summary())
+        if "chosen" not in self._report:
             return
-        for hook in _HOOKS:
-            if is_overridden(hook, owner):
-                self._patch(owner, hook, chosen)
-        for logger in trainer.loggers if trainer.is_global_zero else ():
-            logger.log_metrics(
-                {
-                    "speedkit/data/num_workers": float(chosen["num_workers"]),
-                    "speedkit/data/batches_per_s": float(self._report["chosen_batches_per_s"]),
-                    "speedkit/data/speedup": float(self._report["speedup"]),
-                },
-                step=trainer.global_step,
-            )
+        if self._report.get("rebuilt", True):  # a report from before "rebuilt" existed was always applied
+            self._applied = LoaderSettings(owner, self._report["chosen"], _HOOKS, self._left_alone)
+            self._applied.apply(trainer)
+            trainer.fit_loop._combined_loader = None
+            trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        if trainer.is_global_zero:
+            metrics = {
+                "speedkit/data/num_workers": float(self._report["chosen"]["num_workers"]),
+                "speedkit/data/speedup": float(self._report.get("speedup") or 1.0),
+                "speedkit/data/probe_s": float(self._report.get("probe_s") or 0.0),
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for owner, hook in self._patched:
-            vars(owner).pop(hook, None)
-        self._patched = []
+        if self._applied is not None:
+            self._applied.revert(trainer)
+            self._applied = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -301,10 +322,14 @@ class DataLoaderTuner(Callback):
         self._report = dict(state_dict.get("report") or {})
 
     def report(self) -> dict[str, Any]:
-        """What the tuner measured and chose, as a plain dict.
+        """What the tuner measured and decided, as a plain dict.
 
-        Keys: ``chosen`` (the settings), ``candidates`` (each with its measured throughput), ``baseline`` (the
-        loader's own settings, measured), ``speedup`` and ``left_alone`` (why a loader was not rebuilt, if so).
+        Keys: ``decision`` (the chosen setting's name), ``chosen`` and ``baseline`` (the chosen settings and the
+        loader's own), ``rebuilt`` (whether the loaders were rebuilt), ``baseline_step_s`` and ``chosen_step_s``
+        (median seconds per training step), ``candidates`` (each setting tried, with its ``step_s``), ``speedup``
+        (``baseline_step_s / chosen_step_s``; 1.0 when kept), ``probed``, ``probe_s``, ``reason`` (why this decision,
+        or why the probe was skipped), ``rejected``, ``steps_left``, ``max_workers``, ``trials`` (each trial's step
+        times) and ``left_alone`` (why a loader was not rebuilt, if so).
         """
         return dict(self._report)
 
@@ -317,72 +342,93 @@ class DataLoaderTuner(Callback):
         self._left_alone(reason)
         return None
 
-    def _measure(self, trainer: pl.Trainer, owner: _Owner) -> dict[str, Any]:
+    def _plan(self, trainer: pl.Trainer, owner: _Owner) -> dict[str, Any]:
+        """Rank zero: the loader's own settings, the candidates to try, or why the loader is left alone."""
         loader = owner.train_dataloader()
         if not isinstance(loader, DataLoader):
-            self._left_alone(f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader")
-            return {}
+            return {"left_alone": f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader"}
+        baseline = loader_settings(loader)
         max_workers = self.max_workers
         if max_workers is None:
             max_workers = max(0, cpu_info().available_cores // max(1, trainer.num_devices))
-        use_pin = trainer.strategy.root_device.type == "cuda"
-        candidates = self.candidates or default_candidates(max_workers, pin_memory=use_pin)
+        pin = bool(loader.pin_memory)
+        if self.candidates is None:
+            wanted = default_candidates(max_workers, pin_memory=trainer.strategy.root_device.type == "cuda")
+        else:
+            wanted = [complete_settings(**{"pin_memory": pin, **c}) for c in self.candidates]
+        candidates: list[dict[str, Any]] = []
+        for settings in wanted:
+            if settings != baseline and settings not in candidates:
+                candidates.append(settings)
         try:
-            results = [self._probe(loader, c) for c in candidates]
+            for settings in (baseline, *candidates):
+                rebuild_dataloader(loader, settings)
         except NotRebuildableError as error:
-            self._left_alone(str(error))
+            return {"left_alone": str(error)}
+        try:
+            batches: int | None = len(loader) // trainer.world_size  # at most what a rank gets from its sampler
+        except TypeError:
+            batches = None
+        return {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
+
+    def _decide(self, trainer: pl.Trainer, owner: _Owner) -> dict[str, Any]:
+        """Every rank: the same plan (rank zero's), the same trials, the same decision."""
+        plan = trainer.strategy.broadcast(self._plan(trainer, owner) if trainer.is_global_zero else {}, src=0)
+        if "left_alone" in plan:
+            self._left_alone(plan["left_alone"])
             return {}
-        if self.candidates is None and (best := choose_fastest(results, self.tolerance))["num_workers"] > 0:
-            results.append(self._probe(loader, _settings(best["num_workers"], 4, use_pin)))
-        chosen = choose_fastest(results, self.tolerance)
-        baseline = self._probe(loader, {name: getattr(loader, name) for name in _SETTINGS})
-        report = {
-            "chosen": {name: chosen[name] for name in _SETTINGS},
-            "chosen_batches_per_s": chosen["batches_per_s"],
-            "candidates": results,
+        baseline, candidates = plan["baseline"], plan["candidates"]
+        current = AsIs(settings_name(baseline))
+        skip = ""
+        if not candidates:
+            skip = "nothing to try: every candidate is the loader's own settings"
+        elif trainer.ckpt_path is not None:
+            skip = "skipped: resumed from a checkpoint without a DataLoaderTuner decision (the steps left are unknown)"
+        elif plan["batches"] is not None and plan["batches"] < self.probe_steps:
+            skip = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
+        if skip:
+            measured: dict[str, Any] = {"decision": current.name, "reason": skip, "probed": False, "probe_s": 0.0}
+            measured.update(steps_left=None, step_s={}, rejected={}, trials=[])
+        else:
+            settings = [LoaderSettings(owner, s, on_refused=self._left_alone) for s in candidates]
+            warmup = min(self.WARMUP_STEPS, self.probe_steps - 1)
+            measured = measure(trainer, current, settings, self.probe_steps, self.margin, self.MAX_GAIN, warmup)
+        by_name = {current.name: baseline, **{settings_name(s): s for s in candidates}}
+        step_s = measured["step_s"]
+        base_s, chosen_s = step_s.get(current.name), step_s.get(measured["decision"])
+        return {
+            **measured,
+            "chosen": by_name[measured["decision"]],
             "baseline": baseline,
-            "speedup": chosen["batches_per_s"] / baseline["batches_per_s"] if baseline["batches_per_s"] else 1.0,
-            "max_workers": max_workers,
+            "rebuilt": measured["decision"] != current.name,
+            "baseline_step_s": base_s,
+            "chosen_step_s": chosen_s,
+            "speedup": base_s / chosen_s if base_s and chosen_s else 1.0,
+            "candidates": [{**s, "name": settings_name(s), "step_s": step_s.get(settings_name(s))} for s in candidates],
+            "max_workers": plan["max_workers"],
         }
-        rank_zero_info(self._table(report))
-        return report
-
-    def _probe(self, loader: DataLoader[Any], settings: dict[str, Any]) -> dict[str, Any]:
-        full = {name: settings.get(name, getattr(loader, name)) for name in _SETTINGS}
-        if full["num_workers"] == 0:
-            full.update(persistent_workers=False, prefetch_factor=None)
-        measured = probe_loader(rebuild_dataloader(loader, full), self.probe_batches, self.warmup_batches)
-        return {**full, **measured}
-
-    def _patch(self, owner: _Owner, hook: str, settings: dict[str, Any]) -> None:
-        original: Callable[[], Any] = getattr(type(owner), hook).__get__(owner)
-
-        def tuned() -> Any:
-            loader = original()
-            try:
-                return rebuild_dataloader(loader, settings) if isinstance(loader, DataLoader) else loader
-            except NotRebuildableError as error:
-                self._left_alone(f"{hook}: {error}")
-                return loader
-
-        setattr(owner, hook, tuned)
-        self._patched.append((owner, hook))
 
     def _left_alone(self, reason: str) -> None:
         if reason not in self._report.get("left_alone", []):
             self._report.setdefault("left_alone", []).append(reason)
             rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason}.")
 
-    @staticmethod
-    def _table(report: dict[str, Any]) -> str:
-        chosen = report["chosen"]
-        rows = [(report["baseline"], "  (original)")]
-        for row in report["candidates"]:
-            rows.append((row, "  <- chosen" if all(row[n] == chosen[n] for n in _SETTINGS) else ""))
-        labels = [", ".join(f"{name}={row[name]}" for name in _SETTINGS) for row, _ in rows]
-        width = max(len(label) for label in labels)
-        lines = ["DataLoaderTuner: measured the train dataloader", f"  {'settings':<{width}} {'batches/s':>10}"]
-        for label, (row, mark) in zip(labels, rows, strict=True):
-            lines.append(f"  {label:<{width}} {row['batches_per_s']:>10.1f}{mark}")
-        lines.append(f"  speed-up over the original settings: {report['speedup']:.2f}x")
-        return "\n".join(lines)
+    def _summary(self) -> str:
+        report = self._report
+        verdict = f"rebuilt the loaders with {report['decision']}" if report["rebuilt"] else "kept the loader as it is"
+        times = " | ".join(f"{name}: {1e3 * s:.1f} ms" for name, s in report["step_s"].items() if s is not None)
+        measured = f"; median step time {times}; probe {report['probe_s']:.1f} s" if report["probed"] else ""
+        return f"DataLoaderTuner: {verdict} ({report['reason']}{measured})."
+
+
+def _valid_candidate(candidate: object) -> bool:
+    if not isinstance(candidate, dict) or set(candidate) - set(_SETTINGS) or "num_workers" not in candidate:
+        return False
+    workers, prefetch = candidate["num_workers"], candidate.get("prefetch_factor")
+    return (
+        isinstance(workers, int)
+        and not isinstance(workers, bool)
+        and workers >= 0
+        and (prefetch is None or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 1))
+        and all(isinstance(candidate.get(key, False), bool) for key in ("persistent_workers", "pin_memory"))
+    )

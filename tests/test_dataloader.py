@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +21,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from lightning_speedkit.dataloader import (
     DataLoaderTuner,
+    LoaderSettings,
     NotRebuildableError,
-    choose_fastest,
+    complete_settings,
     default_candidates,
-    probe_loader,
     rebuild_dataloader,
 )
+from lightning_speedkit.decisions import probe_pays_back
+from lightning_speedkit.trials import PROBE_ROUNDS
 
 
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -54,12 +60,12 @@ def collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
 class SlowData(L.LightningDataModule):
     """A DataModule with a custom collate_fn and drop_last, so a rebuild that loses them is caught."""
 
-    def __init__(self, delay: float = 0.0, counter: Path | None = None, batch_size: int = 4) -> None:
+    def __init__(self, delay: float = 0.0, counter: Path | None = None, batch_size: int = 4, n: int = 64) -> None:
         super().__init__()
-        self.delay, self.counter, self.batch_size = delay, counter, batch_size
+        self.delay, self.counter, self.batch_size, self.n = delay, counter, batch_size, n
 
     def train_dataloader(self) -> DataLoader[Any]:
-        data = SlowDataset(delay=self.delay, counter=self.counter)
+        data = SlowDataset(n=self.n, delay=self.delay, counter=self.counter)
         return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=collate)
 
     def val_dataloader(self) -> DataLoader[Any]:
@@ -83,6 +89,22 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def epochs_to_probe(settings: int, probe_steps: int, batches_per_epoch: int) -> int:
+    """The fewest epochs after which a probe of ``settings`` settings pays back (the rule decides, not this file)."""
+    probe = probe_steps * PROBE_ROUNDS * settings
+    steps = next(n for n in itertools.count(1) if probe_pays_back(probe, n, DataLoaderTuner.MAX_GAIN)[0])
+    return math.ceil(steps / batches_per_epoch)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while steps are timed: on a shared 2-core machine two threads stall for whole time slices."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     ("max_workers", "expected"), [(0, [0]), (1, [0, 1]), (2, [0, 1, 2]), (6, [0, 1, 2, 4, 6]), (8, [0, 1, 2, 4, 8])]
 )
@@ -92,15 +114,23 @@ def test_default_candidates(max_workers: int, expected: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("rates", "tolerance", "expected"),
-    [({0: 10.0, 2: 30.0, 4: 31.0}, 0.05, 2), ({0: 10.0, 2: 30.0, 4: 40.0}, 0.05, 4), ({0: 29.0, 2: 30.0}, 0.05, 0)],
+    ("kwargs", "expected"),
+    [
+        ({"num_workers": 0}, (0, False, None, False)),
+        ({"num_workers": 0, "persistent_workers": True, "prefetch_factor": 4}, (0, False, None, False)),
+        ({"num_workers": 2}, (2, True, 2, False)),
+        (
+            {"num_workers": 1, "persistent_workers": False, "prefetch_factor": 4, "pin_memory": True},
+            (1, False, 4, True),
+        ),
+    ],
 )
-def test_choose_fastest_prefers_fewer_workers_on_a_near_tie(
-    rates: dict[int, float], tolerance: float, expected: int
-) -> None:
-    """The fastest wins unless fewer workers are within the tolerance of it."""
-    results = [{"num_workers": w, "batches_per_s": r} for w, r in rates.items()]
-    assert choose_fastest(results, tolerance)["num_workers"] == expected
+def test_complete_settings(kwargs: dict[str, Any], expected: tuple[Any, ...]) -> None:
+    """Missing settings become persistent workers with prefetch_factor 2; without workers those two are off."""
+    settings = complete_settings(**kwargs)
+    assert (
+        tuple(settings[k] for k in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")) == expected
+    )
 
 
 def test_rebuild_keeps_everything_but_the_worker_settings() -> None:
@@ -130,28 +160,55 @@ def test_rebuild_refuses_what_it_cannot_rebuild_safely() -> None:
         rebuild_dataloader(DataLoader(Stream()), {"num_workers": 2})
 
 
-def test_probe_leaves_the_random_state_alone() -> None:
-    """A probe consumes no random numbers: the next draw is the one it would have been."""
-    loader = DataLoader(SlowDataset(), batch_size=4, shuffle=True)
-    torch.manual_seed(0)
-    expected = torch.rand(3)
-    torch.manual_seed(0)
-    result = probe_loader(loader, batches=3)
-    assert torch.equal(torch.rand(3), expected)
-    assert result["batches"] == 3
-    assert result["batches_per_s"] > 0
+def test_loader_settings_patch_the_hook_and_revert_removes_the_patch() -> None:
+    """While applied, the owner's train_dataloader returns the loader rebuilt; after revert, the user's own again."""
+    data = SlowData()
+    setting = LoaderSettings(data, complete_settings(1))
+    assert setting.name == "num_workers=1, persistent_workers=True, prefetch_factor=2, pin_memory=False"
+    setting.apply(None)  # type: ignore[arg-type]
+    patched = data.train_dataloader()
+    assert (patched.num_workers, patched.collate_fn, patched.drop_last) == (1, collate, True)
+    assert data.val_dataloader().num_workers == 0  # trials patch the train loader only
+    setting.revert(None)  # type: ignore[arg-type]
+    assert "train_dataloader" not in vars(data)
+    assert data.train_dataloader().num_workers == 0
 
 
-def test_tuner_picks_workers_for_a_slow_dataset_and_keeps_the_loader(tmp_path: Path) -> None:
-    """With a slow per-item decode the tuner chooses worker processes, and the loader keeps its other settings."""
-    tuner = DataLoaderTuner(probe_batches=6, max_workers=2)
-    trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_train_batches=4, limit_val_batches=2)
-    trainer.fit(Model(), SlowData(delay=0.01))
+@pytest.mark.usefixtures("one_thread")
+def test_tuner_leaves_a_fast_in_memory_loader_alone_and_says_why(tmp_path: Path) -> None:
+    """With samples already in memory, workers only add hand-over costs: the loader stays as built, with the reason."""
+    L.seed_everything(0, verbose=False)
+    tuner = DataLoaderTuner(max_workers=2, probe_steps=8)
+    epochs = epochs_to_probe(settings=3, probe_steps=8, batches_per_epoch=128)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=epochs, limit_val_batches=0)
+    trainer.fit(Model(), SlowData(n=512))
     report = tuner.report()
+    assert report["probed"]
+    assert report["rebuilt"] is False
+    assert report["decision"] == report["reason"].split(": kept ")[-1]
+    assert "faster than" in report["reason"]
+    assert [c["num_workers"] for c in report["candidates"]] == [1, 2]
+    assert all(c["step_s"] > 0 for c in report["candidates"])
+    assert report["baseline_step_s"] > 0
+    assert report["speedup"] == 1.0
+    assert report["probe_s"] > 0
+    assert trainer.train_dataloader.num_workers == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tuner_picks_workers_for_an_io_slow_dataset_and_keeps_the_loader(tmp_path: Path) -> None:
+    """With a slow per-item read, workers win real steps: the loaders are rebuilt with them, all else kept."""
+    tuner = DataLoaderTuner(max_workers=2)
+    epochs = epochs_to_probe(settings=3, probe_steps=6, batches_per_epoch=160)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=epochs, limit_val_batches=2)
+    trainer.fit(Model(), SlowData(delay=0.005, n=640))
+    report = tuner.report()
+    assert report["probed"]
+    assert report["rebuilt"] is True
     assert report["chosen"]["num_workers"] >= 1
-    assert {c["num_workers"] for c in report["candidates"]} >= {0, 1, 2}
-    assert all(c["batches_per_s"] > 0 for c in report["candidates"])
-    assert report["speedup"] > 1.0
+    assert report["decision"] in report["reason"]
+    assert report["speedup"] > 1.05
+    assert report["chosen_step_s"] < report["baseline_step_s"]
     loader = trainer.train_dataloader
     assert loader.num_workers == report["chosen"]["num_workers"]
     assert (loader.batch_size, loader.drop_last, loader.collate_fn) == (4, True, collate)
@@ -161,36 +218,62 @@ def test_tuner_picks_workers_for_a_slow_dataset_and_keeps_the_loader(tmp_path: P
     assert isinstance(val.sampler, SequentialSampler)
 
 
+def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:
+    """A fit too short for the probe to pay back runs no trial: the loader is kept, the reason is the payback rule."""
+    counter = tmp_path / "reads.txt"
+    tuner = DataLoaderTuner(max_workers=2)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_train_batches=4, limit_val_batches=0)
+    trainer.fit(Model(), SlowData(delay=0.005, counter=counter))
+    report = tuner.report()
+    assert report["probed"] is False
+    assert report["reason"].startswith("skipped: the probe (")
+    assert "cannot pay back in 4 steps left" in report["reason"]
+    assert report["decision"] == "num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False"
+    assert report["rebuilt"] is False
+    assert report["probe_s"] == 0.0
+    assert trainer.train_dataloader.num_workers == 0
+    assert len(counter.read_text()) == 16  # the 4 training batches of 4 samples, no probe
+
+
 def test_probing_does_not_change_training(tmp_path: Path) -> None:
-    """A run with the tuner trains on the same batches in the same order as one without it."""
-    weights = []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 0}], probe_batches=4)]):
+    """A run whose probe keeps the loader trains on the same batches from the same weights as a run without it."""
+    weights, reports = [], []
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=16)
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], margin=0.99)]):
         L.seed_everything(0, verbose=False)
         model = Model()
-        tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=2).fit(model, SlowData())
+        tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=epochs, limit_val_batches=0).fit(model, SlowData())
         weights.append(model.net.weight.detach().clone())
+        reports.extend(c.report() for c in callbacks)
+    assert reports[0]["probed"]
+    assert reports[0]["rebuilt"] is False
     assert torch.equal(weights[0], weights[1])
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_resume_does_not_probe_again(tmp_path: Path) -> None:
-    """A run resumed from a checkpoint reuses the saved choice and reads only its training samples."""
+    """A resumed run applies the saved decision without probing: it reads only its training samples."""
     counter = tmp_path / "reads.txt"
-    tuner = DataLoaderTuner(candidates=[{"num_workers": 0}], probe_batches=4)
+    tuner = DataLoaderTuner(candidates=[{"num_workers": 2}])
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer = tiny_trainer(tmp_path, callbacks=[tuner, checkpoint], enable_checkpointing=True)
-    trainer.fit(Model(), SlowData(counter=counter))
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=32)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner, checkpoint], enable_checkpointing=True, max_epochs=epochs)
+    trainer.fit(Model(), SlowData(delay=0.005, counter=counter, n=128))
     first = tuner.report()
+    assert first["probed"]
+    assert first["rebuilt"] is True
     counter.write_text("")
-    resumed = DataLoaderTuner(candidates=[{"num_workers": 0}], probe_batches=4)
-    trainer = tiny_trainer(tmp_path, callbacks=[resumed], max_epochs=2)
-    trainer.fit(Model(), SlowData(counter=counter), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    resumed = DataLoaderTuner(candidates=[{"num_workers": 2}])
+    trainer = tiny_trainer(tmp_path, callbacks=[resumed], max_epochs=epochs + 1)
+    trainer.fit(Model(), SlowData(delay=0.005, counter=counter, n=128), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.report() == first
-    assert len(counter.read_text()) == 64  # one epoch of the 64 training samples, no probe
+    assert trainer.train_dataloader.num_workers == 2
+    assert len(counter.read_text()) == 128  # one epoch of the 128 training samples, no probe
 
 
 def test_loaders_passed_to_fit_are_left_alone(tmp_path: Path) -> None:
     """Dataloaders handed straight to ``fit()`` are not rebuilt, and the tuner says why."""
-    tuner = DataLoaderTuner(probe_batches=2)
+    tuner = DataLoaderTuner(probe_steps=2)
     loader = DataLoader(SlowDataset(), batch_size=8)
     with pytest.warns(UserWarning, match="passed straight to fit"):
         tiny_trainer(tmp_path, callbacks=[tuner], limit_val_batches=0).fit(Model(), train_dataloaders=loader)
@@ -198,20 +281,43 @@ def test_loaders_passed_to_fit_are_left_alone(tmp_path: Path) -> None:
     assert tuner.report()["left_alone"]
 
 
+def test_a_dataloader_subclass_is_left_alone(tmp_path: Path) -> None:
+    """A DataLoader subclass is neither probed nor rebuilt, and the tuner says why."""
+
+    class MyLoader(DataLoader[Any]):
+        pass
+
+    class Data(SlowData):
+        def train_dataloader(self) -> DataLoader[Any]:
+            return MyLoader(SlowDataset(), batch_size=4, collate_fn=collate)
+
+    tuner = DataLoaderTuner(max_workers=1)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=8, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="subclass"):
+        trainer.fit(Model(), Data())
+    assert "decision" not in tuner.report()
+    assert type(trainer.train_dataloader) is MyLoader
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "name", "value"),
     [
-        ({"probe_batches": 0}, "`probe_batches`"),
-        ({"max_workers": -1}, "`max_workers`"),
-        ({"warmup_batches": -2}, "`warmup_batches`"),
-        ({"tolerance": 1.0}, "`tolerance`"),
-        ({"candidates": [{"workers": 2}]}, "`candidates`"),
-        ({"candidates": [{"num_workers": -1}]}, "`candidates`"),
+        ({"probe_steps": 0}, "probe_steps", "0"),
+        ({"probe_steps": 2.5}, "probe_steps", "2.5"),
+        ({"max_workers": -1}, "max_workers", "-1"),
+        ({"margin": 1.0}, "margin", "1.0"),
+        ({"margin": -0.1}, "margin", "-0.1"),
+        ({"margin": "x"}, "margin", "'x'"),
+        ({"candidates": []}, "candidates", "[]"),
+        ({"candidates": [{"workers": 2}]}, "candidates", "{'workers': 2}"),
+        ({"candidates": [{"num_workers": -1}]}, "candidates", "{'num_workers': -1}"),
+        ({"candidates": [{"num_workers": "two"}]}, "candidates", "{'num_workers': 'two'}"),
+        ({"candidates": [{"num_workers": 1, "prefetch_factor": 0}]}, "candidates", "'prefetch_factor': 0"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
-    """Each bad argument is refused with its name."""
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], name: str, value: str) -> None:
+    """Each bad argument is refused with a ValueError naming it and the value given."""
+    with pytest.raises(ValueError, match=rf"`{name}`.*{re.escape(value)}"):
         DataLoaderTuner(**kwargs)
 
 
@@ -221,33 +327,54 @@ class _RecordLoaders(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.train_dataloader
-        record = {"num_workers": loader.num_workers, "sampler": type(loader.sampler).__name__}
+        tuner = next(c for c in trainer.callbacks if isinstance(c, DataLoaderTuner))  # type: ignore[attr-defined]
+        report = tuner.report()
+        record = {
+            "num_workers": loader.num_workers,
+            "sampler": type(loader.sampler).__name__,
+            "decision": report["decision"],
+            "probed": report["probed"],
+            "step_s": report["step_s"],
+        }
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_ddp_ranks_agree(tmp_path: Path) -> None:
-    """Under 2-process DDP both ranks use the choice made on rank zero, with Lightning's distributed sampler."""
-    tuner = DataLoaderTuner(probe_batches=4, max_workers=1)
+    """Under 2-process DDP both ranks probe together and use the same decision, with Lightning's distributed sampler."""
+    tuner = DataLoaderTuner(probe_steps=4, max_workers=1)  # spawned workers re-import everything: keep them few
     trainer = tiny_trainer(
-        tmp_path, strategy="ddp_spawn", devices=2, callbacks=[tuner, _RecordLoaders(tmp_path)], limit_val_batches=2
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_epochs=epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=40),  # 160 samples a rank
+        callbacks=[tuner, _RecordLoaders(tmp_path)],
+        limit_val_batches=2,
     )
-    trainer.fit(Model(), SlowData(delay=0.005))
+    trainer.fit(Model(), SlowData(delay=0.005, n=320))
     records = rank_records(tmp_path)
     assert records[0] == records[1]
+    assert records[0]["probed"]
     assert records[0]["sampler"] == "DistributedSampler"
 
 
 @pytest.mark.slow
 def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
-    """``benchmarks/dataloader.py --quick`` measures the three settings and writes its JSON."""
+    """``benchmarks/dataloader.py --quick`` measures every setting, with a fit time for each, and writes its JSON."""
     module = load_benchmark("dataloader")
     out = tmp_path / "dataloader.json"
     result = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
-    assert [row["setting"].split(" (")[0] for row in result["rows"]][1:] == [
+    assert [row["setting"].split(" (")[0] for row in result["rows"]] == [
+        "naive",
         "DataLoaderTuner",
         "DataLoaderTuner + CachedDataset",
+        "I/O-slow naive",
+        "I/O-slow DataLoaderTuner",
     ]
-    assert all(row["load_s_per_epoch"] > 0 for row in result["rows"])
-    assert json.loads(out.read_text())["rows"][0]["num_workers"] == 0
+    assert all(row["load_s_per_epoch"] > 0 and row["fit_s"] > 0 for row in result["rows"])
+    assert result["rows"][0]["fit_ratio"] == 1.0
+    assert result["rows"][3]["fit_ratio"] == 1.0
+    saved = json.loads(out.read_text())
+    assert saved["rows"][0]["num_workers"] == 0
+    assert saved["rows"][4]["tuner"]["decision"]

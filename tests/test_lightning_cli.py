@@ -48,10 +48,9 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
     "ChannelsLast": {"enabled": False, "verify": False},
     "DataLoaderTuner": {
         "candidates": [{"num_workers": 0}, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 4}],
-        "probe_batches": 5,
+        "probe_steps": 5,
         "max_workers": 2,
-        "warmup_batches": 1,
-        "tolerance": 0.1,
+        "margin": 0.1,
     },
     "Int8Export": {
         "dirpath": "exports",
@@ -188,7 +187,7 @@ def _tiny_config(tmp_path: Path) -> Path:
         if callback["class_path"].endswith("StructuredPruning"):
             callback["init_args"].update(start_epoch=1, finetune_epochs=0, latency_batch_sizes=[1])
         if callback["class_path"].endswith("DataLoaderTuner"):
-            callback["init_args"].update(probe_batches=2, candidates=[{"num_workers": 0}, {"num_workers": 1}])
+            callback["init_args"].update(probe_steps=2, candidates=[{"num_workers": 0}, {"num_workers": 1}])
         if callback["class_path"].endswith("BatchSizeFinder"):
             callback["init_args"].update(max_val=16, steps_per_trial=1)
         if callback["class_path"].endswith("Int8Export"):

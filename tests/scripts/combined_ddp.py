@@ -99,7 +99,7 @@ class KeyLogger(Logger):
 def combined_callbacks(export_dir: Path | None) -> list[Callback]:
     """Every speedkit callback, in preset's order; Int8Export only with ``export_dir``."""
     callbacks: list[Callback] = [
-        DataLoaderTuner(candidates=[{"num_workers": 0}], probe_batches=2, warmup_batches=0),
+        DataLoaderTuner(candidates=[{"num_workers": 0}], probe_steps=2),
         ChannelsLast(),  # the MLP has no convolutions: it must stay out of the way
         BatchSizeFinder(max_val=16, steps_per_trial=1),
         WarmupScheduler(warmup=12, decay="cosine", min_lr_ratio=0.1),
