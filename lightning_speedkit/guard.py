@@ -134,6 +134,8 @@ class TrainingGuard(Callback):
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("window", window, 2)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
+            stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
         if stall_steps is not None and (
             isinstance(stall_steps, bool)
             or not isinstance(stall_steps, (int, float))
