@@ -1,27 +1,13 @@
-"""Trials: real training steps under a candidate setting inside a running fit, with everything put back afterwards.
-
-This is the one way speedkit decides anything about speed. A `TrialSession` snapshots the model, optimizers,
-schedulers, precision plugin, fit-loop progress, RNG streams and the train loader's generators; each `TrialSession.run`
-applies a `Setting` (a batch size, loader settings, a memory format, a precision, an LR schedule), trains k real
-steps through the Trainer's own loops (data loading included, exactly as the loop does it; precision, DDP and the
-user's hooks behave as in training), reverts the setting and restores the snapshot, so every trial starts from the
-same state and sees the same batches. Each trial ends with a verdict all ranks agree on (an out-of-memory error on
-any rank fails it on every rank) and rank zero's timings and losses broadcast to all, so every rank decides alike.
-
-When to probe, and what to keep, is decided by the pure rules of `lightning_speedkit.decisions`.
-"""
+"""`TrialSession`: real training steps under a `Setting` inside a running fit, everything put back afterwards."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import logging
-import math
-import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +15,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
-from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
@@ -38,166 +22,17 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
-from lightning_speedkit.decisions import check_probe_steps, choose_setting, loss_is_sound, probe_pays_back
+from lightning_speedkit.decisions import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.timing import StepTimer
+from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "PROBE_ROUNDS",
-    "AsIs",
-    "BatchSize",
-    "Setting",
-    "TrialResult",
-    "TrialSession",
-    "decision_summary",
-    "log_decision",
-    "loss_of",
-    "measure",
-    "steps_left",
-]
-
-
-def steps_left(trainer: pl.Trainer) -> float:
-    """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``.
-
-    Estimating builds the train loader and its iterator, which draws from the global RNG; a fit that has not built
-    them yet gets them back unbuilt and its RNG untouched, so asking changes nothing about the run.
-    """
-    fit_loop = trainer.fit_loop
-    built = fit_loop._combined_loader is not None
-    with isolate_rng(include_cuda=torch.cuda.is_available()):
-        estimated = trainer.estimated_stepping_batches
-    if not built and fit_loop._combined_loader is not None:
-        if fit_loop._data_fetcher is not None:
-            fit_loop._data_fetcher.teardown()
-            fit_loop._data_fetcher = None
-        fit_loop._combined_loader = None
-    if math.isinf(estimated):
-        return math.inf
-    return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches
-
-
-PROBE_ROUNDS = 2
-"""Rounds of one trial per setting that `measure` interleaves (a probe costs ``steps * rounds * settings`` steps)."""
-
-
-# ---------------------------------------------------------------------------------------------------- settings
-class Setting:
-    """A candidate setting for the length of one trial: `apply` before its steps, `revert` after (even on failure).
-
-    Subclass it for a lever; ``name`` labels the setting in reports. `callbacks` may add callbacks that run during
-    the trial's steps (an LR schedule stepping the LR, a check on the batches).
-    """
-
-    name = "as is"
-
-    def apply(self, trainer: pl.Trainer) -> None:
-        """Put the setting in place."""
-
-    def revert(self, trainer: pl.Trainer) -> None:
-        """Undo `apply`."""
-
-    def callbacks(self) -> Sequence[Callback]:
-        """Callbacks to run during the trial's steps."""
-        return ()
-
-
-class AsIs(Setting):
-    """The run as it is set up: the "without it" every lever compares against."""
-
-    def __init__(self, name: str = "as is") -> None:
-        self.name = name
-
-
-class BatchSize(Setting):
-    """A batch size, written to the module's (or datamodule's) batch-size attribute; every batch must be that size."""
-
-    def __init__(self, batch_arg_name: str, size: int) -> None:
-        self.batch_arg_name, self.size, self.name = batch_arg_name, size, str(size)
-        self._check = _BatchCheck(size)
-        self._was: Any = None
-
-    @override
-    def apply(self, trainer: pl.Trainer) -> None:
-        self._was = lightning_getattr(trainer.lightning_module, self.batch_arg_name)
-        lightning_setattr(trainer.lightning_module, self.batch_arg_name, self.size)
-
-    @override
-    def revert(self, trainer: pl.Trainer) -> None:
-        lightning_setattr(trainer.lightning_module, self.batch_arg_name, self._was)
-
-    @override
-    def callbacks(self) -> Sequence[Callback]:
-        return (self._check,)
-
-
-class _BatchCheck(Callback):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        seen = batch_size_of(batch)
-        if seen is not None and seen != self.size:
-            raise ValueError(
-                f"BatchSizeFinder: the train dataloader yielded a batch of {seen} while the batch size was set to"
-                f" {self.size}; build the DataLoader in `train_dataloader()` from the batch-size attribute each time"
-                " it is called."
-            )
-
-
-# ---------------------------------------------------------------------------------------------------- results
-@dataclass
-class TrialResult:
-    """One trial, as rank zero measured it (every rank holds the same copy).
-
-    Attributes:
-        setting: The setting's name.
-        fits: Whether every rank ran every step (False after an out-of-memory error on any rank).
-        step_s: Seconds per training step, data loading included (the first step also pays the iterator start).
-        losses: The training loss of each step (None where the step returned none).
-        samples: Samples per step.
-        warmup: Leading steps left out of `median_step_s` and `samples_per_s`.
-        error: The out-of-memory message, or why the trial failed.
-    """
-
-    setting: str
-    fits: bool
-    step_s: list[float] = field(default_factory=list)
-    losses: list[float | None] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
-    warmup: int = 1
-    error: str = ""
-
-    @property
-    def median_step_s(self) -> float | None:
-        """Median seconds per step after the warm-up steps (None without such steps)."""
-        timed = self.step_s[self.warmup :]
-        return statistics.median(timed) if self.fits and timed else None
-
-    @property
-    def samples_per_s(self) -> float | None:
-        """Samples per second over the steps after the warm-up (None without such steps)."""
-        timed = self.step_s[self.warmup :]
-        if not self.fits or not timed or sum(timed) <= 0:
-            return None
-        return sum(self.samples[self.warmup : len(self.step_s)]) / sum(timed)
-
-    @property
-    def seconds(self) -> float:
-        """Seconds of training steps this trial cost."""
-        return float(sum(self.step_s))
-
-    def as_dict(self) -> dict[str, Any]:
-        """A plain dict for reports and ``state_dict``, with the median step time and samples/s."""
-        return {**asdict(self), "median_step_s": self.median_step_s, "samples_per_s": self.samples_per_s}
+__all__ = ["TrialSession"]
 
 
 class _PeerOutOfMemory(Exception):
@@ -213,17 +48,6 @@ def _agree(trainer: pl.Trainer) -> None:
 def _agree_failed(trainer: pl.Trainer) -> None:
     """This rank's verdict after its own OOM: answers the peers' pending sync point with 'failed'."""
     trainer.strategy.reduce_boolean_decision(False, all=True)
-
-
-def loss_of(outputs: Any) -> float | None:
-    """The scalar training loss in a ``training_step``'s outputs (a tensor, or a dict's ``"loss"``), else None.
-
-    Example:
-        >>> loss_of({"loss": torch.tensor(0.5)}), loss_of(None)
-        (0.5, None)
-    """
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    return float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
 
 class _Probe(Callback):
@@ -284,7 +108,6 @@ def _cpu_copy(value: Any) -> Any:
     return copy.deepcopy(copied)
 
 
-# ---------------------------------------------------------------------------------------------------- the session
 class TrialSession:
     """Run trials inside ``on_fit_start`` and put everything back afterwards.
 
@@ -545,86 +368,3 @@ def _reset_grad_scaler(plugin: Any) -> None:
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
         scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-
-def measure(
-    trainer: pl.Trainer,
-    current: Setting,
-    candidates: Sequence[Setting],
-    steps: int,
-    margin: float,
-    max_gain: float,
-    warmup: int = 1,
-    rounds: int = PROBE_ROUNDS,
-    loss_tolerance: float | None = None,
-) -> dict[str, Any]:
-    """Decide between the setting in place and ``candidates`` by real training steps; the report of that decision.
-
-    Follows the rules of `lightning_speedkit.decisions`: no probe when it cannot pay back within the run (a reason
-    says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in place
-    first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the median
-    of its timed steps over all rounds. The fastest candidate is chosen only if it beats the setting in place by
-    ``margin``. With ``loss_tolerance``, a candidate whose first-round losses are non-finite or clearly worse than the
-    setting in place's is rejected. Every rank returns the same report; the caller applies ``report["decision"]``.
-
-    Returns:
-        ``decision`` (a setting's name), ``reason``, ``probed``, ``probe_s`` (seconds the trials took, set-up
-        included), ``steps_left``, ``step_s`` (median seconds per step by setting), ``rejected`` (setting: why) and
-        ``trials`` (each `TrialResult` as a dict).
-
-    Raises:
-        ValueError: If the train loader has fewer batches per epoch than ``steps``.
-    """
-    settings = (current, *candidates)
-    left = steps_left(trainer)
-    pays, why = probe_pays_back(steps * rounds * len(settings), left, max_gain)
-    report: dict[str, Any] = {"decision": current.name, "reason": why, "probed": False, "probe_s": 0.0}
-    report.update(steps_left=None if math.isinf(left) else left, step_s={}, rejected={}, trials=[])
-    if not pays:
-        return report
-    with TrialSession(trainer, steps, warmup) as session:
-        batches = session.batches_per_epoch()
-        if batches is not None and batches < steps:
-            raise ValueError(
-                f"`probe_steps` must not be longer than the train loader: got {steps}, the loader has {batches}"
-                " batches per epoch."
-            )
-        results = [session.run(setting) for _ in range(rounds) for setting in settings]
-    first = results[: len(settings)]
-    for setting, result in zip(settings, first, strict=True):
-        problem = result.error if not result.fits else ""
-        if not problem and loss_tolerance is not None and result is not first[0]:
-            problem = loss_is_sound(result.losses, first[0].losses, loss_tolerance)
-        own = [r for r in results if r.setting == setting.name]
-        timed = [t for r in own if r.fits for t in r.step_s[r.warmup :]]
-        if problem or not all(r.fits for r in own):
-            report["rejected"][setting.name] = problem or next(r.error for r in own if not r.fits)
-        report["step_s"][setting.name] = statistics.median(timed) if timed and not problem else None
-    decision, reason = choose_setting(report["step_s"], current.name, margin)
-    report.update(decision=decision, reason=reason, probed=True, probe_s=session.elapsed_s)
-    report["trials"] = [result.as_dict() for result in results]
-    return report
-
-
-def decision_summary(decision: Mapping[str, Any]) -> dict[str, Any]:
-    """A `measure` report for a lever's ``report()``: step times in milliseconds (``step_ms``), the trials left out.
-
-    Example:
-        >>> decision_summary({"decision": "a", "step_s": {"a": 0.01, "b": None}, "trials": []})
-        {'decision': 'a', 'step_ms': {'a': 10.0, 'b': None}}
-    """
-    out = {k: v for k, v in decision.items() if k not in ("step_s", "trials")}
-    if decision.get("step_s"):
-        out["step_ms"] = {k: None if v is None else 1e3 * v for k, v in decision["step_s"].items()}
-    return out
-
-
-def log_decision(trainer: pl.Trainer, area: str, decision: Mapping[str, Any]) -> None:
-    """Log a measured decision on rank zero: ``speedkit/<area>/<setting>_step_ms`` and ``speedkit/<area>/probe_s``."""
-    if not (trainer.is_global_zero and decision.get("probed")):
-        return
-    step_s = decision.get("step_s") or {}
-    metrics = {f"speedkit/{area}/{name}_step_ms": 1e3 * s for name, s in step_s.items() if s is not None}
-    metrics[f"speedkit/{area}/probe_s"] = float(decision.get("probe_s", 0.0))
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
