@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -15,7 +14,7 @@ from typing_extensions import override
 
 from lightning_speedkit.decisions import check_margin, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.trials import AsIs, Setting, measure
+from lightning_speedkit.trials import AsIs, RemembersDecision, Setting, measure
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +199,7 @@ class LoaderSettings(Setting):
         return rebuilt
 
 
-class DataLoaderTuner(Callback):
+class DataLoaderTuner(RemembersDecision):
     """Time real training steps under candidate loader settings at fit start; rebuild the loaders with a clear winner.
 
     At ``on_fit_start`` every rank runs, through `~lightning_speedkit.trials.measure`, trials of ``probe_steps`` real
@@ -241,6 +240,8 @@ class DataLoaderTuner(Callback):
         >>> trainer = L.Trainer(logger=False, callbacks=[DataLoaderTuner(probe_steps=4)])
     """
 
+    state_name = "report"  # the key checkpoints of earlier versions hold
+
     MAX_GAIN = 0.5
     """The payback rule's best case: loader settings can at most hide the data loading behind the step, and we assume
     that is at most half of it (2x, a data-bound pipeline); the probe runs only when saving half of every step left
@@ -274,7 +275,7 @@ class DataLoaderTuner(Callback):
         self.candidates = [dict(c) for c in candidates] if candidates is not None else None
         self.probe_steps = probe_steps
         self.max_workers = max_workers
-        self._report: dict[str, Any] = {}
+        self._decision: dict[str, Any] = {}
         self._applied: LoaderSettings | None = None
 
     @property
@@ -287,22 +288,22 @@ class DataLoaderTuner(Callback):
         owner = self._owner(trainer, pl_module)
         if owner is None:
             return
-        if "chosen" not in self._report:
-            self._report.update(self._decide(trainer, owner))
-            if "chosen" in self._report:
+        if "chosen" not in self._decision:
+            self._decision.update(self._decide(trainer, owner))
+            if "chosen" in self._decision:
                 rank_zero_info(self._summary())
-        if "chosen" not in self._report:
+        if "chosen" not in self._decision:
             return
-        if self._report.get("rebuilt", True):  # a report from before "rebuilt" existed was always applied
-            self._applied = LoaderSettings(owner, self._report["chosen"], _HOOKS, self._left_alone)
+        if self._decision.get("rebuilt", True):  # a report from before "rebuilt" existed was always applied
+            self._applied = LoaderSettings(owner, self._decision["chosen"], _HOOKS, self._left_alone)
             self._applied.apply(trainer)
             trainer.fit_loop._combined_loader = None
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
         if trainer.is_global_zero:
             metrics = {
-                "speedkit/data/num_workers": float(self._report["chosen"]["num_workers"]),
-                "speedkit/data/speedup": float(self._report.get("speedup") or 1.0),
-                "speedkit/data/probe_s": float(self._report.get("probe_s") or 0.0),
+                "speedkit/data/num_workers": float(self._decision["chosen"]["num_workers"]),
+                "speedkit/data/speedup": float(self._decision.get("speedup") or 1.0),
+                "speedkit/data/probe_s": float(self._decision.get("probe_s") or 0.0),
             }
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -312,14 +313,6 @@ class DataLoaderTuner(Callback):
         if self._applied is not None:
             self._applied.revert(trainer)
             self._applied = None
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"report": self._report}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._report = dict(state_dict.get("report") or {})
 
     def report(self) -> dict[str, Any]:
         """What the tuner measured and decided, as a plain dict.
@@ -331,7 +324,7 @@ class DataLoaderTuner(Callback):
         or why the probe was skipped), ``rejected``, ``steps_left``, ``max_workers``, ``trials`` (each trial's step
         times) and ``left_alone`` (why a loader was not rebuilt, if so).
         """
-        return dict(self._report)
+        return dict(self._decision)
 
     def _owner(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Owner | None:
         source = getattr(trainer.fit_loop, "_data_source", None)
@@ -409,12 +402,12 @@ class DataLoaderTuner(Callback):
         }
 
     def _left_alone(self, reason: str) -> None:
-        if reason not in self._report.get("left_alone", []):
-            self._report.setdefault("left_alone", []).append(reason)
+        if reason not in self._decision.get("left_alone", []):
+            self._decision.setdefault("left_alone", []).append(reason)
             rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason}.")
 
     def _summary(self) -> str:
-        report = self._report
+        report = self._decision
         verdict = f"rebuilt the loaders with {report['decision']}" if report["rebuilt"] else "kept the loader as it is"
         times = " | ".join(f"{name}: {1e3 * s:.1f} ms" for name, s in report["step_s"].items() if s is not None)
         measured = f"; median step time {times}; probe {report['probe_s']:.1f} s" if report["probed"] else ""

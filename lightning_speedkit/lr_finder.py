@@ -75,7 +75,7 @@ class _RangeTest(trials.Setting):
         return (self.steps,)
 
 
-class LRFinder(Callback):
+class LRFinder(trials.RemembersDecision):
     """Choose the peak LR by an LR range test at fit start, and scale the user's LRs to it.
 
     At ``on_fit_start`` one trial (`lightning_speedkit.trials.TrialSession`: real steps, everything restored
@@ -136,7 +136,7 @@ class LRFinder(Callback):
         if _positive("max_fraction", max_fraction) > 1.0:
             raise ValueError(f"`max_fraction` must be in (0, 1], got {max_fraction!r}.")
         self.divergence, self.smoothing, self.max_fraction = float(divergence), float(smoothing), float(max_fraction)
-        self._report: dict[str, Any] = {}
+        self._decision: dict[str, Any] = {}
 
     @property
     @override
@@ -145,39 +145,31 @@ class LRFinder(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._report:
-            rank_zero_info(f"LRFinder: resumed with LR x{self._report['scale']:.4g} (saved result, no search).")
+        if self._decision:
+            rank_zero_info(f"LRFinder: resumed with LR x{self._decision['scale']:.4g} (saved result, no search).")
             return
         if not trainer.optimizers:
-            self._report = {"scale": 1.0, "reason": "no optimizer", "probed": False, "probe_s": 0.0}
+            self._decision = {"scale": 1.0, "reason": "no optimizer", "probed": False, "probe_s": 0.0}
             return
         left = trials.steps_left(trainer)
         if left * self.max_fraction < self.steps:
-            self._report = {"scale": 1.0, "probed": False, "probe_s": 0.0, "steps": 0}
-            self._report["reason"] = (
+            self._decision = {"scale": 1.0, "probed": False, "probe_s": 0.0, "steps": 0}
+            self._decision["reason"] = (
                 f"skipped: a {self.steps}-step range test is more than {self.max_fraction:.0%} of the {left:.0f}"
                 " steps left"
             )
-            rank_zero_info(f"LRFinder: {self._report['reason']}; the LR is left as it is.")
+            rank_zero_info(f"LRFinder: {self._decision['reason']}; the LR is left as it is.")
             return
-        self._report = self._search(trainer)
-        if self._report["scale"] != 1.0:
-            rescale_run_lrs(trainer, self._report["scale"])
-        rank_zero_info(f"LRFinder: LR x{self._report['scale']:.4g} ({self._report['reason']}).")
+        self._decision = self._search(trainer)
+        if self._decision["scale"] != 1.0:
+            rescale_run_lrs(trainer, self._decision["scale"])
+        rank_zero_info(f"LRFinder: LR x{self._decision['scale']:.4g} ({self._decision['reason']}).")
         if trainer.is_global_zero:
-            metrics = {f"speedkit/lr_finder/{k}": float(self._report[k]) for k in ("scale", "probe_s")}
-            if self._report.get("suggested_lr") is not None:
-                metrics["speedkit/lr_finder/suggested_lr"] = float(self._report["suggested_lr"])
+            metrics = {f"speedkit/lr_finder/{k}": float(self._decision[k]) for k in ("scale", "probe_s")}
+            if self._decision.get("suggested_lr") is not None:
+                metrics["speedkit/lr_finder/suggested_lr"] = float(self._decision["suggested_lr"])
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"report": self._report}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._report = dict(state_dict.get("report") or {})
 
     def report(self) -> dict[str, Any]:
         """The search as a plain dict (empty before fit start).
@@ -185,7 +177,7 @@ class LRFinder(Callback):
         Keys: ``user_lr`` and ``suggested_lr`` (the first param group's), ``chosen_lr``, ``scale``, ``reason``,
         ``steps`` (range-test steps run), ``probe_s``, ``probed`` and ``curve`` (``lrs``, ``losses``, ``smoothed``).
         """
-        return dict(self._report)
+        return dict(self._decision)
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]

@@ -13,7 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -61,7 +60,7 @@ def _set_layout(trainer: pl.Trainer, channels_last: bool) -> int:
     return moved
 
 
-class ChannelsLast(Callback):
+class ChannelsLast(trials.RemembersDecision):
     """Run a convolutional LightningModule in the channels-last memory layout (NHWC), with no change to the model.
 
     When the Trainer sets up, before the optimizer and any DDP wrapper are built, the weights of the module's 2-D/3-D
@@ -193,14 +192,6 @@ class ChannelsLast(Callback):
         if self._status == "channels_last":  # state restored from a checkpoint of the default layout
             for optimizer in trainer.optimizers:
                 align_optimizer_state(optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"decision": self._decision}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._decision = dict(state_dict.get("decision") or {})
 
     def report(self) -> dict[str, Any]:
         """What happened: ``status``, ``converted`` (weights that changed layout) and the measured decision.

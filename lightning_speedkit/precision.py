@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -78,7 +77,7 @@ class _Autocast(trials.Setting):
             trainer.strategy.precision_plugin = self._was
 
 
-class PrecisionTuner(Callback):
+class PrecisionTuner(trials.RemembersDecision):
     """Choose the training precision by timing real steps in each autocast precision the hardware supports.
 
     At fit start, ``probe_steps`` real training steps run in the precision the Trainer was built with and in each
@@ -149,14 +148,6 @@ class PrecisionTuner(Callback):
             choices["precision"] = chosen
             choices["reasons"]["precision"] = f"measured at fit start: {self._decision['reason']}"
         rank_zero_info(f"PrecisionTuner: {chosen} ({self._decision['reason']}).")
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"decision": self._decision}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._decision = dict(state_dict.get("decision") or {})
 
     def report(self) -> dict[str, Any]:
         """The decision as a plain dict: ``decision``, ``reason``, ``probed``, ``probe_s``, ``step_ms``, ``rejected``.

@@ -11,7 +11,14 @@ any rank fails it on every rank) and rank zero's timings and losses broadcast to
 When to probe, and what to keep, is decided by the pure rules of `lightning_speedkit.decisions`.
 """
 
-from lightning_speedkit.trials.measure import PROBE_ROUNDS, decision_summary, log_decision, measure, steps_left
+from lightning_speedkit.trials.measure import (
+    PROBE_ROUNDS,
+    RemembersDecision,
+    decision_summary,
+    log_decision,
+    measure,
+    steps_left,
+)
 from lightning_speedkit.trials.session import TrialSession
 from lightning_speedkit.trials.settings import AsIs, BatchSize, Setting, TrialResult, loss_of
 
@@ -19,6 +26,7 @@ __all__ = [
     "PROBE_ROUNDS",
     "AsIs",
     "BatchSize",
+    "RemembersDecision",
     "Setting",
     "TrialResult",
     "TrialSession",

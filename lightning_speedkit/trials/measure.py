@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.seed import isolate_rng
+from typing_extensions import override
 
 from lightning_speedkit.decisions import choose_setting, loss_is_sound, probe_pays_back
 from lightning_speedkit.trials.session import TrialSession
@@ -17,7 +19,7 @@ from lightning_speedkit.trials.settings import Setting
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PROBE_ROUNDS", "decision_summary", "log_decision", "measure", "steps_left"]
+__all__ = ["PROBE_ROUNDS", "RemembersDecision", "decision_summary", "log_decision", "measure", "steps_left"]
 
 
 def steps_left(trainer: pl.Trainer) -> float:
@@ -125,3 +127,22 @@ def log_decision(trainer: pl.Trainer, area: str, decision: Mapping[str, Any]) ->
     metrics[f"speedkit/{area}/probe_s"] = float(decision.get("probe_s", 0.0))
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class RemembersDecision(Callback):
+    """A lever whose decision, once made, is checkpointed, so a resumed fit applies it without probing again.
+
+    The decision is the plain dict in ``self._decision``; it is saved under ``state_name`` (``"report"`` for
+    levers whose checkpoints already used that key).
+    """
+
+    state_name = "decision"
+    _decision: dict[str, Any]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {self.state_name: self._decision}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._decision = dict(state_dict.get(self.state_name) or {})
