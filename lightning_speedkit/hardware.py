@@ -14,8 +14,9 @@ import os
 import platform
 import threading
 import time
+import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -287,14 +288,17 @@ class DeviceSampler(Protocol):
 class NvmlSampler:
     """Reads utilisation, memory, power, temperature and SM clock of CUDA devices through NVML (nvidia-ml-py).
 
-    CUDA indices are mapped to NVML devices by UUID, so ``CUDA_VISIBLE_DEVICES`` is respected.
+    CUDA indices are mapped to NVML devices by UUID, else by PCI bus id, so ``CUDA_VISIBLE_DEVICES`` is respected.
+    When neither is found, the CUDA index is used only where it cannot name another GPU (`_nvml_handle` says when);
+    otherwise this refuses rather than watch the wrong GPU.
 
     Args:
         indices: CUDA device indices (as torch numbers them) to read.
 
     Raises:
         ImportError: If nvidia-ml-py is not installed (names the extra to install).
-        RuntimeError: If NVML cannot be initialised (no driver), with NVML's reason.
+        RuntimeError: If NVML cannot be initialised (no driver), or a device cannot be told apart from the others,
+            with the reason.
     """
 
     def __init__(self, indices: Sequence[int]) -> None:
@@ -307,7 +311,14 @@ class NvmlSampler:
         except Exception as err:  # NVMLError or OSError: say why, as one error type
             raise RuntimeError(f"NvmlSampler: nvmlInit failed: {err}") from err
         self._nvml: Any = pynvml
-        self._handles = [(index, _nvml_handle(pynvml, index)) for index in indices]
+        try:
+            self._handles = [(index, _nvml_handle(pynvml, index)) for index in indices]
+        except Exception as err:  # NVMLError, or a refusal to guess the device: release NVML, one error type
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
+            if isinstance(err, RuntimeError):
+                raise
+            raise RuntimeError(f"NvmlSampler: no NVML device for CUDA device(s) {list(indices)}: {err}") from err
         self._closed = False
 
     def sample(self) -> list[DeviceSample]:
@@ -336,15 +347,19 @@ class NvmlSampler:
 class ProcessSampler:
     """This process's CPU use and resident memory (psutil): the reading when there is no GPU or no NVML.
 
+    Args:
+        fallback_reason: Why this reading stands in for a GPU's (`open_sampler` sets it when NVML fails), else None.
+
     Example:
         >>> sampler = ProcessSampler()
-        >>> [s.device for s in sampler.sample()]
-        ['cpu']
+        >>> [s.device for s in sampler.sample()], sampler.fallback_reason
+        (['cpu'], None)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fallback_reason: str | None = None) -> None:
         import psutil
 
+        self.fallback_reason = fallback_reason
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the measurement interval
         self._total = int(psutil.virtual_memory().total)
@@ -363,7 +378,8 @@ class ProcessSampler:
 def open_sampler(device: torch.device | str) -> DeviceSampler:
     """The best sampler for ``device``: `NvmlSampler` for a CUDA device when NVML works, else `ProcessSampler`.
 
-    Never raises for a missing GPU, driver or nvidia-ml-py: it falls back (and logs why at debug level).
+    Never raises for a missing GPU, driver or nvidia-ml-py. A CUDA device whose NVML fails is not skipped silently:
+    a ``RuntimeWarning`` says why, and the `ProcessSampler` returned carries the reason in ``fallback_reason``.
 
     Example:
         >>> type(open_sampler("cpu")).__name__
@@ -375,7 +391,14 @@ def open_sampler(device: torch.device | str) -> DeviceSampler:
         try:
             return NvmlSampler([index])
         except (ImportError, RuntimeError) as err:
-            log.debug("open_sampler: falling back to ProcessSampler: %s", err)
+            reason = f"NVML unavailable for {device}: {err}"
+            warnings.warn(
+                f"open_sampler: {reason}; reading this process's CPU and memory instead (no GPU utilisation, memory,"
+                " power, temperature or clock readings).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return ProcessSampler(fallback_reason=reason)
     return ProcessSampler()
 
 
@@ -452,13 +475,55 @@ class SamplerThread:
             self.sampler.close()
 
 
-def _nvml_handle(pynvml: Any, index: int) -> Any:
-    """The NVML handle of CUDA device ``index``, by UUID when torch knows it, else by index."""
-    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) if torch.cuda.is_available() else ""
-    for candidate in (uuid, f"GPU-{uuid}") if uuid else ():
+def _cuda_ids(index: int) -> tuple[str, str]:
+    """The UUID and PCI bus id (``domain:bus:device.0``) torch gives CUDA device ``index``; ``""`` where unknown."""
+    if not torch.cuda.is_available():
+        return "", ""
+    props = torch.cuda.get_device_properties(index)
+    pci: list[int] = [getattr(props, f"pci_{part}_id", -1) for part in ("domain", "bus", "device")]
+    bus = "" if -1 in pci else "{:08X}:{:02X}:{:02X}.0".format(*pci)
+    return str(getattr(props, "uuid", "") or ""), bus
+
+
+def _nvml_handle(
+    pynvml: Any, index: int, ids: tuple[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> Any:
+    """The NVML handle of CUDA device ``index`` (``ids``: its UUID and PCI bus id, default `_cuda_ids`).
+
+    By UUID, else by PCI bus id. Failing both, NVML's numbering (every GPU, in PCI order) may not be CUDA's (the
+    visible ones, fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), so the index is used only where it cannot
+    name another GPU: NVML sees one device; no ``CUDA_VISIBLE_DEVICES`` (with a warning unless PCI order is set); or
+    plain indices in ``CUDA_VISIBLE_DEVICES`` under PCI order, translated. Otherwise RuntimeError: watching the wrong
+    GPU is worse than watching none.
+    """
+    uuid, bus = _cuda_ids(index) if ids is None else ids
+    lookups = [(pynvml.nvmlDeviceGetHandleByUUID, key) for key in ((uuid, f"GPU-{uuid}") if uuid else ())]
+    lookups += [(pynvml.nvmlDeviceGetHandleByPciBusId, bus)] if bus else []
+    for lookup, key in lookups:
         with contextlib.suppress(Exception):
-            return pynvml.nvmlDeviceGetHandleByUUID(candidate)
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
+            return lookup(key)
+    env = os.environ if env is None else env
+    count, visible = int(pynvml.nvmlDeviceGetCount()), env.get("CUDA_VISIBLE_DEVICES")
+    pci_order = env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+    if count == 1:
+        return pynvml.nvmlDeviceGetHandleByIndex(0)
+    if visible is None:
+        if not pci_order:
+            warnings.warn(
+                f"NvmlSampler: CUDA device {index} is read as NVML device {index} (no UUID or PCI bus id matched);"
+                f" CUDA may number the {count} GPUs differently: set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    entries = [entry.strip() for entry in visible.split(",")]
+    if pci_order and index < len(entries) and entries[index].isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entries[index]))
+    raise RuntimeError(
+        f"NvmlSampler: cannot tell which of {count} NVML devices is CUDA device {index}: no UUID or PCI bus id"
+        f" matched, and CUDA_VISIBLE_DEVICES={visible!r} renumbers the GPUs; not reading a GPU that may be another"
+        " (plain indices in CUDA_VISIBLE_DEVICES with CUDA_DEVICE_ORDER=PCI_BUS_ID let it translate them)."
+    )
 
 
 def _optional(read: Callable[..., Any], *args: Any) -> float | None:

@@ -22,6 +22,7 @@ OOM_MESSAGES: tuple[str, ...] = (
     "CUDA error: out of memory",
     "CUDNN_STATUS_ALLOC_FAILED",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input",
+    "unable to find an engine to execute this computation",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "MPS backend out of memory",
     "XPU out of memory",
@@ -30,7 +31,10 @@ OOM_MESSAGES: tuple[str, ...] = (
 """Message fragments that mean an allocator ran out of memory (CUDA, cuDNN, cuBLAS, MPS, XPU, the CPU allocator).
 
 The cuDNN ``NOT_SUPPORTED`` "non-contiguous input" error is what cuDNN raises when its workspace allocation fails;
-Lightning treats it as an OOM too.
+Lightning treats it as an OOM too. cuDNN's v8/v9 API says "GET (or FIND) was unable to find an engine to execute this
+computation" when no convolution engine can get the workspace it needs, which is how a memory-starved convolution
+fails; a convolution no engine supports at all gives the same words, so a finder that meets one keeps halving and ends
+with "even a batch of 1 ran out of memory", never with a silently wrong size.
 """
 
 
@@ -44,6 +48,8 @@ def is_oom_error(exc: BaseException) -> bool:
         >>> is_oom_error(torch.OutOfMemoryError("out of memory"))
         True
         >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+        True
+        >>> is_oom_error(RuntimeError("GET was unable to find an engine to execute this computation"))  # cuDNN
         True
         >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
         False

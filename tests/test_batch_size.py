@@ -326,6 +326,44 @@ def test_even_batch_one_out_of_memory_is_an_error(tmp_path: Path) -> None:
         fit(tmp_path, model, BatchSizeFinder(max_val=64))
 
 
+OPTIMIZER_OOM = "CUDA out of memory. Tried to allocate the optimizer's state"
+
+
+class OptimizerStepLimited(ScheduledClassifier):
+    """Runs out of memory in the optimizer step (after the GradScaler's ``unscale_``) when the batch exceeds `limit`."""
+
+    def __init__(self, limit: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.limit, self.size = limit, 0
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Remember the batch size."""
+        self.size = len(batch[0])
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Between ``scaler.unscale_`` and ``scaler.update``, as an optimizer allocating its state would."""
+        if self.size > self.limit:
+            raise torch.OutOfMemoryError(OPTIMIZER_OOM)
+
+
+def test_oom_between_unscale_and_update_does_not_break_the_next_trial(tmp_path: Path) -> None:
+    """An OOM that leaves a real GradScaler mid-step (optimizer marked unscaled) is only an OOM: the search goes on."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    L.seed_everything(0, verbose=False)
+    model, finder = OptimizerStepLimited(40, num_samples=SAMPLES), BatchSizeFinder(max_val=1000)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # 16-mixed's scaler, on the CPU
+    trainer = fit(tmp_path, model, finder, plugins=[plugin])  # before the fix: "unscale_() has already been called"
+    trials = finder.report()["trials"]
+    assert [t["size"] for t in trials if not t["fits"]] == [64, 48, 44, 42, 41]  # each an OOM after unscale_
+    assert {t["error"] for t in trials if not t["fits"]} == {OPTIMIZER_OOM}
+    assert model.batch_size == 36  # 40 fitted, less the 10% margin
+    assert trainer.global_step == math.ceil(SAMPLES / 36)  # and training ran on with the same scaler
+
+
 def test_search_leaves_no_trace(tmp_path: Path) -> None:
     """A fit with the search ends with exactly the weights of a plain fit at the found size and scaled LR."""
     model, finder = limited(100), BatchSizeFinder(max_val=1000, steps_per_trial=2)

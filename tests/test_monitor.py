@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 import lightning_speedkit.monitor as monitor_module
-from lightning_speedkit.hardware import DeviceSample, cpu_info
+from lightning_speedkit.hardware import DeviceSample, ProcessSampler, cpu_info
 from lightning_speedkit.monitor import (
     DENSE_PEAK_FLOPS,
     LABELS,
@@ -334,6 +334,15 @@ def test_sampler_that_cannot_start_is_only_a_warning(tmp_path: Path) -> None:
         report = fit(tmp_path, TinyClassifier(), UtilizationMonitor(window=4, sampler=broken)).report()
     assert report["diagnosis"] in LABELS
     assert "Driver Not Loaded" in report["sampling_error"]
+
+
+def test_nvml_fallback_is_reported_not_silent(tmp_path: Path) -> None:
+    """When the sampler opened is the process reading standing in for a failed NVML, the report says why."""
+    reason = "NVML unavailable for cuda:0: NvmlSampler: nvmlInit failed: NVML Shared Library Not Found"
+    monitor = UtilizationMonitor(window=4, sampler=lambda device: ProcessSampler(fallback_reason=reason))
+    report = fit(tmp_path, TinyClassifier(), monitor).report()
+    assert report["sampling_error"] == reason
+    assert report["diagnosis"] in LABELS
 
 
 def test_exception_stops_thread_and_restores_strategy(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from lightning_speedkit.oom import OOM_MESSAGES, MemoryLimit, is_oom_error, rele
         (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total capacity)"), True),
         (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+        (RuntimeError("GET was unable to find an engine to execute this computation"), True),  # memory-starved conv
+        (RuntimeError("FIND was unable to find an engine to execute this computation"), True),
         (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
         (RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)"), True),
         (RuntimeError("XPU out of memory. Tried to allocate 1.00 GiB"), True),
@@ -45,9 +49,39 @@ def test_real_cpu_allocator_failure_is_an_oom() -> None:
     assert is_oom_error(info.value)
 
 
-def test_release_memory_runs_on_cpu() -> None:
-    """`release_memory` is safe without an accelerator."""
+def test_release_memory_frees_tensors_held_by_reference_cycles() -> None:
+    """`release_memory` collects what a failed step leaves in reference cycles (a traceback's frames), without CUDA."""
+
+    class Holder:
+        """A tensor kept alive only by a reference cycle, as a traceback's frames keep a failed step's tensors."""
+
+        def __init__(self) -> None:
+            self.tensor = torch.zeros(1024)
+            self.me = self
+
+    holder = Holder()
+    alive = weakref.ref(holder.tensor)
+    gc.disable()  # so only release_memory can collect the cycle
+    try:
+        del holder
+        assert alive() is not None
+        release_memory()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_release_memory_empties_the_cuda_cache_once_cuda_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA initialised, `release_memory` returns the caching allocator's blocks; before that it leaves CUDA be."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     release_memory()
+    assert calls == []  # never initialise CUDA just to empty a cache it does not have
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    release_memory()
+    assert calls == ["empty_cache"]
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,16 @@
 
 from lightning_speedkit.monitor.callback import UtilizationMonitor
 from lightning_speedkit.monitor.diagnosis import LABELS, LoaderSettings, WindowDiagnosis, diagnose, format_summary
-from lightning_speedkit.monitor.flops import DENSE_PEAK_FLOPS, measure_flops, mfu, peak_flops, precision_key
+from lightning_speedkit.monitor.flops import (
+    DENSE_PEAK_FLOPS,
+    measure_flops,
+    mfu,
+    peak_flops,
+    precision_key,
+    tf32_allowed,
+    training_peak_flops,
+    uses_tf32,
+)
 
 __all__ = [
     "DENSE_PEAK_FLOPS",
@@ -16,4 +25,7 @@ __all__ = [
     "mfu",
     "peak_flops",
     "precision_key",
+    "tf32_allowed",
+    "training_peak_flops",
+    "uses_tf32",
 ]

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_speedkit.batch import first_tensor
 from lightning_speedkit.hardware import DeviceSample, DeviceSampler, SamplerThread, cpu_info, open_sampler
 from lightning_speedkit.monitor.diagnosis import LABELS, LoaderSettings, diagnose, format_summary
-from lightning_speedkit.monitor.flops import measure_flops, mfu, peak_flops, precision_key
+from lightning_speedkit.monitor.flops import measure_flops, mfu, training_peak_flops
 from lightning_speedkit.timing import StepTimer, WindowStats, median_fractions
 
 if TYPE_CHECKING:
@@ -44,10 +44,10 @@ class UtilizationMonitor(Callback):
     mid-run it warns once, falls back to the process reading and training goes on. On CPU the utilisation is
     logged but not used for the diagnosis (other processes share the cores).
 
-    MFU needs FLOPs per batch (``flops_per_batch``, or measured once on the meta device with
-    ``torch.utils.flop_counter`` from the module's forward on the first batch's first tensor) and the device's
-    dense peak (``peak_flops``, or `DENSE_PEAK_FLOPS` for known GPUs); it warns when MFU exceeds 1. Under DDP the
-    figures are gathered every window: the diagnosis uses the worst rank, and the slowest rank is logged.
+    MFU needs FLOPs per batch (``flops_per_batch``, or measured once on the meta device with ``flop_counter`` from
+    the forward on the first batch's first tensor) and the dense peak (``peak_flops``, else `training_peak_flops`:
+    TF32's for a conv net in ``32-true``); it warns when MFU exceeds 1. Under DDP the figures are gathered every
+    window: the diagnosis uses the worst rank, and the slowest rank is logged.
 
     Args:
         window: Training batches per window (also the rolling window the figures cover).
@@ -166,10 +166,8 @@ class UtilizationMonitor(Callback):
             cores = cpu_info().available_cores
             self._loader = LoaderSettings.from_loader(loader, cores, trainer.num_devices, device.type)
         self._peak = self.peak_flops
-        if self._peak is None and self._cuda:
-            tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
-            key = precision_key(str(trainer.precision), tf32)
-            self._peak = peak_flops(self._device_name, key) if key else None
+        if self._peak is None and self._cuda:  # TF32's peak for a conv net in 32-true: cuDNN runs its convs in TF32
+            self._peak = training_peak_flops(self._device_name, str(trainer.precision), pl_module)[0]
         self._retries = self._alloc_retries(device)
         self._start_sampling(self.sampler or open_sampler, device)
 
@@ -265,7 +263,7 @@ class UtilizationMonitor(Callback):
         ``steps`` (``trainer.global_step`` at the latest window), ``batches`` (timed in all, across resumes),
         ``windows``, ``label_counts``, ``total`` (the same fractions and rate over every timed step),
         ``utilization``, ``mfu``, ``flops_per_batch``, ``peak_flops``, ``device``, ``loader`` (settings dict or
-        None), ``sampling_error``; figures not available are None.
+        None), ``sampling_error`` (why readings stopped, or why NVML was not used); figures not available are None.
         """
         totals = self._totals()
         last = self._last
@@ -324,7 +322,8 @@ class UtilizationMonitor(Callback):
 
     def _start_sampling(self, factory: Callable[[torch.device], DeviceSampler], device: torch.device) -> None:
         try:
-            self._thread = SamplerThread(factory(device), self.sample_interval)
+            self._thread = SamplerThread(sampler := factory(device), self.sample_interval)
+            self._sampling_error = self._sampling_error or getattr(sampler, "fallback_reason", None)
             self._thread.start()
         except Exception as err:  # no readings is no reason to stop training
             self._sampling_error = f"{type(err).__name__}: {err}"
@@ -336,7 +335,7 @@ class UtilizationMonitor(Callback):
         if thread is None:
             return {}
         samples = thread.drain()
-        if thread.error is not None and self._sampling_error is None:
+        if thread.error is not None and thread.error != self._sampling_error:  # once per failure
             self._sampling_error = thread.error
             rank_zero_warn(
                 f"UtilizationMonitor: device sampling failed ({thread.error}); training goes on with the process's"

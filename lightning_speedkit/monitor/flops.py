@@ -1,9 +1,9 @@
-"""Model FLOPs utilisation: the dense peak-FLOPs table, FLOPs counted on the meta device, and MFU."""
+"""Model FLOPs utilisation: the dense peak-FLOPs table, the peak a run can reach, FLOPs counted on the meta device."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,16 @@ from torch import nn
 
 from lightning_speedkit.batch import first_tensor
 
-__all__ = ["DENSE_PEAK_FLOPS", "measure_flops", "mfu", "peak_flops", "precision_key"]
+__all__ = [
+    "DENSE_PEAK_FLOPS",
+    "measure_flops",
+    "mfu",
+    "peak_flops",
+    "precision_key",
+    "tf32_allowed",
+    "training_peak_flops",
+    "uses_tf32",
+]
 
 _T = 1e12
 DENSE_PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -79,6 +88,67 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
+def tf32_allowed() -> dict[str, bool]:
+    """Whether torch lets fp32 work run on TF32 tensor cores: ``matmul`` (cuBLAS) and ``cudnn`` (convolutions).
+
+    The flags are ``torch.backends.cuda.matmul.allow_tf32`` (off by default; ``set_float32_matmul_precision("high")``
+    turns it on) and ``torch.backends.cudnn.allow_tf32`` (on by default: cuDNN convolutions run in TF32 unless told
+    not to). Where torch refuses to read a legacy flag (the ``fp32_precision`` API was mixed in), the new setting,
+    most specific scope first, decides.
+
+    Example:
+        >>> sorted(tf32_allowed())
+        ['cudnn', 'matmul']
+    """
+    backends = torch.backends
+    return {
+        "matmul": _tf32_setting(lambda: backends.cuda.matmul.allow_tf32, backends.cuda.matmul, backends),
+        "cudnn": _tf32_setting(
+            lambda: backends.cudnn.allow_tf32, getattr(backends.cudnn, "conv", None), backends.cudnn, backends
+        ),
+    }
+
+
+def uses_tf32(module: nn.Module | None = None) -> bool:
+    """Whether the fp32 work of ``module`` on a GPU may run on TF32 tensor cores under torch's current flags.
+
+    True when TF32 matmuls are allowed, or when cuDNN may use TF32 (torch's default) and ``module`` has a convolution
+    or an RNN (cuDNN's layers); a module not given counts as having one. Convolutions called functionally, outside
+    ``nn.Conv*`` modules, are not seen.
+
+    Example:
+        >>> uses_tf32(nn.Linear(4, 2)) == tf32_allowed()["matmul"]
+        True
+    """
+    flags = tf32_allowed()
+    if flags["matmul"]:
+        return True
+    if not (flags["cudnn"] and torch.backends.cudnn.enabled):
+        return False
+    return module is None or any(isinstance(m, (nn.modules.conv._ConvNd, nn.RNNBase)) for m in module.modules())
+
+
+def training_peak_flops(
+    device_name: str, precision: str, module: nn.Module | None = None
+) -> tuple[float | None, str | None]:
+    """The dense peak FLOP/s to divide by for MFU when ``module`` trains in ``precision`` on a GPU, and its column.
+
+    In ``32-true`` this is the TF32 peak where `uses_tf32` (a conv net under torch's defaults: its convolutions run
+    in TF32, so the fp32 peak would make MFU up to 7x too high), and the fp32 peak on GPUs without TF32 (before
+    Ampere). The peak is None for a GPU not in `DENSE_PEAK_FLOPS`.
+
+    Example:
+        >>> training_peak_flops("NVIDIA H200", "bf16-mixed")
+        (989000000000000.0, 'bf16')
+        >>> training_peak_flops("Tesla V100-SXM2-16GB", "32-true", nn.Conv2d(3, 8, 3))  # no TF32 before Ampere
+        (15700000000000.0, 'fp32')
+    """
+    key = precision_key(precision, tf32=uses_tf32(module))
+    if key == "tf32" and peak_flops(device_name, "tf32") is None and peak_flops(device_name, "fp32") is not None:
+        key = "fp32"
+    return (peak_flops(device_name, key) if key else None), key
+
+
 def mfu(flops_per_batch: float, seconds_per_batch: float, peak: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s of one device over its peak.
 
@@ -116,3 +186,15 @@ def measure_flops(module: nn.Module, inputs: Sequence[Any], backward: bool = Tru
         if backward and trainable and first is not None and first.requires_grad:
             torch.autograd.grad(first.float().sum(), trainable, allow_unused=True)
     return int(counter.get_total_flops())
+
+
+def _tf32_setting(legacy: Callable[[], bool], *scopes: Any) -> bool:
+    """A legacy ``allow_tf32`` flag, or, where torch refuses to read it, the first explicit ``fp32_precision``."""
+    try:
+        return bool(legacy())
+    except RuntimeError:  # "you have used a mix of the legacy and new APIs to set the TF32 flags"
+        for scope in scopes:
+            value = getattr(scope, "fp32_precision", "none")
+            if value != "none":
+                return bool(value == "tf32")
+        return False
