@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -199,7 +200,7 @@ class LoaderSettings(Setting):
         return rebuilt
 
 
-class DataLoaderTuner(RemembersDecision):
+class DataLoaderTuner(RemembersDecision, Callback):
     """Time real training steps under candidate loader settings at fit start; rebuild the loaders with a clear winner.
 
     At ``on_fit_start`` every rank runs, through `~lightning_speedkit.trials.measure`, trials of ``probe_steps`` real

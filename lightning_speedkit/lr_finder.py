@@ -75,7 +75,7 @@ class _RangeTest(trials.Setting):
         return (self.steps,)
 
 
-class LRFinder(trials.RemembersDecision):
+class LRFinder(trials.RemembersDecision, Callback):
     """Choose the peak LR by an LR range test at fit start, and scale the user's LRs to it.
 
     At ``on_fit_start`` one trial (`lightning_speedkit.trials.TrialSession`: real steps, everything restored

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -60,7 +61,7 @@ def _set_layout(trainer: pl.Trainer, channels_last: bool) -> int:
     return moved
 
 
-class ChannelsLast(trials.RemembersDecision):
+class ChannelsLast(trials.RemembersDecision, Callback):
     """Run a convolutional LightningModule in the channels-last memory layout (NHWC), with no change to the model.
 
     When the Trainer sets up, before the optimizer and any DDP wrapper are built, the weights of the module's 2-D/3-D

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -77,7 +78,7 @@ class _Autocast(trials.Setting):
             trainer.strategy.precision_plugin = self._was
 
 
-class PrecisionTuner(trials.RemembersDecision):
+class PrecisionTuner(trials.RemembersDecision, Callback):
     """Choose the training precision by timing real steps in each autocast precision the hardware supports.
 
     At fit start, ``probe_steps`` real training steps run in the precision the Trainer was built with and in each

@@ -8,9 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.seed import isolate_rng
-from typing_extensions import override
 
 from lightning_speedkit.decisions import choose_setting, loss_is_sound, probe_pays_back
 from lightning_speedkit.trials.session import TrialSession
@@ -129,20 +127,20 @@ def log_decision(trainer: pl.Trainer, area: str, decision: Mapping[str, Any]) ->
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
-class RemembersDecision(Callback):
-    """A lever whose decision, once made, is checkpointed, so a resumed fit applies it without probing again.
+class RemembersDecision:
+    """Mixin for a lever Callback whose decision, once made, is checkpointed, so a resumed fit does not probe again.
 
-    The decision is the plain dict in ``self._decision``; it is saved under ``state_name`` (``"report"`` for
-    levers whose checkpoints already used that key).
+    List it before ``Callback`` in the bases. The decision is the plain dict in ``self._decision``; it is saved under
+    ``state_name`` (``"report"`` for levers whose checkpoints already used that key).
     """
 
     state_name = "decision"
     _decision: dict[str, Any]
 
-    @override
     def state_dict(self) -> dict[str, Any]:
+        """The decision, for the checkpoint."""
         return {self.state_name: self._decision}
 
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The decision, from a checkpoint (empty if it holds none)."""
         self._decision = dict(state_dict.get(self.state_name) or {})
