@@ -6,6 +6,7 @@ Users write ``import lightning_speedkit as speedkit``.
 from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.batch_size import BatchSizeFinder
+from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.int8 import Int8Export, export_int8
@@ -21,6 +22,7 @@ from lightning_speedkit.warmup import WarmupScheduler
 __all__ = [
     "BatchSizeFinder",
     "ChannelsLast",
+    "Compile",
     "DataLoaderTuner",
     "Int8Export",
     "LRFinder",

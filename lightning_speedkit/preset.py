@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.doctor import recommend
 from lightning_speedkit.guard import TrainingGuard
@@ -142,12 +143,13 @@ def default_callbacks(
     channels_last: bool | dict[str, Any] = True,
     precision: bool | dict[str, Any] = False,
     lr_finder: bool | dict[str, Any] = False,
+    compile: bool | dict[str, Any] = False,
     guard: bool | dict[str, Any] = True,
 ) -> list[Callback]:
     """Speedkit's callbacks in the order they must act, with the user's own merged in.
 
-    Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> LRFinder -> WarmupScheduler ->
-    TrainingGuard -> UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so
+    Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> LRFinder -> Compile ->
+    WarmupScheduler -> TrainingGuard -> UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so
     the loader is tuned against the step the run will really take (workers compete with it for cores); the LR is
     found for the batch size the run will use. A callback in ``callbacks`` of the same type as one of ours *replaces*
     ours in that slot (never a duplicate); the user's other callbacks follow ours.
@@ -165,6 +167,7 @@ def default_callbacks(
         precision: ``True`` (or a dict of its arguments) for a `PrecisionTuner`; preset sets it when ``precision``
             is left to it.
         lr_finder: ``True`` (or a dict of its arguments) for an `LRFinder`; preset sets it with ``lr="auto"``.
+        compile: ``True`` (or a dict of its arguments) for a `Compile`; preset sets it with ``compile="auto"``.
         guard: ``False`` for no `TrainingGuard`, or a dict of its arguments.
 
     Example:
@@ -181,6 +184,7 @@ def default_callbacks(
         ("channels_last", channels_last),
         ("precision", precision),
         ("lr_finder", lr_finder),
+        ("compile", compile),
         ("guard", guard),
     )
     for name, value in options:
@@ -205,6 +209,8 @@ def default_callbacks(
         ours.append(BatchSizeFinder(**_kwargs(batch_size if isinstance(batch_size, dict) else True)))
     if lr_finder is not False:
         ours.append(LRFinder(**_kwargs(lr_finder)))
+    if compile is not False:
+        ours.append(Compile(**_kwargs(compile)))
     if warmup is not False:
         ours.append(WarmupScheduler(**_kwargs(warmup)))
     if guard is not False:
@@ -235,6 +241,7 @@ def preset(
     callbacks: Sequence[Callback] | None = None,
     channels_last: bool | str = "auto",
     lr: str | None = None,
+    compile: bool | str | dict[str, Any] = False,
     guard: bool | dict[str, Any] = True,
     verbose: bool = True,
     **trainer_kwargs: Any,
@@ -257,6 +264,9 @@ def preset(
       LR to its suggestion (the warmup then ramps to it). A `TrainingGuard` keeps a last-good snapshot and rolls back
       at half the LR on a NaN or a loss spike; ``guard=False`` switches it off, and a dict configures it (its stall
       check, ``{"stall_steps": ...}``, is off by default: an early plateau is normal for many nets).
+    - Compile: ``compile="auto"`` adds `Compile`, which times eager and compiled steps at fit start and keeps the
+      compiled module only when the steps left repay the compile (+10%); ``True`` compiles without timing (eager if
+      compiling fails); a dict passes `Compile` arguments; ``False`` (the default) never compiles.
     - Every probe is skipped when the run is too short for it to pay back (`lightning_speedkit.decisions`), so a short
       job is not made slower; each callback's ``report()`` says what it measured, skipped and why.
     - Logger: a W&B logger when wandb is installed (offline without an API key; ``speedkit/*`` metrics grouped on
@@ -274,6 +284,15 @@ def preset(
     """
     if lr not in (None, "auto"):
         raise ValueError(f"`lr` must be None (keep yours) or 'auto' (an LRFinder range test), got {lr!r}.")
+    compile_arg: bool | dict[str, Any]
+    if compile == "auto":
+        compile_arg = True
+    elif compile is True:
+        compile_arg = {"measure": False}
+    elif compile is False or isinstance(compile, dict):
+        compile_arg = compile
+    else:
+        raise ValueError(f"`compile` must be 'auto', True, False or a dict of Compile arguments, got {compile!r}.")
     if not isinstance(guard, (bool, dict)):
         raise ValueError(f"`guard` must be True, False or a dict of TrainingGuard arguments, got {guard!r}.")
     choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy, channels_last)
@@ -285,6 +304,7 @@ def preset(
         channels_last=choices["channels_last"],
         precision=choices["tune_precision"],
         lr_finder=lr == "auto",
+        compile=compile_arg,
         guard=guard,
     )
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):

@@ -153,6 +153,8 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.preset, {"logger": "tensorboard"}, "logger", "'tensorboard'"),
     (speedkit.preset, {"channels_last": 1}, "channels_last", "1"),
     (speedkit.preset, {"lr": 0.01}, "lr", "0.01"),
+    (speedkit.preset, {"compile": "yes"}, "compile", "'yes'"),
+    (speedkit.default_callbacks, {"compile": "yes"}, "compile", "'yes'"),
     (speedkit.preset, {"guard": "on"}, "guard", "'on'"),
     (CachedDataset, {"source": [], "path": "unused"}, "source", "an empty dataset"),
     (CachedDataset, {"source": [1], "path": "unused", "max_disk_bytes": 0}, "max_disk_bytes", "0"),

@@ -45,6 +45,18 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "throughput_tolerance": 0.1,
         "batch_arg_name": "bs",
     },
+    "Compile": {
+        "mode": "max-autotune",
+        "backend": "eager",
+        "fullgraph": True,
+        "dynamic": False,
+        "options": {"trace.enabled": False},
+        "measure": False,
+        "margin": 0.2,
+        "probe_steps": 3,
+        "max_graph_breaks": 2,
+        "min_compile_s": 1.0,
+    },
     "ChannelsLast": {"enabled": False, "verify": False, "measure": False, "margin": 0.1, "probe_steps": 3},
     "LRFinder": {
         "steps": 30,

@@ -97,7 +97,14 @@ def test_more_gpus_than_exist_is_an_error() -> None:
 
 def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     """Ours come in acting order; the batch-size finder, pruning and export only when asked for."""
-    everything = {"batch_size": "auto", "prune": 0.5, "export": tmp_path, "precision": True, "lr_finder": True}
+    everything = {
+        "batch_size": "auto",
+        "prune": 0.5,
+        "export": tmp_path,
+        "precision": True,
+        "lr_finder": True,
+        "compile": True,
+    }
     names = [type(c).__name__ for c in default_callbacks(**everything)]
     assert names == [
         "ChannelsLast",
@@ -105,6 +112,7 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
         "DataLoaderTuner",
         "BatchSizeFinder",
         "LRFinder",
+        "Compile",
         "WarmupScheduler",
         "TrainingGuard",
         "UtilizationMonitor",

@@ -1,0 +1,515 @@
+"""Compile: ``torch.compile`` as a measured lever, kept only when the steps left repay the compile with a margin.
+
+Compiling costs seconds once (2-45 s on a 2-core CPU; the first compile in a process pays for starting the compiler)
+and then saves a share of every step; a short job loses, a long one wins. So the callback times real training steps
+eager and compiled through `lightning_speedkit.trials` (state restored afterwards, one verdict on every rank), times
+the compile itself, and keeps the compiled module only when `compile_pays_back`. The LightningModule is compiled in
+place (`torch.nn.Module.compile`), inside any DDP wrapper: ``state_dict`` keys stay clean and checkpoints load into an
+eager model and back. ``benchmarks/compile.py`` sets the decision beside whole fits eager and compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
+from typing_extensions import override
+
+from lightning_speedkit import trials
+from lightning_speedkit.decisions import check_margin, check_probe_steps, loss_is_sound, probe_pays_back
+
+_callback_handler: Any
+try:
+    from torch._dynamo.callback import callback_handler as _callback_handler
+except ImportError:  # older torch: no compile callbacks; compile seconds then come from the first compiled step
+    _callback_handler = None
+
+log = logging.getLogger(__name__)
+
+__all__ = ["COMPILE_MODES", "Compile", "compile_pays_back", "compile_worth_probing"]
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""The ``mode`` values ``torch.compile`` accepts."""
+
+_EAGER, _COMPILED = "eager", "compiled"
+_MAX_GAIN = 0.5
+"""The most compiling is taken to save of a step when deciding whether to probe (1.3-1.4x measured here)."""
+_LOSS_TOLERANCE = 0.1
+"""How much higher (relative) the compiled trial's mean loss may be than eager's on the same batches."""
+
+
+def compile_pays_back(
+    eager_step_s: float, compiled_step_s: float, compile_s: float, steps_left: float, margin: float = 0.1
+) -> tuple[bool, str]:
+    """Whether compiling pays back: ``(eager_step_s - compiled_step_s) * steps_left > compile_s * (1 + margin)``.
+
+    Example:
+        >>> compile_pays_back(0.030, 0.020, compile_s=10.0, steps_left=5000, margin=0.1)
+        (True, 'compiled: 50.0 s saved over 5000 steps left > 11.0 s (compile 10.0 s + 10%)')
+        >>> compile_pays_back(0.030, 0.020, compile_s=10.0, steps_left=500, margin=0.1)[1]
+        'eager: 5.0 s saved over 500 steps left <= 11.0 s (compile 10.0 s + 10%)'
+        >>> compile_pays_back(0.030, 0.031, compile_s=1.0, steps_left=float("inf"))[1]
+        'eager: the compiled step is not faster (31.0 ms vs 30.0 ms eager)'
+    """
+    if compiled_step_s >= eager_step_s:
+        shown = f"{1e3 * compiled_step_s:.1f} ms vs {1e3 * eager_step_s:.1f} ms eager"
+        return False, f"eager: the compiled step is not faster ({shown})"
+    cost = compile_s * (1.0 + margin)
+    if math.isinf(steps_left):
+        return True, f"compiled: {100 * (1 - compiled_step_s / eager_step_s):.1f}% faster per step in an unbounded run"
+    saved = (eager_step_s - compiled_step_s) * steps_left
+    shown = f"{saved:.1f} s saved over {steps_left:.0f} steps left"
+    paid = f"{cost:.1f} s (compile {compile_s:.1f} s + {100 * margin:.0f}%)"
+    if saved > cost:
+        return True, f"compiled: {shown} > {paid}"
+    return False, f"eager: {shown} <= {paid}"
+
+
+def compile_worth_probing(
+    eager_step_s: float, steps_left: float, min_compile_s: float, max_gain: float = _MAX_GAIN, margin: float = 0.1
+) -> tuple[bool, str]:
+    """Before compiling anything: whether even steps ``max_gain`` shorter could repay a compile of ``min_compile_s``.
+
+    Example:
+        >>> compile_worth_probing(0.010, steps_left=200, min_compile_s=2.0)[1]
+        'skipped: steps 50% faster would save at most 1.0 s in 200 steps left, less than a 2.0 s compile + 10%'
+        >>> compile_worth_probing(0.010, steps_left=2000, min_compile_s=2.0)[0]
+        True
+    """
+    pays, _ = compile_pays_back(eager_step_s, eager_step_s * (1.0 - max_gain), min_compile_s, steps_left, margin)
+    best = "an unbounded run" if math.isinf(steps_left) else f"{max_gain * eager_step_s * steps_left:.1f} s"
+    if pays:
+        return True, f"worth probing: at best {best} saved"
+    return False, (
+        f"skipped: steps {100 * max_gain:.0f}% faster would save at most {best} in {steps_left:.0f} steps left,"
+        f" less than a {min_compile_s:.1f} s compile + {100 * margin:.0f}%"
+    )
+
+
+class _CompileWatch:
+    """Seconds and count of dynamo's compilations in this process while installed (its compile start/end callbacks)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []  # (trigger, seconds): DYNAMO (a graph) or LAZY_BACKWARD
+        self._started: dict[int, float] = {}
+        self._installed = False
+
+    @staticmethod
+    def available() -> bool:
+        return _callback_handler is not None
+
+    def install(self) -> None:
+        if not self._installed and self.available():
+            _callback_handler.register_start_callback(self._start)
+            _callback_handler.register_end_callback(self._end)
+            self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            _callback_handler.remove_start_callback(self._start)
+            _callback_handler.remove_end_callback(self._end)
+            self._installed = False
+
+    def since(self, mark: int) -> tuple[int, float]:
+        """Graphs compiled and seconds spent compiling since ``len(events)`` was ``mark``."""
+        later = self.events[mark:]
+        return sum(trigger == "DYNAMO" for trigger, _ in later), sum(seconds for _, seconds in later)
+
+    def _start(self, args: Any) -> None:
+        self._started[id(args)] = time.perf_counter()
+
+    def _end(self, args: Any) -> None:
+        started = self._started.pop(id(args), None)
+        if started is not None:
+            self.events.append((str(args.callback_trigger.name), time.perf_counter() - started))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"events": list(self.events), "_started": {}, "_installed": False}
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _no_compiled_call() -> None:
+    return None
+
+
+class _CompiledCall:
+    """A module's compiled ``__call__`` that falls back to eager, for good, when compiling fails at a call.
+
+    A compile error is raised while tracing, before the compiled code runs, so the call is repeated eagerly. Under
+    DDP, Lightning runs ``training_step`` as the module's ``forward`` (its ``_ForwardRedirection`` patches ``forward``
+    on the instance for that call): that call runs eager, so the compiled graph is the module's own ``forward`` on
+    every strategy (``self.log`` inside a step would break the graph, and ``fullgraph=True`` would fail only under
+    DDP). A copy or pickle of the module is eager: the compiled function stays bound to the original module.
+    """
+
+    def __init__(
+        self, compiled: Callable[..., Any], eager: Callable[..., Any], on_failure: Callable[[Exception], None]
+    ) -> None:
+        self.compiled, self.eager, self.on_failure = compiled, eager, on_failure
+        self.module: object = getattr(eager, "__self__", None)
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        patched = getattr(self.module, "__dict__", {}).get("forward")
+        if getattr(patched, "__qualname__", "").startswith("_ForwardRedirection."):
+            return self.eager(*args, **kwargs)
+        self.calls += 1
+        try:
+            return self.compiled(*args, **kwargs)
+        except TorchDynamoException as err:
+            self.on_failure(err)
+            return self.eager(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return _no_compiled_call, ()
+
+
+class _Compiled(trials.Setting):
+    """The module compiled for a trial; tallies the calls, compile seconds, graphs and graph breaks of its trials."""
+
+    name = _COMPILED
+
+    def __init__(self, callback: Compile) -> None:
+        self.callback = callback
+        self.compile_s = 0.0
+        self.calls = self.graphs = self.graph_breaks = 0
+        self._marks = (0, 0, 0)
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        call = self.callback._install(trainer.lightning_module)
+        self._marks = (len(self.callback._watch.events), _graph_breaks(), call.calls)
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        call = self.callback._uninstall(trainer.lightning_module)
+        graphs, seconds = self.callback._watch.since(self._marks[0])
+        self.graphs, self.compile_s = self.graphs + graphs, self.compile_s + seconds
+        self.graph_breaks += _graph_breaks() - self._marks[1]
+        self.calls += (call.calls if call is not None else self._marks[2]) - self._marks[2]
+
+
+class Compile(Callback):
+    """Compile the LightningModule with ``torch.compile`` when, and only when, it pays back within the run.
+
+    At fit start, after any DDP wrapper is built (so the module is compiled inside it and DDP's communication stays
+    eager), ``probe_steps`` real training steps run eager, then compiled, then both again (through
+    `lightning_speedkit.trials`: same weights, same batches, everything restored afterwards), with one validation
+    batch after each trial when the fit validates, so the validation graph's compile is paid in the probe too. The
+    compile seconds are dynamo's own (every graph, forward and backward); the step times are the medians after the
+    first step. The compiled module is kept only when `compile_pays_back`: the projected saving over the steps left
+    (``trainer.estimated_stepping_batches``) exceeds the compile seconds by ``margin``. The compile paid in the probe
+    is counted although it is spent: it stands for the graphs still to come (new batch shapes) and keeps a decision
+    honest about what compiling the run costs.
+
+    The probe is skipped, and the module stays eager, when the run is too short to repay the probe's steps
+    (`~lightning_speedkit.decisions.probe_pays_back`), or when, after one eager trial, even steps 50% shorter could
+    not repay a compile of ``min_compile_s`` (`compile_worth_probing`). If compiling fails (in the probe, or later
+    at a call), breaks the graph more than ``max_graph_breaks`` times, or gives a clearly different loss, the module
+    stays eager with one warning and training goes on. Batch-size changes and a partial last batch cost one
+    recompile each graph (automatic dynamic shapes), not one per step: `report` counts the graphs compiled after the
+    decision. The module is compiled in place (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys,
+    and a deep copy of the module is eager. A module the user compiled already is left alone. The decision is in
+    ``state_dict``: a resumed run applies it without probing.
+
+    Args:
+        mode: ``torch.compile`` mode: one of `COMPILE_MODES`.
+        backend: A registered ``torch.compile`` backend name (``torch._dynamo.list_backends()``) or a callable.
+        fullgraph: Refuse graph breaks (a break then fails the compile, and the module stays eager).
+        dynamic: ``torch.compile``'s ``dynamic``: None marks a dimension dynamic once it changes.
+        options: Backend options (a dict), instead of ``mode``.
+        measure: Time eager and compiled steps and decide; ``False`` compiles without timing (one compiled trial
+            still checks that it compiles).
+        margin: How much (relative, in [0, 1)) the projected saving must exceed the compile seconds.
+        probe_steps: Training steps per trial (the first is left out of the step time).
+        max_graph_breaks: The most graph breaks tolerated before staying eager.
+        min_compile_s: The least a compile is taken to cost when deciding whether to probe at all. Inductor's first
+            compile in a process took 19-45 s on a 2-core CPU, a tiny MLP's later ones 1.5-2 s; wrongly probing costs
+            a compile, wrongly skipping at most the best-case saving, which is then below this.
+
+    Raises:
+        ValueError: For an unknown ``mode`` or ``backend``, ``mode`` together with ``options``, a non-bool
+            ``fullgraph``/``measure``, a ``dynamic`` other than None/True/False, ``options`` not a dict, a ``margin``
+            outside [0, 1), ``probe_steps`` below 2, a negative ``max_graph_breaks`` or ``min_compile_s``.
+
+    Logged metrics: ``speedkit/compile/eager_step_ms``, ``speedkit/compile/compiled_step_ms``,
+    ``speedkit/compile/probe_s`` and ``speedkit/compile/compile_s`` (when probed), ``speedkit/compile/recompiles``
+    (at the end of training).
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(logger=False, callbacks=[Compile(mode="max-autotune-no-cudagraphs")])
+    """
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        backend: str | Callable[..., Any] = "inductor",
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+        measure: bool = True,
+        margin: float = 0.1,
+        probe_steps: int = 4,
+        max_graph_breaks: int = 4,
+        min_compile_s: float = 5.0,
+    ) -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"`mode` must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}.")
+        if isinstance(backend, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if backend not in known:
+                raise ValueError(f"`backend` must be a callable or one of {', '.join(known)}, got {backend!r}.")
+        elif not callable(backend):
+            raise ValueError(f"`backend` must be a backend name or a callable, got {backend!r}.")
+        for name, value in (("fullgraph", fullgraph), ("measure", measure)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise ValueError(f"`dynamic` must be None, True or False, got {dynamic!r}.")
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"`options` must be a dict or None, got {options!r}.")
+        if options is not None and mode is not None:
+            raise ValueError(f"`options` cannot be combined with `mode`; pass one of them, got mode={mode!r}.")
+        if isinstance(max_graph_breaks, bool) or not isinstance(max_graph_breaks, int) or max_graph_breaks < 0:
+            raise ValueError(f"`max_graph_breaks` must be an int >= 0, got {max_graph_breaks!r}.")
+        if isinstance(min_compile_s, bool) or not isinstance(min_compile_s, (int, float)) or min_compile_s < 0:
+            raise ValueError(f"`min_compile_s` must be a number >= 0, got {min_compile_s!r}.")
+        self.compile_kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+        self.compile_kwargs.update(mode=mode, options=options)
+        self.measure = measure
+        self.margin = check_margin("margin", margin)
+        self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
+        self.max_graph_breaks = max_graph_breaks
+        self.min_compile_s = float(min_compile_s)
+        self._decision: dict[str, Any] = {}
+        self._status = "not set up"
+        self._watch = _CompileWatch()
+        self._mark = 0
+        self._call: _CompiledCall | None = None
+        self._failure: Exception | None = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        users = pl_module._compiled_call_impl
+        if (users is not None and not isinstance(users, _CompiledCall)) or pl_module._compiler_ctx is not None:
+            self._status = "compiled by the user: left as it is"
+            return
+        self._watch.install()
+        if not self._decision:
+            self._decision = self._decide(trainer)
+            trials.log_decision(trainer, "compile", self._decision)
+            if self._decision.get("compile_s") is not None:
+                _log_metric(trainer, "compile_s", self._decision["compile_s"])
+        self._use(trainer, self._decision["decision"] == _COMPILED)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._status != _COMPILED:
+            return
+        graphs, seconds = self._watch.since(self._mark)
+        self._decision.update(recompiles=graphs, recompile_s=seconds)
+        _log_metric(trainer, "recompiles", graphs)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._watch.remove()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._watch.remove()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": self._decision}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._decision = dict(state_dict.get("decision") or {})
+
+    def report(self) -> dict[str, Any]:
+        """What was decided and measured, as a plain dict.
+
+        ``status`` (``"compiled"``, ``"eager: <why>"`` or why the module was left alone), ``decision``
+        (``"compiled"`` or ``"eager"``), ``reason``, ``probed``, ``probe_s``, ``steps_left``, ``step_ms`` (median
+        eager and compiled step, ms), ``compile_s`` (dynamo's compile seconds in the probe), ``saving_s`` (projected
+        over the steps left), ``cost_s`` (``compile_s * (1 + margin)``), ``graphs`` and ``graph_breaks`` (in the
+        probe), ``rejected`` and, once training ended compiled, ``recompiles`` and ``recompile_s`` (graphs compiled
+        after the decision: the validation graph on a resume, new batch shapes).
+        """
+        return {"status": self._status, **trials.decision_summary(self._decision)}
+
+    # ------------------------------------------------------------------------------------------------ private
+    def _decide(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Probe (unless the run is too short for it) and decide; every rank returns rank zero's report."""
+        left = trials.steps_left(trainer)
+        report: dict[str, Any] = {"decision": _EAGER, "reason": "", "probed": False, "probe_s": 0.0}
+        report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
+        if self.measure:
+            pays, why = probe_pays_back(self.probe_steps * 2 * trials.PROBE_ROUNDS, left, _MAX_GAIN)
+            if not pays:
+                report["reason"] = why
+                return report
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        validate = bool(trainer.limit_val_batches) and val_loop._data_source.is_defined()
+        compiled, eager = _Compiled(self), trials.AsIs(_EAGER)
+        results: list[trials.TrialResult] = []
+        self._failure = None
+        with trials.TrialSession(trainer, self.probe_steps, warmup=1, validate=validate) as session:
+            batches = session.batches_per_epoch()
+            if batches is not None and batches < self.probe_steps:
+                raise ValueError(
+                    f"`probe_steps` must not be longer than the train loader: got {self.probe_steps}, the loader"
+                    f" has {batches} batches per epoch."
+                )
+            order = [eager, compiled] * trials.PROBE_ROUNDS if self.measure else [compiled]
+            for setting in order:
+                try:
+                    results.append(self._trial(session, setting))
+                except Exception as err:  # the eager trial ran first, so this is the compiler's failure
+                    self._failure = err
+                if self._failure is not None:
+                    break
+                if setting is eager and len(results) == 1:
+                    worth, why = compile_worth_probing(
+                        results[0].median_step_s or 0.0, left, self.min_compile_s, _MAX_GAIN, self.margin
+                    )
+                    if not worth:
+                        report["reason"] = why
+                        break
+        report.update(probed=True, probe_s=session.elapsed_s, trials=[r.as_dict() for r in results])
+        failed = not trainer.strategy.reduce_boolean_decision(self._failure is None, all=True)
+        if report["reason"]:  # skipped after the eager trial
+            report["step_s"] = {_EAGER: results[0].median_step_s}
+            return dict(trainer.strategy.broadcast(report, src=0))
+        self._conclude(report, results, compiled, left, failed)
+        return dict(trainer.strategy.broadcast(report, src=0))
+
+    def _trial(self, session: trials.TrialSession, setting: trials.Setting) -> trials.TrialResult:
+        """One trial (the seam where tests inject step times)."""
+        return session.run(setting)
+
+    def _conclude(
+        self,
+        report: dict[str, Any],
+        results: list[trials.TrialResult],
+        compiled: _Compiled,
+        left: float,
+        failed: bool,
+    ) -> None:
+        """Fill in the decision from the trials' results."""
+        own = {name: [r for r in results if r.setting == name] for name in (_EAGER, _COMPILED)}
+        step_s = {name: _median_step(rs) for name, rs in own.items() if rs}
+        compile_s = compiled.compile_s if _CompileWatch.available() else _first_step_excess(own)
+        report.update(step_s=step_s, compile_s=compile_s, graphs=compiled.graphs, graph_breaks=compiled.graph_breaks)
+        if failed:
+            error = self._failure
+            what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else "on another rank"
+            report["rejected"][_COMPILED] = report["reason"] = f"eager: compiling failed ({what})"
+            rank_zero_warn(f"Compile: compiling the module failed ({what}); training goes on eager.")
+            return
+        if compiled.calls == 0:
+            report["reason"] = "eager: the module itself is never called (compile what `training_step` calls)"
+            return
+        if compiled.graph_breaks > self.max_graph_breaks:
+            report["rejected"][_COMPILED] = report["reason"] = (
+                f"eager: {compiled.graph_breaks} graph breaks (more than max_graph_breaks={self.max_graph_breaks})"
+            )
+            rank_zero_warn(f"Compile: {report['reason'][7:]}; training goes on eager.")
+            return
+        if own[_EAGER]:
+            unsound = loss_is_sound(own[_COMPILED][0].losses, own[_EAGER][0].losses, _LOSS_TOLERANCE)
+            if unsound:
+                report["rejected"][_COMPILED] = report["reason"] = f"eager: the compiled loss differs ({unsound})"
+                rank_zero_warn(f"Compile: the compiled module trains differently ({unsound}); training goes on eager.")
+                return
+        if not self.measure:
+            report.update(decision=_COMPILED, reason="compiled without timing (measure=False)")
+            return
+        eager_s, compiled_s = step_s.get(_EAGER), step_s.get(_COMPILED)
+        if eager_s is None or compiled_s is None:
+            report["reason"] = "eager: no step time to compare"
+            return
+        keep, why = compile_pays_back(eager_s, compiled_s, compile_s, left, self.margin)
+        saving = math.inf if math.isinf(left) else (eager_s - compiled_s) * left
+        report.update(decision=_COMPILED if keep else _EAGER, reason=why, saving_s=saving)
+        report["cost_s"] = compile_s * (1.0 + self.margin)
+
+    def _use(self, trainer: pl.Trainer, compiled: bool) -> None:
+        module = trainer.lightning_module
+        reason = self._decision.get("reason", "")
+        if compiled:
+            self._install(module)
+            self._mark = len(self._watch.events)
+            self._status = _COMPILED
+        else:
+            self._uninstall(module)
+            self._status = f"eager: {reason.removeprefix('eager: ')}"
+        shown = reason.removeprefix("eager: ").removeprefix("compiled: ")
+        rank_zero_info(f"Compile: {'compiled' if compiled else 'eager'} ({shown}).")
+
+    def _install(self, module: pl.LightningModule) -> _CompiledCall:
+        """Compile ``module`` in place (once; later calls put the same compiled function back)."""
+        if self._call is None or self._call.module is not module:
+            module.compile(**self.compile_kwargs)
+            compiled = module._compiled_call_impl
+            if compiled is None:  # pragma: no cover - nn.Module.compile always sets it
+                raise RuntimeError("Compile: `nn.Module.compile` left no compiled call.")
+            self._call = _CompiledCall(compiled, module._call_impl, self._on_failure)
+        module._compiled_call_impl = self._call
+        return self._call
+
+    def _uninstall(self, module: pl.LightningModule) -> _CompiledCall | None:
+        """Make ``module`` eager again; the compiled call it had (kept for the next `_install`)."""
+        module._compiled_call_impl = None
+        return self._call
+
+    def _on_failure(self, error: Exception) -> None:
+        """A compile failed at a call: eager from now on, with one warning once training runs compiled."""
+        if self._call is not None and isinstance(self._call.module, torch.nn.Module):
+            self._call.module._compiled_call_impl = None
+        self._failure = error
+        if self._status == _COMPILED:
+            what = f"{type(error).__name__}: {_first_line(error)}"
+            self._decision.update(decision=_EAGER, reason=f"eager: compiling failed at a call ({what})")
+            self._status = f"eager: compiling failed at a call ({what})"
+            rank_zero_warn(f"Compile: compiling the module failed ({what}); training goes on eager.")
+
+
+def _log_metric(trainer: pl.Trainer, name: str, value: float) -> None:
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics({f"speedkit/compile/{name}": float(value)}, step=trainer.global_step)
+
+
+def _median_step(results: list[trials.TrialResult]) -> float | None:
+    timed = [t for r in results if r.fits for t in r.step_s[r.warmup :]]
+    return statistics.median(timed) if timed else None
+
+
+def _first_step_excess(own: Mapping[str, list[trials.TrialResult]]) -> float:
+    """Without dynamo's compile callbacks: the first compiled step's time beyond the first eager step's."""
+    first = [r.step_s[0] for r in own[_COMPILED] if r.step_s][:1]
+    eager = [r.step_s[0] for r in own[_EAGER] if r.step_s]
+    return max(0.0, first[0] - (statistics.median(eager) if eager else 0.0)) if first else 0.0
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(error).strip().splitlines() if error is not None else []
+    return text[0][:200] if text else ""

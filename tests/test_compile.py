@@ -1,0 +1,471 @@
+"""Compile: torch.compile kept only when it pays back in the run; failures fall back to eager; checkpoints stay clean.
+
+The decision tests inject step times and compile seconds through ``Compile._trial`` (the trials still run, on the
+cheap ``eager`` dynamo backend); the other tests compile for real with inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_speedkit import Compile, trials
+from lightning_speedkit.compile import compile_pays_back, compile_worth_probing
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Dynamo's compiled code is cached per code object across module instances: each test compiles afresh."""
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------- pure rules
+@pytest.mark.parametrize(
+    ("eager_s", "compiled_s", "compile_s", "left", "margin", "keep", "reason_starts"),
+    [
+        (0.030, 0.020, 10.0, 5000, 0.1, True, "compiled: 50.0 s saved over 5000 steps left > 11.0 s"),
+        (0.030, 0.020, 10.0, 500, 0.1, False, "eager: 5.0 s saved over 500 steps left <= 11.0 s"),
+        (0.030, 0.020, 10.0, 1050, 0.1, False, "eager: 10.5 s saved"),  # repays the compile, not the margin
+        (0.030, 0.020, 10.0, 1050, 0.0, True, "compiled: 10.5 s saved"),
+        (0.030, 0.031, 0.0, 10**9, 0.1, False, "eager: the compiled step is not faster"),
+        (0.030, 0.029, 100.0, math.inf, 0.1, True, "compiled: 3.3% faster per step in an unbounded run"),
+    ],
+)
+def test_compile_pays_back_only_when_the_saving_exceeds_the_compile_and_margin(
+    eager_s: float, compiled_s: float, compile_s: float, left: float, margin: float, keep: bool, reason_starts: str
+) -> None:
+    """Compiled iff (eager - compiled) * steps_left > compile_s * (1 + margin); a slower compiled step never wins."""
+    decided, reason = compile_pays_back(eager_s, compiled_s, compile_s, left, margin)
+    assert decided is keep
+    assert reason.startswith(reason_starts), reason
+
+
+@pytest.mark.parametrize(
+    ("eager_s", "left", "min_compile_s", "worth"),
+    [(0.010, 200, 2.0, False), (0.010, 2000, 2.0, True), (1.0, 3, 2.0, False), (0.001, math.inf, 60.0, True)],
+)
+def test_compile_worth_probing_assumes_the_best_case(
+    eager_s: float, left: float, min_compile_s: float, worth: bool
+) -> None:
+    """The probe runs only if steps 50% shorter over the steps left could repay a minimal compile with the margin."""
+    assert compile_worth_probing(eager_s, left, min_compile_s)[0] is worth
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"mode": "fastest"}, "mode"),
+        ({"backend": "no-such-backend"}, "backend"),
+        ({"backend": 3}, "backend"),
+        ({"margin": 1.0}, "margin"),
+        ({"margin": -0.1}, "margin"),
+        ({"probe_steps": 1}, "probe_steps"),
+        ({"fullgraph": "yes"}, "fullgraph"),
+        ({"measure": None}, "measure"),
+        ({"dynamic": "auto"}, "dynamic"),
+        ({"options": ["trace"]}, "options"),
+        ({"mode": "max-autotune", "options": {"trace.enabled": False}}, "options"),
+        ({"max_graph_breaks": -1}, "max_graph_breaks"),
+        ({"min_compile_s": -1.0}, "min_compile_s"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(kwargs: dict[str, Any], argument: str) -> None:
+    """Each bad argument is a ValueError whose message names it (backticked) and shows what was given."""
+    with pytest.raises(ValueError, match=f"`{argument}`") as caught:
+        Compile(**kwargs)
+    assert "got" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+class _Ordered(TinyClassifier):
+    """TinyClassifier without shuffling, so a resumed run sees the batches an uninterrupted one sees."""
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self._data(0), batch_size=self.batch_size)
+
+
+class _GraphBreak(TinyClassifier):
+    """A forward with one explicit graph break."""
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.net[1](self.net[0](x))
+        torch._dynamo.graph_break()
+        return self.net[2](hidden)  # type: ignore[no-any-return]
+
+
+def _failing_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+class _Injected(Compile):
+    """Real trials, with the step times and the compile seconds they report replaced by fixed values."""
+
+    def __init__(self, eager_ms: float, compiled_ms: float, compile_s: float, **kwargs: Any) -> None:
+        super().__init__(backend="eager", **kwargs)
+        self.injected = {"eager": eager_ms / 1e3, "compiled": compiled_ms / 1e3}
+        self.injected_compile_s = compile_s
+
+    @override
+    def _trial(self, session: trials.TrialSession, setting: trials.Setting) -> trials.TrialResult:
+        result = super()._trial(session, setting)
+        result.step_s = [self.injected[setting.name]] * len(result.step_s)
+        if setting.name == "compiled":
+            setting.compile_s = self.injected_compile_s  # type: ignore[attr-defined]
+        return result
+
+
+class _StopAfter(L.Callback):
+    """Ends the fit after ``steps`` optimizer steps (the budget the callbacks see stays the Trainer's)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+class _KeyLogger(Logger):
+    """Remembers the metric keys that reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[str] = set()
+
+    @property
+    @override
+    def name(self) -> str:
+        return "keys"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.keys.update(metrics)
+
+    @override
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("Compile:")]
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------------- decisions
+@pytest.mark.parametrize(
+    ("max_steps", "decision", "reason"),
+    [
+        (200, "eager", "eager: 4.0 s saved over 200 steps left <= 11.0 s (compile 10.0 s + 10%)"),
+        (800, "compiled", "compiled: 16.0 s saved over 800 steps left > 11.0 s (compile 10.0 s + 10%)"),
+    ],
+)
+def test_a_short_budget_stays_eager_and_a_long_one_compiles(
+    tmp_path: Path, max_steps: int, decision: str, reason: str
+) -> None:
+    """Eager 100 ms, compiled 80 ms, compile 10 s (injected): 200 steps cannot repay it, 800 can; the module follows."""
+    L.seed_everything(0, verbose=False)
+    model, logger = TinyClassifier(), _KeyLogger()
+    callback = _Injected(eager_ms=100.0, compiled_ms=80.0, compile_s=10.0)
+    trainer = tiny_trainer(
+        tmp_path, max_epochs=-1, max_steps=max_steps, callbacks=[callback, _StopAfter(10)], logger=logger
+    )
+    trainer.fit(model)
+    report = callback.report()
+    assert report["decision"] == decision
+    assert report["reason"] == reason
+    assert report["probed"]
+    assert report["compile_s"] == 10.0
+    assert report["step_ms"] == {"eager": pytest.approx(100.0), "compiled": pytest.approx(80.0)}
+    assert report["saving_s"] == pytest.approx(0.02 * max_steps)
+    assert report["cost_s"] == pytest.approx(11.0)
+    assert (model._compiled_call_impl is not None) is (decision == "compiled")
+    assert report["status"] == ("compiled" if decision == "compiled" else reason)
+    assert {"speedkit/compile/eager_step_ms", "speedkit/compile/compiled_step_ms"} <= logger.keys
+    assert {"speedkit/compile/probe_s", "speedkit/compile/compile_s"} <= logger.keys
+
+
+def test_a_run_too_short_for_the_probe_skips_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 steps cannot repay 16 probe steps: no trial runs, the module stays eager, the reason says why."""
+    monkeypatch.setattr(trials, "TrialSession", lambda *a, **k: pytest.fail("probed a run too short for it"))
+    callback = Compile()
+    tiny_trainer(tmp_path, max_epochs=-1, max_steps=20, callbacks=[callback]).fit(model := TinyClassifier())
+    report = callback.report()
+    assert report["decision"] == "eager"
+    assert not report["probed"]
+    assert report["reason"].startswith("skipped: the probe (16 steps) cannot pay back in 20 steps left")
+    assert model._compiled_call_impl is None
+
+
+def test_when_no_gain_could_repay_a_compile_it_stops_after_one_eager_trial(tmp_path: Path) -> None:
+    """After one eager trial, even 2x faster steps over 200 steps cannot repay a 1000 s compile: nothing compiles."""
+    callback = Compile(min_compile_s=1000.0)
+    tiny_trainer(tmp_path, max_epochs=-1, max_steps=200, callbacks=[callback, _StopAfter(5)]).fit(
+        model := TinyClassifier()
+    )
+    report = callback.report()
+    assert report["decision"] == "eager"
+    assert report["probed"]
+    assert report["reason"].startswith("skipped: steps 50% faster would save at most")
+    assert report["reason"].endswith("less than a 1000.0 s compile + 10%")
+    assert set(report["step_ms"]) == {"eager"}
+    assert report["compile_s"] is None
+    assert model._compiled_call_impl is None
+
+
+def test_the_decision_follows_the_measurement_in_a_real_fit(tmp_path: Path) -> None:
+    """Inductor, timed for real: the decision is what `compile_pays_back` says of the reported times, and sticks."""
+    L.seed_everything(0, verbose=False)
+    callback = Compile(min_compile_s=0.0)
+    trainer = tiny_trainer(tmp_path, max_epochs=-1, max_steps=100_000, callbacks=[callback, _StopAfter(5)])
+    trainer.fit(model := TinyClassifier())
+    report = callback.report()
+    assert report["probed"]
+    assert report["compile_s"] > 0
+    assert report["graphs"] >= 2  # the training graph and, as the fit validates, the validation graph
+    eager_s, compiled_s = report["step_ms"]["eager"] / 1e3, report["step_ms"]["compiled"] / 1e3
+    keep, reason = compile_pays_back(eager_s, compiled_s, report["compile_s"], report["steps_left"], 0.1)
+    assert report["decision"] == ("compiled" if keep else "eager")
+    assert report["reason"] == reason
+    assert (model._compiled_call_impl is not None) is keep
+
+
+# ---------------------------------------------------------------------------------------------------- real compiles
+def test_a_compiled_fit_trains_with_clean_keys_and_few_recompiles(tmp_path: Path) -> None:
+    """measure=False compiles (inductor) and trains; a partial last batch and a batch-size change recompile once.
+
+    70 samples in batches of 8 (last 6), then of 12 (last 10) from epoch 2: four training shapes over five epochs,
+    yet each graph is recompiled at most once (automatic dynamic shapes), not at every step.
+    """
+
+    class _Resize(L.Callback):
+        @override
+        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.current_epoch == 2:
+                pl_module.batch_size = 12  # type: ignore[assignment]
+
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(num_samples=70)
+    before = _weights(model)
+    callback = Compile(measure=False)
+    tiny_trainer(tmp_path, max_epochs=5, callbacks=[callback, _Resize()], reload_dataloaders_every_n_epochs=1).fit(
+        model
+    )
+    report = callback.report()
+    assert report["status"] == "compiled"
+    assert report["decision"] == "compiled"
+    assert report["compile_s"] > 0
+    assert report["graph_breaks"] == 0
+    assert 1 <= report["recompiles"] <= 3, report
+    assert model._compiled_call_impl is not None
+    assert not any("_orig_mod" in key for key in model.state_dict())
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    eager_copy = copy.deepcopy(model)  # a copy is eager: the compiled function belongs to the original
+    assert eager_copy._compiled_call_impl is None
+    assert pickle.loads(pickle.dumps(model))._compiled_call_impl is None
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(eager_copy(x), model(x))
+
+
+def test_a_backend_that_fails_falls_back_to_eager_with_one_warning(tmp_path: Path) -> None:
+    """A backend that raises: one warning, the module stays eager, and the fit trains to the end."""
+    model = TinyClassifier()
+    before = _weights(model)
+    callback = Compile(backend=_failing_backend, min_compile_s=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, max_epochs=-1, max_steps=300, callbacks=[callback, _StopAfter(20)]).fit(model)
+    report = callback.report()
+    assert len(_ours(caught)) == 1, _ours(caught)
+    assert "compiling the module failed (BackendCompilerFailed" in _ours(caught)[0]
+    assert report["decision"] == "eager"
+    assert report["reason"].startswith("eager: compiling failed (BackendCompilerFailed")
+    assert "compiled" in report["rejected"]
+    assert model._compiled_call_impl is None
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+
+
+def test_a_failure_after_the_decision_falls_back_at_the_call(tmp_path: Path) -> None:
+    """A saved 'compiled' decision whose compile fails now: one warning at the first call, eager from then on."""
+    callback = Compile(backend=_failing_backend)
+    callback.load_state_dict({"decision": {"decision": "compiled", "reason": "compiled: injected"}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(model := TinyClassifier())
+    assert len(_ours(caught)) == 1, _ours(caught)
+    assert callback.report()["status"].startswith("eager: compiling failed at a call (BackendCompilerFailed")
+    assert callback.state_dict()["decision"]["decision"] == "eager"
+    assert model._compiled_call_impl is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason_starts"),
+    [
+        ({"max_graph_breaks": 0}, "eager: 1 graph breaks (more than max_graph_breaks=0)"),
+        ({"fullgraph": True}, "eager: compiling failed (Unsupported"),
+    ],
+)
+def test_graph_breaks_beyond_the_bound_keep_the_module_eager(
+    tmp_path: Path, kwargs: dict[str, Any], reason_starts: str
+) -> None:
+    """A forward with a graph break: over ``max_graph_breaks``, or under ``fullgraph=True``, stays eager and warns."""
+    callback = Compile(backend="eager", measure=False, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback], limit_val_batches=0).fit(model := _GraphBreak())
+    report = callback.report()
+    assert len(_ours(caught)) == 1, _ours(caught)
+    assert report["reason"].startswith(reason_starts), report
+    assert report["decision"] == "eager"
+    assert model._compiled_call_impl is None
+
+
+def test_a_module_the_user_compiled_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.compile()`` before fit: no probe, the user's compiled call stays."""
+    monkeypatch.setattr(trials, "TrialSession", lambda *a, **k: pytest.fail("probed a user-compiled module"))
+    model = TinyClassifier()
+    model.compile(backend="eager")
+    users = model._compiled_call_impl
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback := Compile()]).fit(model)
+    assert callback.report()["status"] == "compiled by the user: left as it is"
+    assert model._compiled_call_impl is users
+
+
+def test_a_second_fit_keeps_its_own_compiled_module_and_the_callback_pickles(tmp_path: Path) -> None:
+    """Fitting again with the same callback and module reuses the decision (not 'compiled by the user')."""
+    model, callback = TinyClassifier(), Compile(backend="eager", measure=False)
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model)
+    compiled_call = model._compiled_call_impl
+    tiny_trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(model)
+    assert callback.report()["status"] == "compiled"
+    assert model._compiled_call_impl is compiled_call
+    restored = pickle.loads(pickle.dumps(callback))
+    assert restored.report()["decision"] == "compiled"
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def test_a_compiled_checkpoint_resumes_and_loads_into_an_eager_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled run's checkpoint resumes compiled without probing, and loads into an eager model.
+
+    Keys carry no ``_orig_mod.``; the resumed run ends where an uninterrupted compiled run ends;
+    ``load_from_checkpoint`` gives an eager model with the same weights, and an eager state loads back.
+    """
+    L.seed_everything(0, verbose=False)
+    straight = _Ordered()
+    tiny_trainer(tmp_path / "straight", max_epochs=4, callbacks=[Compile(measure=False)]).fit(straight)
+
+    L.seed_everything(0, verbose=False)
+    first = _Ordered()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    tiny_trainer(
+        tmp_path / "first", max_epochs=2, callbacks=[Compile(measure=False), checkpoint], enable_checkpointing=True
+    ).fit(first)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(path, weights_only=True)
+    assert not any("_orig_mod" in key for key in saved["state_dict"])
+    assert saved["callbacks"]["Compile"]["decision"]["decision"] == "compiled"
+
+    eager = _Ordered.load_from_checkpoint(path)
+    assert eager._compiled_call_impl is None
+    for a, b in zip(eager.state_dict().values(), first.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    first.load_state_dict(eager.state_dict())  # and an eager state loads into the compiled module
+
+    monkeypatch.setattr(trials, "TrialSession", lambda *a, **k: pytest.fail("probed again on resume"))
+    resumed, callback = _Ordered(), Compile(measure=False)
+    tiny_trainer(tmp_path / "resumed", max_epochs=4, callbacks=[callback]).fit(resumed, ckpt_path=path)
+    assert callback.report()["status"] == "compiled"
+    assert resumed._compiled_call_impl is not None
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- DDP
+class _RankState(L.Callback):
+    """Writes each rank's compile state, report and weights at the end of training."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        compile_callback = next(c for c in trainer.callbacks if isinstance(c, Compile))  # type: ignore[attr-defined]
+        report = compile_callback.report()
+        state = {
+            "compiled": pl_module._compiled_call_impl is not None,
+            "decision": report["decision"],
+            "status": report["status"],
+            "graphs": report["graphs"],
+            "graph_breaks": report["graph_breaks"],
+            "global_step": trainer.global_step,
+            "weights": [p.detach().flatten().tolist() for p in pl_module.parameters()],
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_trains_compiled_with_both_ranks_in_step(tmp_path: Path) -> None:
+    """2-process DDP (gloo): the module inside the DDP wrapper is compiled on both ranks; their weights end equal.
+
+    Lightning runs ``training_step`` through the wrapper as the module's ``forward``; only the module's own forward is
+    compiled, so ``self.log`` in the step breaks no graph.
+    """
+    L.seed_everything(0, verbose=False)
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    trainer = tiny_trainer(
+        tmp_path, max_epochs=2, strategy=strategy, devices=2, callbacks=[Compile(measure=False), _RankState(tmp_path)]
+    )
+    trainer.fit(TinyClassifier(num_samples=70))
+    ranks = rank_records(tmp_path)
+    assert [r["compiled"] for r in ranks] == [True, True]
+    assert [r["status"] for r in ranks] == ["compiled", "compiled"]
+    assert all(r["graphs"] >= 1 and r["graph_breaks"] == 0 for r in ranks)  # forward compiled, not the step's logging
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] > 0
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+def test_benchmark_quick_mode_writes_the_decisions_beside_the_truth(tmp_path: Path) -> None:
+    """``benchmarks/compile.py --quick`` times both per step, fits both budgets, and records the callback's decision."""
+    benchmark = load_benchmark("compile")
+    result = benchmark.main(["--quick", "--out", str(tmp_path / "compile.json"), "--cache-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "compile.json").read_text()) == result
+    assert result["per_step"]["eager_ms"] > 0
+    assert result["per_step"]["compiled_ms"] > 0
+    assert {row["budget"] for row in result["budgets"]} == {"short", "long"}
+    for row in result["budgets"]:
+        assert row["eager_fit_s"] > 0
+        assert row["compiled_fit_s"] > 0
+        assert row["faster"] in ("eager", "compiled")
+        assert row["decision"] in ("eager", "compiled")
+        assert row["reason"]
