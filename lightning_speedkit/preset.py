@@ -149,10 +149,10 @@ def default_callbacks(
     """Speedkit's callbacks in the order they must act, with the user's own merged in.
 
     Order: ChannelsLast -> PrecisionTuner -> DataLoaderTuner -> BatchSizeFinder -> LRFinder -> Compile ->
-    WarmupScheduler -> TrainingGuard -> UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers are decided first, so
-    the loader is tuned against the step the run will really take (workers compete with it for cores); the LR is
-    found for the batch size the run will use. A callback in ``callbacks`` of the same type as one of ours *replaces*
-    ours in that slot (never a duplicate); the user's other callbacks follow ours.
+    WarmupScheduler -> TrainingGuard -> UtilizationMonitor -> StructuredPruning -> Int8Export. The compute levers
+    are decided first, so the loader is tuned against the step the run will really take (workers compete with it for
+    cores); the LR is found for the batch size the run will use. A callback in ``callbacks`` of the same type as one
+    of ours *replaces* ours in that slot (never a duplicate); the user's other callbacks follow ours.
 
     Args:
         batch_size: ``"auto"`` (or a dict of `BatchSizeFinder` arguments) to search the batch size; None to keep it.
