@@ -525,12 +525,13 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
 
 @pytest.mark.slow
 def test_benchmark_quick_mode_writes_its_table(tmp_path: Path, demo_cache: Path) -> None:
-    """``benchmarks/int8.py --quick`` runs both workloads and writes the JSON it prints."""
+    """``benchmarks/int8.py --quick`` runs all four workloads and writes the JSON it prints."""
     module = load_benchmark("int8")
     out = tmp_path / "int8.json"
     results = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
     assert json.loads(out.read_text()) == results
-    assert {row["workload"] for row in results["rows"]} == {"conv", "linear"}
+    assert [row["workload"] for row in results["rows"]] == ["conv", "linear", "depthwise", "encoder"]
     for row in results["rows"]:
         assert row["size_ratio"] > 1.5
         assert 0.0 <= row["top1_agreement"] <= 1.0
+    assert results["rows"][-1]["input_names"] == ["input_ids", "attention_mask"]

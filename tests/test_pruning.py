@@ -119,17 +119,17 @@ def test_untraceable_model_names_the_layer() -> None:
         plan_pruning(model, torch.zeros(1, 4), 0.5, ["2"], round_to=None)
 
 
-def test_multihead_attention_is_reported_unsupported() -> None:
-    """`nn.MultiheadAttention` is listed, so the callback leaves it whole."""
-    model = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2))
-    assert unsupported_layer_names(model) == ["1"]
+def test_only_cross_attention_is_reported_unsupported() -> None:
+    """`nn.MultiheadAttention` with its own key/value widths is listed (left whole); plain self-attention is not."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    assert unsupported_layer_names(model) == ["2"]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({}, "`amount` and `target_speedup`"),
-        ({"amount": 0.5, "target_speedup": 2.0}, "`amount` and `target_speedup`"),
+        ({}, "`amount`, `target_speedup` and `target_latency`"),
+        ({"amount": 0.5, "target_speedup": 2.0}, "`amount`, `target_speedup` and `target_latency`"),
         ({"amount": 1.0}, "`amount`"),
         ({"amount": 0.0}, "`amount`"),
         ({"target_speedup": 1.0}, "`target_speedup`"),
@@ -273,9 +273,11 @@ def test_ddp_ranks_prune_identically_and_stay_in_sync(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
-    """The benchmark runs end to end in quick mode and writes its JSON."""
+    """The benchmark runs every variant end to end in quick mode and writes its JSON."""
     bench = load_benchmark("pruning")
     result = bench.main(["--quick", "--out", str(tmp_path / "out.json"), "--root", str(demo_cache)])
-    assert json.loads((tmp_path / "out.json").read_text())["rows"].keys() == {"baseline", "structured", "modelpruning"}
-    assert result["rows"]["structured"]["macs_ratio"] >= 2.0
+    assert json.loads((tmp_path / "out.json").read_text())["rows"].keys() == set(bench.VARIANTS)
+    for name in ("structured", "vit_structured", "text_structured"):
+        assert result["rows"][name]["macs_ratio"] >= 2.0, name
+    assert result["rows"]["latency"]["search_speedup"] >= result["settings"]["latency_target"]
     assert result["rows"]["modelpruning"]["params_ratio"] == 1.0

@@ -16,6 +16,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_speedkit.int8.export import check_export_args, drop_message, export_int8, export_paths
+from lightning_speedkit.int8.inputs import InputsFromBatch
+from lightning_speedkit.int8.report import int8_metrics, summary_line
 from lightning_speedkit.int8.steps import import_export_deps
 
 if TYPE_CHECKING:
@@ -25,32 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Int8Export", "int8_metrics"]
-
-
-def int8_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """The numbers of an `export_int8` report as flat ``speedkit/int8/...`` metrics (missing values left out).
-
-    Example:
-        >>> int8_metrics({"fp32_bytes": 4_000_000, "int8_bytes": 1_000_000, "size_ratio": 4.0})
-        {'speedkit/int8/fp32_mb': 4.0, 'speedkit/int8/int8_mb': 1.0, 'speedkit/int8/size_ratio': 4.0}
-    """
-    values: dict[str, Any] = {
-        "fp32_mb": report["fp32_bytes"] / 1e6,
-        "int8_mb": report["int8_bytes"] / 1e6,
-        "size_ratio": report["size_ratio"],
-    }
-    for key, timing in (report.get("latency") or {}).items():
-        if key.startswith("batch_"):
-            batch = key.removeprefix("batch_")
-            values[f"latency_fp32_b{batch}_ms"] = timing["fp32_ms"]
-            values[f"latency_int8_b{batch}_ms"] = timing["int8_ms"]
-            values[f"speedup_b{batch}"] = timing["speedup"]
-    verification = report.get("verification") or {}
-    for key in ("max_abs_diff", "top1_agreement", "metric_fp32", "metric_int8"):
-        values[key] = verification.get(key)
-    values["metric_drop"] = report.get("metric_drop")
-    return {f"speedkit/int8/{k}": float(v) for k, v in values.items() if v is not None}
+__all__ = ["Int8Export"]
 
 
 class Int8Export(Callback):
@@ -64,7 +41,10 @@ class Int8Export(Callback):
     metric: ``metric`` if given, else the torchmetrics ``Metric`` attribute named like a ``ModelCheckpoint``'s
     ``monitor``, else the only one whose name starts with ``val``; without one, top-1 accuracy when the targets
     are class indices. The validation batches come from the datamodule's (or module's) ``val_dataloader()``, not
-    sharded; they must be ``(input, target, ...)`` or an input tensor, and the model must take one tensor input.
+    sharded; they must be ``(input, target, ...)`` or an input tensor, unless ``inputs_from_batch`` picks the
+    model's inputs out of them (a text model's ``input_ids`` and ``attention_mask``, say). When the INT8 model
+    misses ``max_metric_drop`` (or ``min_agreement``), the most sensitive layers are kept in FP32 until it holds
+    (at most ``max_fp32_layers``); the report lists them and their cost in size and latency.
 
     Files in ``dirpath``: ``model.onnx`` (INT8), ``model.fp32.onnx`` + ``model.fp32.onnx.data`` and
     ``model.json`` (the report), named after ``filename``. They are written into a temporary directory and moved
@@ -89,6 +69,10 @@ class Int8Export(Callback):
         verify_batches: Verify on at most this many validation batches (None: all).
         latency_batch_size: The larger batch of the latency comparison (the other is 1).
         latency_repeats: Timed runs per model and batch size; 0 skips latency.
+        inputs_from_batch: ``batch -> inputs`` (a tensor, a tuple in ``forward`` order or a dict by parameter
+            name) for calibration and verification; the target is the batch's last item (or its ``labels``).
+        min_agreement: Required FP32/INT8 top-1 agreement, in (0, 1]; None: no check.
+        max_fp32_layers: Most layers kept in FP32 to meet the budget (None: half the Conv/Gemm/MatMul; 0: never).
 
     Raises:
         ValueError: In ``__init__`` for a bad argument; in ``setup`` if ``metric`` names no metric of the module.
@@ -99,7 +83,8 @@ class Int8Export(Callback):
     Logged metrics (every Trainer logger, rank zero, once, at ``step=trainer.global_step``; see `int8_metrics`):
         ``speedkit/int8/fp32_mb``, ``int8_mb``, ``size_ratio``; ``latency_fp32_b{n}_ms``, ``latency_int8_b{n}_ms``,
         ``speedup_b{n}`` for n = 1 and ``latency_batch_size``; ``max_abs_diff``, ``top1_agreement``,
-        ``metric_fp32``, ``metric_int8``, ``metric_drop`` (when known).
+        ``metric_fp32``, ``metric_int8``, ``metric_drop`` (when known); ``fp32_layers`` and ``fp32_layers_bytes``
+        (when layers were kept in FP32).
 
     Example:
         >>> import lightning as L
@@ -123,6 +108,9 @@ class Int8Export(Callback):
         verify_batches: int | None = None,
         latency_batch_size: int = 32,
         latency_repeats: int = 10,
+        inputs_from_batch: InputsFromBatch | None = None,
+        min_agreement: float | None = None,
+        max_fp32_layers: int | None = None,
     ) -> None:
         if calibration_batches is None:
             raise ValueError("`calibration_batches` must be a positive int, got None.")
@@ -135,6 +123,9 @@ class Int8Export(Callback):
             verify_batches=verify_batches,
             latency_batch_size=latency_batch_size,
             latency_repeats=latency_repeats,
+            inputs_from_batch=inputs_from_batch,
+            min_agreement=min_agreement,
+            max_fp32_layers=max_fp32_layers,
         )
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
             raise TypeError(f"`dirpath` must be a directory path or None, got {dirpath!r}.")
@@ -154,6 +145,9 @@ class Int8Export(Callback):
         self.verify_batches = verify_batches
         self.latency_batch_size = latency_batch_size
         self.latency_repeats = latency_repeats
+        self.inputs_from_batch = inputs_from_batch
+        self.min_agreement = min_agreement
+        self.max_fp32_layers = max_fp32_layers
         self._resolved_dir: Path | None = None
         self._report: dict[str, Any] | None = None
 
@@ -210,7 +204,7 @@ class Int8Export(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         self._upload(trainer, report)
-        rank_zero_info(f"Int8Export: {_summary(report)}.")
+        rank_zero_info(f"Int8Export: {summary_line(report)}.")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -241,6 +235,9 @@ class Int8Export(Callback):
             validation_data=loader,
             metric=self._find_metric(trainer, module),
             max_metric_drop=self.max_metric_drop,
+            min_agreement=self.min_agreement,
+            max_fp32_layers=self.max_fp32_layers,
+            inputs_from_batch=self.inputs_from_batch,
             on_metric_drop=self.on_metric_drop,
             verify=self.verify,
             verify_batches=self.verify_batches,
@@ -341,16 +338,6 @@ def _first_line(error: BaseException) -> str:
     """The first line of an error, or its first ``size mismatch`` line (``load_state_dict`` puts those second)."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
-
-
-def _summary(report: dict[str, Any]) -> str:
-    verification = report["verification"] or {}
-    parts = [f"wrote {report['int8_path']} ({report['size_ratio']:.2f}x smaller than FP32"]
-    if verification.get("top1_agreement") is not None:
-        parts.append(f"top-1 agreement {verification['top1_agreement']:.4f}")
-    if report["metric_drop"] is not None:
-        parts.append(f"{verification['metric']} {verification['metric_int8']:.4f} vs {verification['metric_fp32']:.4f}")
-    return ", ".join(parts) + f") from the {report['weights']}"
 
 
 def _metrics_of(module: nn.Module) -> dict[str, Metric]:

@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_speedkit.int8.inputs import InputsFromBatch, batch_inputs, feeds, named_inputs
+from lightning_speedkit.int8.sensitivity import budget_shortfall, keep_layers_in_fp32, metric_drop
 from lightning_speedkit.int8.steps import (
     export_onnx,
     files_of,
@@ -25,7 +27,6 @@ from lightning_speedkit.int8.steps import (
     ort_latency_ms,
     ort_session,
     quantize_qdq,
-    split_batch,
     verify_outputs,
 )
 
@@ -80,6 +81,18 @@ def check_export_args(**values: Any) -> None:
     drop = values.get("max_metric_drop")
     if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float)) or not drop >= 0):
         raise ValueError(f"`max_metric_drop` must be a number >= 0 or None, got {drop!r}.")
+    agreement = values.get("min_agreement")
+    if agreement is not None and (
+        isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 < agreement <= 1
+    ):
+        raise ValueError(f"`min_agreement` must be a number in (0, 1] or None, got {agreement!r}.")
+    limit = values.get("max_fp32_layers")
+    if limit is not None and (not _is_int(limit) or limit < 0):
+        raise ValueError(f"`max_fp32_layers` must be an int >= 0 or None, got {limit!r}.")
+    if values.get("inputs_from_batch") is not None and not callable(values["inputs_from_batch"]):
+        raise ValueError(
+            f"`inputs_from_batch` must be a function of the batch or None, got {values['inputs_from_batch']!r}."
+        )
     if values.get("on_metric_drop", "warn") not in ACTIONS_ON_METRIC_DROP:
         choices = ", ".join(map(repr, ACTIONS_ON_METRIC_DROP))
         raise ValueError(f"`on_metric_drop` must be one of {choices}, got {values['on_metric_drop']!r}.")
@@ -114,45 +127,51 @@ def export_paths(path: str | os.PathLike[str]) -> dict[str, Path]:
 
 
 def _latencies(
-    sessions: tuple[Any, Any], name: str, sample: np.ndarray, batch_size: int, repeats: int, threads: int
+    sessions: tuple[Any, Any], sample: Mapping[str, np.ndarray], batch_size: int, repeats: int, threads: int
 ) -> dict[str, Any] | None:
     if repeats == 0:
         return None
     result: dict[str, Any] = {"threads": threads or os.cpu_count(), "repeats": repeats}
     for batch in sorted({1, batch_size}):
-        fp32_ms, int8_ms = (ort_latency_ms(s, name, sample, batch, repeats) for s in sessions)
+        fp32_ms, int8_ms = (ort_latency_ms(s, sample, batch, repeats) for s in sessions)
         result[f"batch_{batch}"] = {"fp32_ms": fp32_ms, "int8_ms": int8_ms, "speedup": fp32_ms / int8_ms}
     return result
 
 
-def _drop(verification: Mapping[str, Any]) -> float | None:
-    fp32, int8 = verification.get("metric_fp32"), verification.get("metric_int8")
-    if fp32 is None or int8 is None:
-        return None
-    return float(fp32 - int8) if verification.get("higher_is_better", True) else float(int8 - fp32)
-
-
 def drop_message(report: Mapping[str, Any]) -> str:
-    """What a failed verification says: the metric for FP32 and INT8 and by how much it dropped."""
+    """What a failed verification says: the metric (or top-1 agreement) for FP32 and INT8 and the bound it missed."""
     v = report["verification"]
-    return (
-        f"INT8 {v['metric']} is {v['metric_int8']:.4f} vs FP32 {v['metric_fp32']:.4f} on {v['samples']} samples:"
-        f" a drop of {report['metric_drop']:.4f}, more than max_metric_drop={report['max_metric_drop']}"
-    )
+    drop, limit = report.get("metric_drop"), report.get("max_metric_drop")
+    parts = []
+    if drop is not None and limit is not None and drop > limit:
+        parts.append(
+            f"INT8 {v['metric']} is {v['metric_int8']:.4f} vs FP32 {v['metric_fp32']:.4f} on {v['samples']} samples:"
+            f" a drop of {drop:.4f}, more than max_metric_drop={limit}"
+        )
+    agreement, required = v.get("top1_agreement"), report.get("min_agreement")
+    if agreement is not None and required is not None and agreement < required:
+        parts.append(f"INT8 top-1 agreement with FP32 is {agreement:.4f}, less than min_agreement={required}")
+    kept = report.get("accuracy_aware") or {}
+    if kept.get("fp32_layers") is not None:
+        parts.append(f"even with {len(kept['fp32_layers'])} layer(s) kept in FP32 (max_fp32_layers={kept['limit']})")
+    return "; ".join(parts)
 
 
 def export_int8(
     model: nn.Module,
     calibration_data: Iterable[Any],
     path: str | os.PathLike[str],
-    example_input: torch.Tensor | None = None,
+    example_input: torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor] | None = None,
     symmetric: bool = False,
     *,
+    inputs_from_batch: InputsFromBatch | None = None,
     activation_type: str | None = None,
     calibration_batches: int | None = 32,
     validation_data: Iterable[Any] | None = None,
     metric: Metric | None = None,
     max_metric_drop: float | None = None,
+    min_agreement: float | None = None,
+    max_fp32_layers: int | None = None,
     on_metric_drop: str = "warn",
     verify: bool = True,
     verify_batches: int | None = None,
@@ -165,9 +184,10 @@ def export_int8(
 ) -> dict[str, Any]:
     """Export ``model`` to ONNX, quantize it to static QDQ INT8 calibrated on real batches, verify it and report.
 
-    Steps: ``eval()``; ``torch.export`` with a dynamic batch dimension and the dynamo ONNX exporter (opset 20 in
-    torch 2.13, weights in a ``.data`` sidecar); ``quant_pre_process``; ``quantize_static`` in QDQ format with
-    per-channel symmetric QInt8 weights and activations MinMax-calibrated on the first ``calibration_batches``
+    Steps: ``eval()``; ``torch.export`` with a dynamic batch axis (and sequence axis: dimension 1 of 2-D and 3-D
+    inputs, where the model allows) and the dynamo ONNX exporter (opset 20 in torch 2.13, weights in a ``.data``
+    sidecar, inputs named after ``forward``'s parameters); ``quant_pre_process``; ``quantize_static`` in QDQ format
+    with per-channel symmetric QInt8 weights and activations MinMax-calibrated on the first ``calibration_batches``
     batches. ``symmetric=True`` makes every zero point 0 with QInt8 activations (TensorRT's rule, S8S8);
     otherwise activations are asymmetric QUInt8 (U8S8), the form ONNX Runtime's x86 kernels fuse and run fast
     (a demo ResNet on an AVX2 CPU: U8S8 3.0x faster than FP32, S8S8 no faster). Both models then run in ONNX Runtime
@@ -176,22 +196,35 @@ def export_int8(
     the targets are class indices. Latency is the median ORT time of each model at batch 1 and
     ``latency_batch_size``.
 
+    Accuracy-aware: when ``max_metric_drop`` or ``min_agreement`` is given and the INT8 model misses it, every
+    Conv/Gemm/MatMul node is ranked by how much leaving it alone in FP32 helps (ORT's ``nodes_to_exclude``), and
+    the most sensitive are kept in FP32 one at a time until the budget holds or ``max_fp32_layers`` are
+    (`lightning_speedkit.int8.sensitivity`). The report's ``accuracy_aware`` lists them and their size and
+    latency cost. This costs one quantization and one verification per node: ``verify_batches`` bounds it.
+
     Everything is written into a temporary directory beside ``path`` and moved into place only when complete:
     ``path`` (INT8), ``<stem>.fp32.onnx`` with its ``.data`` sidecar (if ``keep_fp32``) and ``<stem>.json`` (the
     report). A failure leaves nothing behind and any previous export untouched.
 
     Args:
-        model: The model: one tensor input, batch first. Its training mode is restored afterwards.
-        calibration_data: Batches: tensors, or sequences ``(input, target, ...)``, e.g. a ``DataLoader``.
+        model: The model, batch first; one input or several. Its training mode is restored afterwards.
+        calibration_data: Batches, e.g. a ``DataLoader``: tensors, or sequences ``(input, target, ...)``; any form
+            with ``inputs_from_batch``.
         path: Where the INT8 model goes; must end in ``.onnx``.
-        example_input: Input to trace with (default: the first calibration batch); a batch of 1 is doubled.
+        example_input: Inputs to trace with: a tensor, a tuple (positional) or a dict (by parameter name); default:
+            the first calibration batch's inputs. A batch of 1 is doubled.
         symmetric: Symmetric activations too, so that all zero points are 0 (QInt8 activations).
+        inputs_from_batch: ``batch -> inputs`` (tensor, tuple or dict, as ``example_input``) for calibration and
+            verification; the target is then a sequence batch's last item, or a dict batch's ``labels``/``label``/
+            ``targets``/``target``/``y``. Default: a tensor batch, or a sequence batch's first item.
         activation_type: ``"int8"`` or ``"uint8"``; None: ``"int8"`` if ``symmetric`` else ``"uint8"``.
         calibration_batches: How many batches of ``calibration_data`` to calibrate on (None: all).
         validation_data: Batches to verify on (default: the calibration batches).
         metric: A torchmetrics metric to compare (cloned, never synced; its ``higher_is_better`` sets which way
             is a drop).
         max_metric_drop: Allowed drop of the metric (absolute: 0.01 is one point of accuracy); None: no check.
+        min_agreement: Required FP32/INT8 top-1 agreement, in (0, 1]; None: no check.
+        max_fp32_layers: Most layers accuracy-aware mode may keep in FP32 (None: half the candidates; 0: off).
         on_metric_drop: ``"warn"`` (write, and warn by how much) or ``"raise"`` (write nothing and raise).
         verify: Compare the two models on ``validation_data``; False skips it (sizes and latency still come).
         verify_batches: Verify on at most this many batches (None: all).
@@ -205,16 +238,18 @@ def export_int8(
     Returns:
         The report, also written as ``<stem>.json``: ``int8_path``, ``fp32_path``, ``report_path``, ``files``,
         ``fp32_bytes`` and ``int8_bytes`` (sidecars included), ``size_ratio`` (FP32 / INT8), ``opset``,
-        ``quantization`` (settings), ``latency`` (``batch_<n>``: ``fp32_ms``, ``int8_ms``, ``speedup``),
-        ``verification`` (see `lightning_speedkit.int8.steps.verify_outputs`), ``metric_drop``, ``passed`` and
-        library ``versions``.
+        ``input_names``, ``dynamic_axes``, ``quantization`` (settings), ``latency`` (``batch_<n>``: ``fp32_ms``,
+        ``int8_ms``, ``speedup``), ``verification`` (see `lightning_speedkit.int8.steps.verify_outputs`),
+        ``metric_drop``, ``accuracy_aware`` (None unless it ran), ``passed`` and library ``versions``.
 
     Raises:
-        ValueError: For a bad argument (the message names it) or data that yields no batch.
-        TypeError: For a batch that is neither a tensor nor a sequence starting with one.
+        ValueError: For a bad argument (the message names it), an ``example_input`` or batch inputs that do not
+            match ``forward``'s signature, or data that yields no batch.
+        TypeError: For a batch that is neither a tensor nor a sequence starting with one (without
+            ``inputs_from_batch``).
         FileExistsError: If a file of the export exists and ``overwrite`` is False.
         RuntimeError: If the model cannot be exported; the message names the operator and the layer.
-        Int8VerificationError: If ``on_metric_drop="raise"`` and the metric dropped more than allowed.
+        Int8VerificationError: If ``on_metric_drop="raise"`` and the budget is missed.
         ImportError: Without the ``export`` extra.
 
     Example:
@@ -222,14 +257,17 @@ def export_int8(
         >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> data = [torch.randn(16, 8) for _ in range(4)]
         >>> report = export_int8(net, data, Path(tempfile.mkdtemp()) / "mlp.onnx", latency_repeats=0)
-        >>> report["opset"], report["quantization"]["format"], report["verification"]["samples"]
-        (20, 'QDQ', 64)
+        >>> report["opset"], report["quantization"]["format"], report["verification"]["samples"], report["input_names"]
+        (20, 'QDQ', 64, ['input'])
     """
     check_export_args(
         symmetric=symmetric,
         activation_type=activation_type,
         calibration_batches=calibration_batches,
         max_metric_drop=max_metric_drop,
+        min_agreement=min_agreement,
+        max_fp32_layers=max_fp32_layers,
+        inputs_from_batch=inputs_from_batch,
         on_metric_drop=on_metric_drop,
         verify_batches=verify_batches,
         latency_batch_size=latency_batch_size,
@@ -244,12 +282,16 @@ def export_int8(
     if existing and not overwrite:
         raise FileExistsError(f"export_int8: {existing[0]} exists; pass overwrite=True to replace that export.")
     calibration = list(itertools.islice(calibration_data, calibration_batches))
-    inputs = [split_batch(batch)[0].detach().cpu().numpy() for batch in calibration]
-    if not inputs:
+    if not calibration:
         raise ValueError("`calibration_data` must yield at least one batch, got none.")
-    example = torch.from_numpy(inputs[0]) if example_input is None else example_input.detach()
-    if example.shape[0] < 2:  # torch.export would specialise a batch of 1 to a constant
-        example = torch.cat([example, example])
+    if example_input is not None:
+        example = named_inputs(model, example_input, "example_input")
+    else:  # the first batch's inputs: a mismatch is the batches' (or `inputs_from_batch`'s) fault
+        source = "inputs_from_batch" if inputs_from_batch is not None else "calibration_data"
+        example = named_inputs(model, batch_inputs(calibration[0], inputs_from_batch), source)
+    example = {k: v.detach().cpu() for k, v in example.items()}
+    arrays = [feed for feed, _ in feeds(model, calibration, example, inputs_from_batch)]
+    budget = verify and (max_metric_drop is not None or min_agreement is not None) and max_fp32_layers != 0
 
     targets["int8"].parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{targets['int8'].name}.tmp-", dir=targets["int8"].parent))
@@ -259,39 +301,77 @@ def export_int8(
         model.eval()
         with torch.no_grad():
             device = next(iter(model.parameters()), torch.empty(0)).device
-            export_onnx(model, example.to(device), fp32)
+            layers = export_onnx(model, {k: v.to(device) for k, v in example.items()}, fp32)
         model.train(was_training)
         fp32_session = ort_session(onnxruntime, fp32, num_threads)
-        name = fp32_session.get_inputs()[0].name
         activations = activation_type or ("int8" if symmetric else "uint8")
-        settings = quantize_qdq(fp32, int8, name, inputs, symmetric, activations)
+        settings = quantize_qdq(fp32, int8, arrays, symmetric, activations)
         sessions = (fp32_session, ort_session(onnxruntime, int8, num_threads))
-        fp32_bytes = sum(p.stat().st_size for p in files_of(fp32))
-        int8_bytes = sum(p.stat().st_size for p in files_of(int8))
         report: dict[str, Any] = {
             "int8_path": str(targets["int8"]),
             "fp32_path": str(targets["fp32"]) if keep_fp32 else None,
             "report_path": str(targets["report"]),
-            "files": [p.name for p in files_of(int8) + (files_of(fp32) if keep_fp32 else [])],
-            "fp32_bytes": fp32_bytes,
-            "int8_bytes": int8_bytes,
-            "size_ratio": fp32_bytes / int8_bytes,
             "opset": opset_of(onnx, fp32),
-            "input_name": name,
+            "input_name": fp32_session.get_inputs()[0].name,
+            "input_names": [i.name for i in fp32_session.get_inputs()],
+            "dynamic_axes": {
+                i.name: [axis for axis, d in enumerate(i.shape) if isinstance(d, str)]
+                for i in fp32_session.get_inputs()
+            },
             "quantization": settings,
-            "latency": _latencies(sessions, name, inputs[0], latency_batch_size, latency_repeats, num_threads),
             "verification": None,
             "metric_drop": None,
             "max_metric_drop": max_metric_drop,
+            "min_agreement": min_agreement,
+            "accuracy_aware": None,
             "passed": True,
-            **dict(metadata or {}),
-            "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         }
         if verify:
             batches = calibration if validation_data is None else validation_data
-            report["verification"] = verification = verify_outputs(sessions, name, batches, metric, verify_batches)
-            report["metric_drop"] = drop = _drop(verification)
-            report["passed"] = drop is None or max_metric_drop is None or drop <= max_metric_drop
+            checked = feeds(model, batches, example, inputs_from_batch, verify_batches)
+            validation = list(checked) if budget else checked
+            outputs32: list[np.ndarray] = []  # kept for accuracy-aware trials: FP32 runs once
+            report["verification"] = verification = verify_outputs(
+                sessions, validation, metric, fp32_outputs=outputs32 if budget else None
+            )
+            if budget and budget_shortfall(verification, max_metric_drop, min_agreement) > 0:
+
+                def quantize(source: Path, out: Path, excluded: list[str]) -> Any:
+                    return quantize_qdq(source, out, arrays, symmetric, activations, excluded, preprocessed=True)
+
+                found = keep_layers_in_fp32(
+                    fp32,
+                    int8,
+                    quantize,
+                    sessions,
+                    validation,  # type: ignore[arg-type]
+                    first=verification,
+                    sample=arrays[0],
+                    fp32_outputs=outputs32,
+                    metric=metric,
+                    max_layers=max_fp32_layers,
+                    max_metric_drop=max_metric_drop,
+                    min_agreement=min_agreement,
+                    threads=num_threads,
+                    latency_repeats=latency_repeats,
+                    layers=layers,
+                )
+                sessions = (fp32_session, ort_session(onnxruntime, int8, num_threads))
+                report["verification"] = verification = found.pop("verification")
+                report["accuracy_aware"] = found
+            report["metric_drop"] = metric_drop(verification)
+            report["passed"] = budget_shortfall(verification, max_metric_drop, min_agreement) == 0
+        fp32_bytes = sum(p.stat().st_size for p in files_of(fp32))
+        int8_bytes = sum(p.stat().st_size for p in files_of(int8))
+        report.update(
+            files=[p.name for p in files_of(int8) + (files_of(fp32) if keep_fp32 else [])],
+            fp32_bytes=fp32_bytes,
+            int8_bytes=int8_bytes,
+            size_ratio=fp32_bytes / int8_bytes,
+            latency=_latencies(sessions, arrays[0], latency_batch_size, latency_repeats, num_threads),
+            **dict(metadata or {}),
+            versions={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+        )
         del sessions, fp32_session
         (staging / targets["report"].name).write_text(json.dumps(report, indent=2))
         if not report["passed"] and on_metric_drop == "raise":

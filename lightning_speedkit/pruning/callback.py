@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,19 +14,19 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_speedkit.pruning.arguments import check_pruning_args
+from lightning_speedkit.pruning.checkpoint import RestoreHook, rebuild_before_load
+from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
+from lightning_speedkit.pruning.report import final_metrics
+from lightning_speedkit.pruning.search import cpu_latency_ms, search_target
 from lightning_speedkit.pruning.surgery import (
-    IMPORTANCES,
     History,
-    _find_pruning_state,
     apply_pruning_history,
     channel_step_ratio,
     count_macs_params,
-    cpu_latency_ms,
     output_layer_names,
     plan_pruning,
     pruning_history,
-    replay_pruning_history,
-    search_pruning_ratio,
     unsupported_layer_names,
 )
 
@@ -39,10 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["StructuredPruning"]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _first_sample(batch: Any) -> Any:
@@ -57,49 +51,38 @@ def _first_sample(batch: Any) -> Any:
     return batch[:1].detach().cpu()
 
 
-class _RestoreHook:
-    """A module's ``load_state_dict`` pre-hook that calls back into the callback through a weak reference.
-
-    Copies and pickles of the module (planning copies, MAC counting) get a hook that does nothing, so they never
-    drag the callback, and through it the Trainer, along.
-    """
-
-    def __init__(self, callback: StructuredPruning) -> None:
-        self._ref: Callable[[], StructuredPruning | None] = weakref.ref(callback)
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        callback = self._ref()
-        if callback is not None:
-            callback._before_weights_load(module, state_dict, prefix)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._ref = lambda: None
-
-
 class StructuredPruning(Callback):
-    """Removes whole channels with torch-pruning during training, then fine-tunes the smaller model.
+    """Removes whole channels (and attention heads) with torch-pruning during training, then fine-tunes.
 
     Unlike Lightning's ``ModelPruning`` (masks: same parameter count and latency), channels are cut out of the
     tensors, so parameters, MACs and latency drop. Step ``k`` (of ``iterative_steps``) runs at the first training
     batch of epoch ``start_epoch + k``; every epoch after a step trains the smaller model, and the last
     ``finetune_epochs`` epochs after the last step are the fine-tune whose result the report gives. Each step
-    prunes a copy to find the plan (for ``target_speedup``: the smallest channel ratio whose MACs reach the step's
-    geometric share of the target), broadcasts rank zero's plan and applies it on every rank, re-wraps the DDP
-    model, rebuilds the optimizers and LR schedulers from ``configure_optimizers`` (carrying the current LRs and
-    scheduler states over) and, when a speedkit ``WarmupScheduler`` is in ``trainer.callbacks``, restarts its warmup.
+    prunes copies on rank zero to find the plan, broadcasts it and applies it on every rank, re-wraps the DDP model,
+    rebuilds the optimizers and LR schedulers from ``configure_optimizers`` (carrying the current LRs and scheduler
+    states over) and, when a speedkit ``WarmupScheduler`` is in ``trainer.callbacks``, restarts its warmup.
 
-    Layers whose outputs reach the model output (the classifier) and ``nn.MultiheadAttention`` are left whole
-    automatically, with one line saying so. The pruning history is this callback's state: ``trainer.fit(ckpt_path=...)``
-    rebuilds the pruned architecture before the weights load (a ``load_state_dict`` pre-hook on the module), and
-    `load_pruned_checkpoint` loads a checkpoint into a fresh module for inference.
+    How much: ``amount`` removes that share of every layer's channels. ``target_speedup`` is a **MACs** ratio: the
+    smallest channel ratio whose MACs reach the step's geometric share of the target (exact and portable, but
+    2x fewer MACs is often only ~1.4x faster). ``target_latency`` is **measured speed**: each candidate ratio's pruned
+    copy is timed against the current model on the example input, on the training device (or the CPU with
+    ``latency_device="cpu"``, for CPU deployment), and the smallest ratio that is fast enough wins; ``round_to``
+    keeps widths the kernels run fast. With a target, a scan at the first training batch checks that some ratio
+    reaches it, so an unreachable target fails before training, not after it.
+
+    Attention: timm-style (one ``qkv`` Linear reshaped by ``num_heads``) and BERT-style (``query``/``key``/
+    ``value``) self-attention lose whole heads, and the module's head-count fields are updated, so its forward
+    still runs; ``nn.MultiheadAttention`` shrinks with its embedding, to a multiple of its head count. Layers whose
+    outputs reach the model output (the classifier) and ``nn.MultiheadAttention`` with ``kdim``/``vdim`` are left
+    whole automatically, with one line saying so. The pruning history is this callback's state: ``trainer.fit(ckpt_path=
+    ...)`` rebuilds the pruned architecture before the weights load (a ``load_state_dict`` pre-hook on the module),
+    and `load_pruned_checkpoint` loads a checkpoint into a fresh module for inference.
 
     Args:
-        amount: Share of each layer's channels to remove in all, in (0, 1). Exactly one of ``amount`` and
-            ``target_speedup``.
-        target_speedup: MACs before / MACs after, > 1 (e.g. 2.0).
+        amount: Share of each layer's channels to remove in all, in (0, 1). Exactly one of ``amount``,
+            ``target_speedup`` and ``target_latency``.
+        target_speedup: MACs before / MACs after, > 1 (e.g. 2.0). Not a latency.
+        target_latency: Latency before / latency after on the example input, > 1 (e.g. 1.7), measured.
         start_epoch: Epoch of the first pruning step (train the dense model before it).
         iterative_steps: Pruning steps, one per epoch.
         finetune_epochs: Epochs after the last step's epoch before the report is final.
@@ -111,21 +94,24 @@ class StructuredPruning(Callback):
         rewarm: Warmup passed to ``WarmupScheduler.restart`` after each step (int steps or fraction in (0, 1)).
         monitor: Validation metric reported before pruning and after the fine-tune (None for none).
         latency_batch_sizes: Batch sizes at which CPU latency is measured before and after (empty: none).
+        latency_device: Where ``target_latency`` is timed: ``"auto"`` (the training device) or ``"cpu"``.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument; in ``setup`` for an unsupported strategy, too few
-            ``max_epochs`` or an unknown layer name.
+            ``max_epochs`` or an unknown layer name; at the first training batch for a target no ratio reaches
+            (the message gives what was reached; the model is left as it was).
         RuntimeError: If the model cannot be traced or breaks after pruning (the message names the layer).
 
     Logged metrics (to every Trainer logger, rank zero, at ``step=trainer.global_step``):
-        - ``speedkit/pruning/step``, ``speedkit/pruning/macs``, ``speedkit/pruning/params``: after each step.
+        - ``speedkit/pruning/step``, ``macs``, ``params`` after each step, and ``speedup`` (the MACs or latency
+          speedup reached so far) with a target.
         - ``speedkit/pruning/macs_before``, ``macs_after``, ``macs_speedup``, ``params_before``, ``params_after``,
           ``latency_ms_b{B}_before``, ``latency_ms_b{B}_after``, ``latency_speedup_b{B}``, ``{monitor}_before``,
           ``{monitor}_after`` (all under ``speedkit/pruning/``): once, at the end of the fine-tune.
 
     Example:
         >>> import lightning as L
-        >>> pruning = StructuredPruning(target_speedup=2.0, start_epoch=5, finetune_epochs=5)
+        >>> pruning = StructuredPruning(target_latency=1.7, start_epoch=5, finetune_epochs=5, latency_device="cpu")
         >>> trainer = L.Trainer(max_epochs=11, logger=False, callbacks=[pruning])
     """
 
@@ -143,41 +129,32 @@ class StructuredPruning(Callback):
         rewarm: int | float = 0.1,
         monitor: str | None = "val_loss",
         latency_batch_sizes: Sequence[int] = (1,),
+        *,
+        target_latency: float | None = None,
+        latency_device: str = "auto",
     ) -> None:
-        if (amount is None) == (target_speedup is None):
-            raise ValueError(
-                f"Exactly one of `amount` and `target_speedup` must be given, got amount={amount!r},"
-                f" target_speedup={target_speedup!r}."
-            )
-        if amount is not None and not (isinstance(amount, (int, float)) and 0.0 < amount < 1.0):
-            raise ValueError(f"`amount` must be a float in (0, 1), got {amount!r}.")
-        if target_speedup is not None and not (
-            isinstance(target_speedup, (int, float)) and math.isfinite(target_speedup) and target_speedup > 1.0
-        ):
-            raise ValueError(f"`target_speedup` must be a finite number > 1, got {target_speedup!r}.")
-        for name, value, low in (("start_epoch", start_epoch, 0), ("iterative_steps", iterative_steps, 1)):
-            if not _is_int(value) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-        if not _is_int(finetune_epochs) or finetune_epochs < 0:
-            raise ValueError(f"`finetune_epochs` must be an int >= 0, got {finetune_epochs!r}.")
-        if importance not in IMPORTANCES:
-            raise ValueError(f"`importance` must be one of {', '.join(map(repr, IMPORTANCES))}, got {importance!r}.")
-        if round_to is not None and (not _is_int(round_to) or round_to < 1):
-            raise ValueError(f"`round_to` must be a positive int or None, got {round_to!r}.")
-        if not (_is_int(rewarm) and rewarm >= 0) and not (isinstance(rewarm, float) and 0.0 < rewarm < 1.0):
-            raise ValueError(f"`rewarm` must be an int >= 0 (steps) or a float in (0, 1), got {rewarm!r}.")
-        if any(not _is_int(b) or b < 1 for b in latency_batch_sizes):
-            raise ValueError(f"`latency_batch_sizes` must hold positive ints, got {latency_batch_sizes!r}.")
-        if monitor is not None and not isinstance(monitor, str):
-            raise ValueError(f"`monitor` must be a metric name or None, got {monitor!r}.")
-        if ignored_layers is not None and any(not isinstance(x, (str, nn.Module)) for x in ignored_layers):
-            raise ValueError(f"`ignored_layers` must hold module names or modules, got {ignored_layers!r}.")
-        self.amount, self.target_speedup = amount, target_speedup
+        check_pruning_args(
+            amount,
+            target_speedup,
+            target_latency,
+            start_epoch,
+            iterative_steps,
+            finetune_epochs,
+            importance,
+            ignored_layers,
+            round_to,
+            rewarm,
+            monitor,
+            latency_batch_sizes,
+            latency_device,
+        )
+        self.amount, self.target_speedup, self.target_latency = amount, target_speedup, target_latency
         self.start_epoch, self.iterative_steps, self.finetune_epochs = start_epoch, iterative_steps, finetune_epochs
         self.importance, self.round_to, self.rewarm, self.monitor = importance, round_to, rewarm, monitor
         self.ignored_layers = list(ignored_layers or [])
         self.example_input = example_input
         self.latency_batch_sizes = tuple(latency_batch_sizes)
+        self.latency_device = latency_device
         self._example: Any = None
         self._steps_done = 0
         self._report: dict[str, Any] = {}
@@ -185,6 +162,7 @@ class StructuredPruning(Callback):
         self._history: History = []
         self._trainer: pl.Trainer | None = None
         self._hook: RemovableHandle | None = None
+        self._target_checked = False
 
     @property
     @override
@@ -192,6 +170,7 @@ class StructuredPruning(Callback):
         return self._generate_state_key(
             amount=self.amount,
             target_speedup=self.target_speedup,
+            **({"target_latency": self.target_latency} if self.target_latency is not None else {}),
             start_epoch=self.start_epoch,
             iterative_steps=self.iterative_steps,
             importance=self.importance,
@@ -223,6 +202,7 @@ class StructuredPruning(Callback):
                     f" finetune_epochs), got {trainer.max_epochs}: raise max_epochs or lower those arguments."
                 )
             self._steps_done, self._report, self._ignored = 0, {}, None  # a checkpoint's state loads after this
+            self._target_checked = False
             self._example = self.example_input
         self._history = pruning_history(pl_module)
         names = {m: n for n, m in pl_module.named_modules()}
@@ -233,12 +213,15 @@ class StructuredPruning(Callback):
                 raise ValueError(f"`ignored_layers` names {layer!r}, which is not a submodule of the LightningModule.")
         self._trainer = trainer
         if self._hook is None:
-            self._hook = pl_module.register_load_state_dict_pre_hook(_RestoreHook(self))  # type: ignore[no-untyped-call]
+            self._hook = pl_module.register_load_state_dict_pre_hook(RestoreHook(self))  # type: ignore[no-untyped-call]
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self._target_checked and self._steps_done == 0 and self.amount is None:
+            self._target_checked = True
+            self._check_target(trainer, pl_module, self._resolve_example(pl_module, batch))
         if self._steps_done < self.iterative_steps and trainer.current_epoch >= self.start_epoch + self._steps_done:
             self._prune_step(trainer, pl_module, batch)
 
@@ -281,7 +264,8 @@ class StructuredPruning(Callback):
 
         Keys: ``macs_before``/``macs_after``, ``params_before``/``params_after``, ``latency_ms_before``/
         ``latency_ms_after`` (batch size -> ms), ``monitor``, ``metric_before``/``metric_after``, ``steps`` (one
-        dict per step: ``epoch``, ``ratio``, ``macs``, ``params``) and ``finished``.
+        dict per step: ``epoch``, ``ratio``, ``macs``, ``params`` and, with a target, ``speedup``: the MACs or
+        measured latency speedup over the unpruned model so far) and ``finished``.
         """
         return {
             k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
@@ -290,23 +274,10 @@ class StructuredPruning(Callback):
 
     def _before_weights_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         """Rebuild the pruned architecture from the checkpoint Lightning is restoring, before its weights load."""
-        connector = getattr(self._trainer, "_checkpoint_connector", None)
-        checkpoint = getattr(connector, "_loaded_checkpoint", None)
-        if not isinstance(checkpoint, dict):
-            return
-        weights = checkpoint.get("state_dict")
-        if prefix or not isinstance(weights, dict) or len(weights) != len(state_dict):
-            return
-        if any(value is not weights.get(key) for key, value in state_dict.items()):
-            return  # torch loads a shallow copy: the same tensors, or not Lightning restoring its checkpoint
-        state = checkpoint.get("callbacks", {}).get(self.state_key) or _find_pruning_state(checkpoint)
-        if not state or not state.get("history"):
-            return
-        example = state.get("example_input")
-        if example is None:
-            example = self._example if self._example is not None else getattr(module, "example_input_array", None)
-        replay_pruning_history(module, example, state["history"])
-        self._example, self._history = example, pruning_history(module)
+        example = self._example if self._example is not None else getattr(module, "example_input_array", None)
+        rebuilt = rebuild_before_load(self._trainer, module, state_dict, prefix, self.state_key, example)
+        if rebuilt is not None:
+            self._example, self._history = rebuilt, pruning_history(module)
 
     def _resolve_example(self, pl_module: pl.LightningModule, batch: Any) -> Any:
         if self._example is None:
@@ -340,84 +311,77 @@ class StructuredPruning(Callback):
             }
         )
 
+    def _search(self, pl_module: pl.LightningModule, example: Any, target: float, iterations: int = 6) -> Any:
+        """``(ratio, plan, speedup)``: the smallest ratio that makes the current model ``target`` times cheaper."""
+        kind = "macs" if self.target_speedup is not None else "latency"
+        device = "cpu" if self.latency_device == "cpu" else pl_module.device
+        return search_target(pl_module, example, target, kind, *self._plan_args(pl_module, example), device, iterations)
+
+    def _target_words(self, pl_module: pl.LightningModule) -> tuple[str, float, str]:
+        if self.target_speedup is not None:
+            return "target_speedup", self.target_speedup, "fewer MACs"
+        device = "cpu" if self.latency_device == "cpu" else pl_module.device.type
+        return "target_latency", float(self.target_latency or 0.0), f"faster on {device}"
+
+    def _check_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any) -> None:
+        """Fail before training if no ratio reaches the whole target (a scan of pruned copies; the model is kept)."""
+        name, goal, what = self._target_words(pl_module)
+        found = self._search(pl_module, example, goal, iterations=0) if trainer.is_global_zero else (0, [], 0)
+        ratio, speedup = trainer.strategy.broadcast((found[0], found[2]), src=0)
+        if speedup < goal:
+            raise ValueError(
+                f"`{name}` must be reachable, got {goal}: the best pruning ratio tried ({ratio:.2f}) reaches only"
+                f" {speedup:.2f}x {what}. Lower the target, ignore fewer layers or lower `round_to` ({self.round_to})."
+            )
+
+    def _plan_step(self, pl_module: pl.LightningModule, example: Any, step: int) -> tuple[float, History, float | None]:
+        if self.amount is not None:
+            ratio = channel_step_ratio(self.amount, step, self.iterative_steps)
+            return ratio, plan_pruning(pl_module, example, ratio, *self._plan_args(pl_module, example)), None
+        _, goal, what = self._target_words(pl_module)
+        steps = self._report.get("steps", [])
+        done = float(steps[-1].get("speedup") or 1.0) if steps else 1.0
+        share = goal ** ((step + 1) / self.iterative_steps)
+        ratio, plan, speedup = self._search(pl_module, example, share / done)
+        if speedup * done < share * 0.999:
+            rank_zero_warn(
+                f"StructuredPruning: step {step + 1} reaches {speedup * done:.2f}x {what}, short of its {share:.2f}x;"
+                f" lower `round_to` ({self.round_to}) or ignore fewer layers."
+            )
+        return ratio, plan, speedup * done
+
+    def _plan_args(self, pl_module: pl.LightningModule, example: Any) -> tuple[list[str], str, int | None]:
+        return self._ignored_names(pl_module, example), self.importance, self.round_to
+
     def _prune_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         example, step = self._resolve_example(pl_module, batch), self._steps_done
         if "macs_before" not in self._report:
             self._measure(trainer, pl_module, "before")
-        ignored = self._ignored_names(pl_module, example)
-        args = (ignored, self.importance, self.round_to)
-        if self.amount is not None:
-            ratio = channel_step_ratio(self.amount, step, self.iterative_steps)
-            plan = plan_pruning(pl_module, example, ratio, *args)
-        else:
-            target = self._report["macs_before"] / self.target_speedup ** ((step + 1) / self.iterative_steps)  # type: ignore[operator]
-            ratio, plan, reached = search_pruning_ratio(pl_module, example, target, *args)
-            if reached > target:
-                rank_zero_warn(
-                    f"StructuredPruning: step {step + 1} reaches {self._report['macs_before'] / max(reached, 1.0):.2f}x"
-                    f" fewer MACs, short of its target; lower `round_to` ({self.round_to}) or ignore fewer layers."
-                )
-        plan = trainer.strategy.broadcast(plan, src=0)  # every rank applies rank zero's plan
+        planned: Any = self._plan_step(pl_module, example, step) if trainer.is_global_zero else None
+        ratio, plan, speedup = trainer.strategy.broadcast(planned, src=0)  # every rank applies rank zero's plan
         apply_pruning_history(pl_module, example, plan)
         self._history = pruning_history(pl_module)
         self._steps_done += 1
-        self._rebuild_optimizers(trainer)
-        self._rewarm(trainer, pl_module, batch)
+        rebuild_optimizers(trainer)
+        restart_warmup(trainer, pl_module, batch, self.rewarm)
         macs, params = count_macs_params(pl_module, example)
         record = {"epoch": trainer.current_epoch, "ratio": ratio, "macs": macs, "params": params}
-        self._report.setdefault("steps", []).append(record)
-        self._log(trainer, {"step": float(self._steps_done), "macs": macs, "params": float(params)})
+        self._report.setdefault("steps", []).append(record if speedup is None else {**record, "speedup": speedup})
+        logged = {"step": float(self._steps_done), "macs": macs, "params": float(params)}
+        self._log(trainer, logged if speedup is None else {**logged, "speedup": speedup})
         before = self._report["macs_before"]
         rank_zero_info(
             f"StructuredPruning: step {self._steps_done}/{self.iterative_steps} at epoch {trainer.current_epoch}:"
             f" removed {sum(len(r[2]) for r in plan if r[1])} channels (ratio {ratio:.3f}); MACs {before:,.0f} ->"
-            f" {macs:,.0f} ({before / max(macs, 1.0):.2f}x), params {self._report['params_before']:,} -> {params:,}."
+            f" {macs:,.0f} ({before / max(macs, 1.0):.2f}x), params {self._report['params_before']:,} -> {params:,}"
+            + ("." if speedup is None or self.target_latency is None else f", measured {speedup:.2f}x faster.")
         )
-
-    def _rebuild_optimizers(self, trainer: pl.Trainer) -> None:
-        """New optimizers and schedulers for the new parameters, keeping the current LRs and scheduler states."""
-        strategy = trainer.strategy
-        old_optimizers = list(strategy.optimizers)
-        old_schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
-        if isinstance(strategy, DDPStrategy):  # the DDP reducer holds the old parameters: wrap again (collective)
-            strategy.model = strategy.lightning_module
-            strategy.configure_ddp()
-        strategy.setup_optimizers(trainer)
-        for old, new in zip(old_optimizers, strategy.optimizers, strict=False):
-            if len(old.param_groups) == len(new.param_groups):
-                for old_group, new_group in zip(old.param_groups, new.param_groups, strict=True):
-                    new_group.update({k: v for k, v in old_group.items() if k != "params"})
-        for old_scheduler, config in zip(old_schedulers, strategy.lr_scheduler_configs, strict=False):
-            if type(old_scheduler) is type(config.scheduler):
-                config.scheduler.load_state_dict(old_scheduler.state_dict())
-
-    def _rewarm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Restart a speedkit ``WarmupScheduler``'s warmup, and let it attach to the new optimizers now."""
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if type(callback).__name__ == "WarmupScheduler" and callable(getattr(callback, "restart", None)):
-                callback.restart(self.rewarm)
-                callback.on_train_batch_start(trainer, pl_module, batch, 0)  # idempotent: resolves and attaches
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._measure(trainer, pl_module, "after")
         self._report["finished"] = True
         r = self._report
-        metrics = {
-            "macs_before": r["macs_before"],
-            "macs_after": r["macs_after"],
-            "macs_speedup": r["macs_before"] / max(r["macs_after"], 1.0),
-            "params_before": float(r["params_before"]),
-            "params_after": float(r["params_after"]),
-        }
-        for b, ms in (r["latency_ms_before"] or {}).items():
-            after = (r["latency_ms_after"] or {}).get(b)
-            metrics[f"latency_ms_b{b}_before"] = ms
-            if after is not None:
-                metrics[f"latency_ms_b{b}_after"] = after
-                metrics[f"latency_speedup_b{b}"] = ms / after
-        for when in ("before", "after"):
-            if r.get(f"metric_{when}") is not None:
-                metrics[f"{self.monitor}_{when}"] = r[f"metric_{when}"]
+        metrics = final_metrics(r, self.monitor)
         self._log(trainer, metrics)
         rank_zero_info(
             f"StructuredPruning: MACs {metrics['macs_before']:,.0f} -> {metrics['macs_after']:,.0f}"

@@ -1,11 +1,12 @@
-"""Channel removal with torch-pruning's dependency graph: plan on a copy, replay on the model, reload a checkpoint."""
+"""Channel removal with torch-pruning's dependency graph: plan on a copy, replay on the model, count the cost."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
-import os
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,7 +16,12 @@ from torch import nn
 
 from lightning_speedkit.batch import forward_example, modes_kept
 from lightning_speedkit.layout import is_channels_last, to_channels_last
-from lightning_speedkit.timing import median_ms
+from lightning_speedkit.pruning.attention import (
+    find_attention,
+    pruner_arguments,
+    unprunable_attention,
+    update_head_counts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +31,12 @@ __all__ = [
     "apply_pruning_history",
     "channel_step_ratio",
     "count_macs_params",
-    "cpu_latency_ms",
-    "load_pruned_checkpoint",
+    "normalised_history",
     "output_layer_names",
     "plan_pruning",
+    "pruned_copy",
     "pruning_history",
     "replay_pruning_history",
-    "search_pruning_ratio",
     "unsupported_layer_names",
 ]
 
@@ -43,7 +48,18 @@ History = list[tuple[str, bool, list[int]]]
 
 _HISTORY_ATTR = "_speedkit_pruning_history"  # on a pruned module: the history that gave it its architecture
 _ROOT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # layers whose output channels torch-pruning removes
-_UNSUPPORTED = (nn.MultiheadAttention,)  # torch-pruning shrinks embed dims but not heads: left out
+
+
+@contextlib.contextmanager
+def _quiet_torch_pruning() -> Iterator[None]:
+    """Silence torch-pruning's notes on bare parameters and keyword inputs.
+
+    It warns about bare ``nn.Parameter`` objects such as a ``cls_token`` (it prunes their last dimension, which is
+    right for them), and its counter prints "no positional inputs" for a dict example input.
+    """
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
+        yield
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -89,7 +105,8 @@ def pruning_history(model: nn.Module) -> History:
     return list(getattr(model, _HISTORY_ATTR, []))
 
 
-def _normalised(history: Any) -> History:
+def normalised_history(history: Any) -> History:
+    """``history`` (e.g. read back from a checkpoint, with lists for tuples) as a `History`."""
     return [(str(name), bool(out), [int(i) for i in idxs]) for name, out, idxs in history]
 
 
@@ -115,19 +132,25 @@ def count_macs_params(model: nn.Module, example_input: Any) -> tuple[float, int]
     import torch_pruning as tp
 
     x = example_input if isinstance(example_input, (tuple, list, dict)) else (example_input,)
-    macs, params = tp.utils.count_ops_and_params(model, move_data_to_device(x, _device(model)))
+    with _quiet_torch_pruning():
+        macs, params = tp.utils.count_ops_and_params(model, move_data_to_device(x, _device(model)))
     return float(macs), int(params)
 
 
 def unsupported_layer_names(model: nn.Module) -> list[str]:
-    """Names of submodules torch-pruning cannot shrink correctly (``nn.MultiheadAttention``)."""
-    return [name for name, m in model.named_modules() if isinstance(m, _UNSUPPORTED)]
+    """Names of submodules torch-pruning cannot shrink correctly (``nn.MultiheadAttention`` with ``kdim``/``vdim``).
+
+    Example:
+        >>> unsupported_layer_names(nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2)))
+        []
+    """
+    return unprunable_attention(model)
 
 
 def _build_graph(model: nn.Module, example_input: Any, what: str) -> Any:
     import torch_pruning as tp
 
-    with torch.enable_grad(), modes_kept(model), _naming_failures(model, what):
+    with torch.enable_grad(), modes_kept(model), _naming_failures(model, what), _quiet_torch_pruning():
         return tp.DependencyGraph().build_dependency(
             model, move_data_to_device(example_input, _device(model)), forward_fn=forward_example, verbose=False
         )
@@ -179,7 +202,9 @@ def plan_pruning(
     """Prune a copy of ``model`` by ``ratio`` of the channels of every layer; return what was removed.
 
     ``model`` itself is not changed: apply the plan with `apply_pruning_history`. The pruned copy is run once, so a
-    model that breaks after pruning fails here, with the layer named.
+    model that breaks after pruning fails here, with the layer named. Attention layers that
+    `~lightning_speedkit.pruning.attention.find_attention` recognises lose whole heads (the nearest count to
+    ``ratio``, at least one head kept) and their head-count fields are updated.
 
     Args:
         model: The model (its names are the history's names).
@@ -197,35 +222,58 @@ def plan_pruning(
         >>> [(name, len(idxs)) for name, _, idxs in plan_pruning(net, torch.zeros(1, 4), 0.5, ["2"], round_to=None)]
         [('0', 8)]
     """
+    return pruned_copy(model, example_input, ratio, ignored_layers, importance, round_to)[0]
+
+
+def pruned_copy(
+    model: nn.Module,
+    example_input: Any,
+    ratio: float,
+    ignored_layers: Sequence[str] = (),
+    importance: str = "magnitude",
+    round_to: int | None = 8,
+) -> tuple[History, nn.Module]:
+    """`plan_pruning`'s plan and the pruned copy it made (in eval mode, channels-last if ``model`` is).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        >>> plan, twin = pruned_copy(net, torch.zeros(1, 4), 0.5, ["2"], round_to=None)
+        >>> twin[0].out_features, net[0].out_features
+        (8, 16)
+    """
     import torch_pruning as tp
 
-    if ratio <= 0.0:
-        return []
     twin = copy.deepcopy(model)
+    if ratio <= 0.0:
+        return [], twin.eval()
     ignored = [twin.get_submodule(name) for name in ignored_layers]
+    attention = find_attention(twin)
     x = move_data_to_device(example_input, _device(twin))
-    with torch.enable_grad(), _naming_failures(twin, "trace"):
+    with torch.enable_grad(), _naming_failures(twin, "trace"), _quiet_torch_pruning():
         pruner = tp.pruner.BasePruner(
             twin,
             x,
             importance=_importance(importance),
             pruning_ratio=ratio,
             ignored_layers=ignored,
-            round_to=round_to,
             forward_fn=forward_example,
+            **pruner_arguments(twin, attention, ratio, round_to),
         )
     with torch.no_grad(), _naming_failures(twin, "run the pruned copy of"):
         pruner.step()
+        update_head_counts(twin, attention)
         twin.eval()
         forward_example(twin, x)
-    return _normalised(pruner.pruning_history())
+    if is_channels_last(model):
+        to_channels_last(twin)
+    return normalised_history(pruner.pruning_history()), twin
 
 
 def apply_pruning_history(model: nn.Module, example_input: Any, history: History) -> None:
     """Remove the channels listed in ``history`` from ``model`` in place (new, smaller ``nn.Parameter`` objects).
 
     Optimizers built before this point refer to the old parameters: rebuild them. A channels-last model stays
-    channels-last.
+    channels-last, and attention layers get their head counts from their pruned projections.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -235,11 +283,13 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
     """
     if not history:
         return
-    history = _normalised(history)
+    history = normalised_history(history)
     channels_last = is_channels_last(model)
+    attention = find_attention(model)
     graph = _build_graph(model, example_input, "trace")
     with torch.no_grad():
         graph.load_pruning_history([list(record) for record in history])
+    update_head_counts(model, attention)
     if channels_last:
         to_channels_last(model)
     setattr(model, _HISTORY_ATTR, [*pruning_history(model), *history])
@@ -252,7 +302,7 @@ def replay_pruning_history(model: nn.Module, example_input: Any, history: Histor
         ValueError: If ``history`` is not empty and ``example_input`` is None.
         RuntimeError: If ``model`` was pruned along a different history (load into a fresh module instead).
     """
-    history, current = _normalised(history), pruning_history(model)
+    history, current = normalised_history(history), pruning_history(model)
     if history == current:
         return
     if history[: len(current)] != current:
@@ -266,135 +316,3 @@ def replay_pruning_history(model: nn.Module, example_input: Any, history: Histor
             " model has no `example_input_array`."
         )
     apply_pruning_history(model, example_input, history[len(current) :])
-
-
-def search_pruning_ratio(
-    model: nn.Module,
-    example_input: Any,
-    target_macs: float,
-    ignored_layers: Sequence[str] = (),
-    importance: str = "magnitude",
-    round_to: int | None = 8,
-    max_ratio: float = 0.95,
-    iterations: int = 6,
-) -> tuple[float, History, float]:
-    """The smallest channel ratio whose pruned copy has at most ``target_macs`` MACs (a scan, then bisection).
-
-    Returns:
-        ``(ratio, plan, macs)``; if no ratio tried reaches the target, the one with the fewest MACs.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
-        >>> ratio, plan, macs = search_pruning_ratio(net, torch.zeros(1, 8), 600, ["2"], round_to=None)
-        >>> macs <= 600, 0.0 < ratio < 1.0
-        (True, True)
-    """
-
-    def trial(ratio: float) -> tuple[History, float]:
-        plan = plan_pruning(model, example_input, ratio, ignored_layers, importance, round_to)
-        twin = copy.deepcopy(model)
-        apply_pruning_history(twin, example_input, plan)
-        return plan, count_macs_params(twin, example_input)[0]
-
-    # A coarse scan up to the first ratio that reaches the target, then bisection below it. (Rounding can make a
-    # large ratio prune less: a layer that would drop below `round_to` channels is left alone.)
-    tried: list[tuple[float, History, float]] = []
-    low, high = 0.0, None
-    for k in range(1, 9):
-        ratio = max_ratio * k / 8
-        plan, macs = trial(ratio)
-        tried.append((ratio, plan, macs))
-        if macs <= target_macs:
-            high = ratio
-            break
-        low = ratio
-    for _ in range(iterations if high is not None else 0):
-        ratio = (low + high) / 2  # type: ignore[operator]
-        plan, macs = trial(ratio)
-        tried.append((ratio, plan, macs))
-        low, high = (low, ratio) if macs <= target_macs else (ratio, high)
-    reached = [t for t in tried if t[2] <= target_macs]
-    if reached:
-        return min(reached, key=lambda t: t[0])
-    return min(tried, key=lambda t: (t[2], t[0]))
-
-
-def _repeat_batch(example_input: Any, batch_size: int) -> Any:
-    if isinstance(example_input, torch.Tensor):
-        return example_input[:1].expand(batch_size, *example_input.shape[1:]).contiguous()
-    if isinstance(example_input, (tuple, list)):
-        return type(example_input)(_repeat_batch(v, batch_size) for v in example_input)
-    if isinstance(example_input, dict):
-        return {k: _repeat_batch(v, batch_size) for k, v in example_input.items()}
-    return example_input
-
-
-def cpu_latency_ms(model: nn.Module, example_input: Any, batch_size: int = 1, repeats: int = 20) -> float:
-    """Median CPU latency in milliseconds of one eval forward pass of a copy of ``model`` at ``batch_size``.
-
-    The example's first sample is repeated to ``batch_size``. Runs on the CPU with the current thread count.
-
-    Example:
-        >>> cpu_latency_ms(nn.Linear(4, 2), torch.zeros(1, 4), batch_size=8, repeats=3) > 0
-        True
-    """
-    twin = copy.deepcopy(model).cpu().eval()
-    x = _repeat_batch(move_data_to_device(example_input, torch.device("cpu")), batch_size)
-    with torch.inference_mode():  # the first calls warm up allocators and kernels
-        return median_ms(lambda: forward_example(twin, x), repeats, warmup=3)
-
-
-def _find_pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-    states = [v for k, v in checkpoint.get("callbacks", {}).items() if str(k).startswith("StructuredPruning")]
-    if len(states) > 1:
-        raise ValueError(f"The checkpoint holds {len(states)} StructuredPruning states; expected one.")
-    return states[0] if states else None
-
-
-def load_pruned_checkpoint(
-    model: nn.Module, checkpoint_path: str | os.PathLike[str], example_input: Any = None, strict: bool = True
-) -> nn.Module:
-    """Load a checkpoint of a `StructuredPruning` run into a fresh, unpruned ``model`` (e.g. for inference).
-
-    Replays the pruning history saved in the checkpoint's callback state on ``model`` (so its layers take the
-    pruned shapes), then loads the weights. The file is read with ``torch.load(weights_only=True)``.
-
-    Args:
-        model: A freshly constructed module of the class that was trained (e.g. ``MyModule(**hparams)``).
-        checkpoint_path: A Lightning checkpoint written during or after the pruning run.
-        example_input: An input the model accepts; default: the one saved in the checkpoint, else
-            ``model.example_input_array``.
-        strict: Passed to ``load_state_dict``.
-
-    Returns:
-        ``model``, pruned and loaded, in eval mode.
-
-    Raises:
-        ValueError: If the file is truncated, corrupted or not a Lightning checkpoint, no example input is
-            available, or the checkpoint holds several pruning states.
-
-    Example:
-        >>> # model = load_pruned_checkpoint(MyModule(), "best.ckpt")
-    """
-    try:
-        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as error:  # truncated (OSError), corrupted (UnpicklingError, RuntimeError) or not torch's
-        raise ValueError(
-            f"`checkpoint_path` must be a readable Lightning checkpoint, got {str(checkpoint_path)!r}, which is"
-            f" truncated, corrupted or not a checkpoint ({type(error).__name__}; see the cause above)."
-        ) from error
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise ValueError(
-            f"`checkpoint_path` must be a Lightning checkpoint with a state_dict, got {str(checkpoint_path)!r}."
-        )
-    state = _find_pruning_state(checkpoint) or {}
-    history = _normalised(state.get("history", []))
-    if example_input is None:
-        example_input = state.get("example_input")
-    if example_input is None:
-        example_input = getattr(model, "example_input_array", None)
-    replay_pruning_history(model, example_input, history)
-    model.load_state_dict(checkpoint["state_dict"], strict=strict)
-    return model.eval()
