@@ -105,7 +105,7 @@ def measure(kind: str, mode: str, batch_size: int, rounds: int, repeats: int) ->
     }
 
 
-def decide(architecture: str, crop: int, batch: int, steps: int = 96) -> dict[str, Any]:
+def decide(architecture: str, crop: int, batch: int, steps: int = 200) -> dict[str, Any]:
     """What ``ChannelsLast()`` keeps for a model in a real fit of ``steps`` batches (long enough for its probe)."""
     L.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
