@@ -95,7 +95,8 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
     Args:
         candidates: Precisions to try, from ``"32-true"``, ``"16-mixed"`` and ``"bf16-mixed"``; default:
             `precision_candidates` for the device.
-        probe_steps: Training steps timed per precision (the first is a warm-up).
+        probe_steps: Training steps per precision and round (the first two are warm-up: oneDNN and cuDNN build
+            their kernels for a new precision in its first steps).
         margin: How much faster (relative step time, in [0, 1)) a candidate must be to replace the Trainer's.
         loss_tolerance: How much higher (relative, >= 0) a candidate's mean trial loss may be than the reference's.
 
@@ -113,7 +114,7 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
     def __init__(
         self,
         candidates: Sequence[str] | None = None,
-        probe_steps: int = 4,
+        probe_steps: int = 6,
         margin: float = 0.05,
         loss_tolerance: float = 0.1,
     ) -> None:
@@ -175,5 +176,6 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
             self.probe_steps,
             self.margin,
             _MAX_GAIN,
+            warmup=min(2, self.probe_steps - 1),  # oneDNN builds its bf16 kernels in the first steps
             loss_tolerance=self.loss_tolerance,
         )

@@ -46,7 +46,6 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "batch_arg_name": "bs",
     },
     "Compile": {
-        "mode": "max-autotune",
         "backend": "eager",
         "fullgraph": True,
         "dynamic": False,
@@ -166,6 +165,7 @@ def test_yaml_arguments_cover_every_constructor_parameter() -> None:
         ("StructuredPruning", "amount"),  # exclusive with target_speedup
         ("StructuredPruning", "target_latency"),  # exclusive with target_speedup
         ("StructuredPruning", "example_input"),  # a tensor
+        ("Compile", "mode"),  # exclusive with options
     }  # exclusive / tensors
     for name in EXPORTED_CALLBACKS:
         params = set(inspect.signature(getattr(speedkit, name)).parameters)

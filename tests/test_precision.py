@@ -53,7 +53,7 @@ def test_candidates_follow_the_hardware() -> None:
 def test_a_faster_candidate_is_installed_and_trains(tmp_path: Path) -> None:
     """When fp32 steps are slower, bf16 autocast wins by more than the margin and the fit then runs under it."""
     model = _Handicapped(slow_in="32-true")
-    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=2)
     report = tuner.report()
     assert report["decision"] == "bf16-mixed", report
     assert report["probed"]
@@ -66,7 +66,7 @@ def test_a_faster_candidate_is_installed_and_trains(tmp_path: Path) -> None:
 def test_a_slower_candidate_is_rejected(tmp_path: Path) -> None:
     """An injected slower bf16 loses the measurement: fp32 stays, and the reason says bf16 was not faster."""
     model = _Handicapped(slow_in="bf16-mixed")
-    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=2)
     assert tuner.report()["decision"] == "32-true"
     assert "not faster" in tuner.report()["reason"]
     assert trainer.precision == "32-true"
@@ -76,7 +76,7 @@ def test_a_slower_candidate_is_rejected(tmp_path: Path) -> None:
 def test_a_candidate_with_a_non_finite_loss_is_rejected(tmp_path: Path) -> None:
     """A candidate whose trial loss is NaN is rejected even when it is faster; fp32 stays."""
     model = _Handicapped(slow_in="32-true", nan_in="bf16-mixed")
-    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=2)
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=2)
     report = tuner.report()
     assert report["decision"] == "32-true"
     assert report["rejected"] == {"bf16-mixed": "non-finite loss"}
@@ -87,7 +87,7 @@ def test_a_candidate_with_a_non_finite_loss_is_rejected(tmp_path: Path) -> None:
 def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> None:
     """Tens of steps cannot repay a probe: no trial runs, the Trainer's precision stays and the reason says why."""
     model = _Handicapped(slow_in="32-true")
-    _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH), max_epochs=1, max_steps=20)
+    _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=1, max_steps=20)
     report = tuner.report()
     assert report["decision"] == "32-true"
     assert not report["probed"]
@@ -98,7 +98,7 @@ def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> 
 def test_resume_installs_the_decision_without_probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A resumed fit installs the saved precision and runs no trial."""
     ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
-    first = PrecisionTuner(candidates=BOTH)
+    first = PrecisionTuner(candidates=BOTH, probe_steps=4)
     trainer = tiny_trainer(
         tmp_path, callbacks=[first, ckpt], limit_val_batches=0, enable_checkpointing=True, max_epochs=2
     )
@@ -106,7 +106,7 @@ def test_resume_installs_the_decision_without_probing(tmp_path: Path, monkeypatc
     saved = first.report()
     assert saved["probed"]
     monkeypatch.setattr(trials, "measure", lambda *args, **kwargs: pytest.fail("probed again on resume"))
-    resumed_tuner = PrecisionTuner(candidates=BOTH)
+    resumed_tuner = PrecisionTuner(candidates=BOTH, probe_steps=4)
     resumed = tiny_trainer(tmp_path, callbacks=[resumed_tuner], limit_val_batches=0, max_epochs=2)
     resumed.fit(_Handicapped(slow_in="32-true"), ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
     assert resumed_tuner.report()["decision"] == saved["decision"]

@@ -235,6 +235,10 @@ def train_variant(
     }
 
 
+_EVERY_RUN = ("UtilizationMonitor", "Timeline", "RunSummary")
+"""Callbacks every variant carries (measurement, not levers): left out of a run's ``callbacks``."""
+
+
 def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     """What each run used, read from the trained Trainer and speedkit's reports (not restated from a config)."""
     from lightning_speedkit.warmup import WarmupScheduler
@@ -259,7 +263,7 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         "lr_reason": finder.get("reason", "as set"),
         "schedule": schedule,
         "rollbacks": reports.get("TrainingGuard", {}).get("rollbacks", 0),
-        "callbacks": [type(c).__name__ for c in ours],
+        "callbacks": [type(c).__name__ for c in ours if type(c).__name__ not in _EVERY_RUN],
         "probe_s": sum(float(r.get("probe_s") or 0.0) for r in reports.values()),
     }
 
