@@ -22,6 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_speedkit.lr import rescale_run_lrs
+from lightning_speedkit.report import log_rank_zero
 
 __all__ = ["TrainingGuard", "robust_z", "snapshot_bytes"]
 
@@ -270,9 +271,7 @@ class TrainingGuard(Callback):
         self._snapshot, self._snapshot_size = snapshot, size
         if first:
             self._first = snapshot
-            if trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.log_metrics({"speedkit/guard/snapshot_mb": size / 2**20}, step=trainer.global_step)
+            log_rank_zero(trainer, {"speedkit/guard/snapshot_mb": size / 2**20})
 
     def _roll_back(self, trainer: pl.Trainer, trigger: str, loss: float) -> None:
         step = trainer.global_step
@@ -312,7 +311,5 @@ class TrainingGuard(Callback):
             f" multiplied the LR by {self.backoff} (now x{new_scale:.3g}); rollback {self._rollbacks}"
             f" of {self.max_rollbacks}."
         )
-        if trainer.is_global_zero:
-            metrics = {"speedkit/guard/rollbacks": float(self._rollbacks), "speedkit/guard/lr_scale": new_scale}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        metrics = {"speedkit/guard/rollbacks": float(self._rollbacks), "speedkit/guard/lr_scale": new_scale}
+        log_rank_zero(trainer, metrics, step=step)

@@ -21,6 +21,7 @@ from lightning_speedkit.lr import (
     smooth_losses,
     suggest_lr,
 )
+from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials import TrialSession
 
 __all__ = ["LRFinder"]
@@ -164,12 +165,10 @@ class LRFinder(trials.RemembersDecision, Callback):
         if self._decision["scale"] != 1.0:
             rescale_run_lrs(trainer, self._decision["scale"])
         rank_zero_info(f"LRFinder: LR x{self._decision['scale']:.4g} ({self._decision['reason']}).")
-        if trainer.is_global_zero:
-            metrics = {f"speedkit/lr_finder/{k}": float(self._decision[k]) for k in ("scale", "probe_s")}
-            if self._decision.get("suggested_lr") is not None:
-                metrics["speedkit/lr_finder/suggested_lr"] = float(self._decision["suggested_lr"])
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        metrics = {f"speedkit/lr_finder/{k}": float(self._decision[k]) for k in ("scale", "probe_s")}
+        if self._decision.get("suggested_lr") is not None:
+            metrics["speedkit/lr_finder/suggested_lr"] = float(self._decision["suggested_lr"])
+        log_rank_zero(trainer, metrics)
 
     def report(self) -> dict[str, Any]:
         """The search as a plain dict (empty before fit start).

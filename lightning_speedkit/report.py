@@ -10,9 +10,19 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["atomic_directory", "atomic_file", "flatten_reports", "write_json_atomic", "write_text_atomic"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "atomic_directory",
+    "atomic_file",
+    "flatten_reports",
+    "log_rank_zero",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 _SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
 
@@ -119,3 +129,11 @@ def flatten_reports(reports: dict[str, Any], prefix: str = "speedkit") -> dict[s
         elif isinstance(value, (bool, int, float, str)):
             flat[name] = value
     return flat
+
+
+def log_rank_zero(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Send ``metrics`` to every logger of ``trainer``, on rank zero only (at ``step``, default the global step)."""
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step if step is None else step)

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.decisions import choose_setting, loss_is_sound, probe_pays_back
+from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials.session import TrialSession
 from lightning_speedkit.trials.settings import Setting
 
@@ -118,13 +119,12 @@ def decision_summary(decision: Mapping[str, Any]) -> dict[str, Any]:
 
 def log_decision(trainer: pl.Trainer, area: str, decision: Mapping[str, Any]) -> None:
     """Log a measured decision on rank zero: ``speedkit/<area>/<setting>_step_ms`` and ``speedkit/<area>/probe_s``."""
-    if not (trainer.is_global_zero and decision.get("probed")):
+    if not decision.get("probed"):
         return
     step_s = decision.get("step_s") or {}
     metrics = {f"speedkit/{area}/{name}_step_ms": 1e3 * s for name, s in step_s.items() if s is not None}
     metrics[f"speedkit/{area}/probe_s"] = float(decision.get("probe_s", 0.0))
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+    log_rank_zero(trainer, metrics)
 
 
 class RemembersDecision:
