@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import multiprocessing
 import re
 import time
 from collections.abc import Iterator
@@ -339,6 +340,19 @@ class _RecordLoaders(L.Callback):
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class _ForkWorkers(L.Callback):
+    """Start the loader's workers by fork in each rank, as the ranks of ``strategy="ddp"`` do.
+
+    A ``ddp_spawn`` rank inherits the start method ``spawn``, so its workers are whole interpreters that finalize on
+    exit; a worker told to stop while its queue's feeder thread still pickles a batch then aborts in CPython's
+    thread exit (``std::terminate`` under ``THPStorage_shareFd``, seen in a core dump of this test on CI), and the
+    trial's worker shutdown raises "killed by signal: Aborted". A forked worker leaves by ``os._exit`` and cannot.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        multiprocessing.set_start_method("fork", force=True)
+
+
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_ddp_ranks_agree(tmp_path: Path) -> None:
@@ -349,7 +363,7 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
         strategy="ddp_spawn",
         devices=2,
         max_epochs=epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=40),  # 160 samples a rank
-        callbacks=[tuner, _RecordLoaders(tmp_path)],
+        callbacks=[_ForkWorkers(), tuner, _RecordLoaders(tmp_path)],
         limit_val_batches=2,
     )
     trainer.fit(Model(), SlowData(delay=0.005, n=320))
