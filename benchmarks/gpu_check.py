@@ -67,12 +67,13 @@ from typing_extensions import override
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.hardware import DeviceSampler, SamplerThread, nvml_status, open_sampler
+from lightning_speedkit.hardware import nvml_status
 from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor, measure_flops, tf32_allowed, training_peak_flops
 from lightning_speedkit.oom import MemoryLimit, is_oom_error
 from lightning_speedkit.precision import PrecisionTuner
 from lightning_speedkit.report import write_json_atomic
+from lightning_speedkit.sampling import DeviceSampler, SamplerThread, open_sampler
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "gpu_check.json"
 SKIP_LINE = "skipped: no CUDA device"

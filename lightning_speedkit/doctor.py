@@ -1,7 +1,8 @@
 """``speedkit doctor``: what this machine has, and the precision, strategy and ``num_workers`` speedkit would choose.
 
 The report is a plain JSON-serialisable dict (:func:`collect`); :func:`format_text` prints it for people and
-:func:`main` is what the ``speedkit doctor [--json]`` command runs.
+:func:`main` is what the ``speedkit doctor [--json]`` command runs. The recommendation is
+`lightning_speedkit.machine.recommend` for every GPU torch sees (or one CPU process), the rules `preset` uses.
 """
 
 from __future__ import annotations
@@ -16,37 +17,13 @@ from typing import Any
 import torch
 
 from lightning_speedkit.__about__ import __version__
-from lightning_speedkit.hardware import BF16_CPU_FLAGS, CpuInfo, GpuInfo, cpu_info, gpu_infos, nvml_status
+from lightning_speedkit.hardware import BF16_CPU_FLAGS, cpu_info, gpu_infos, nvml_status
+from lightning_speedkit.machine import recommend
 
-__all__ = ["collect", "format_text", "main", "recommend"]
+__all__ = ["collect", "format_text", "main"]
 
 _PACKAGES = ("torch", "lightning", "torchmetrics", "torch-pruning")
-_MAX_WORKERS_PER_GPU = 8
 _LABEL_WIDTH = 21  # "lightning-speedkit" and two spaces
-
-
-def recommend(cpu: CpuInfo, gpus: Sequence[GpuInfo]) -> dict[str, dict[str, Any]]:
-    """The precision, strategy and ``num_workers`` speedkit would choose here, each with a one-line reason.
-
-    Args:
-        cpu: this machine's CPU facts.
-        gpus: the CUDA devices to train on; empty for a CPU-only run.
-
-    Returns:
-        ``{"precision": {"value": ..., "reason": ...}, "strategy": {...}, "num_workers": {...}}``.
-
-    Example:
-        >>> cpu = CpuInfo(8, 8, "test CPU", ("avx2",), "AVX2")
-        >>> {key: choice["value"] for key, choice in recommend(cpu, []).items()}
-        {'precision': '32-true', 'strategy': 'auto', 'num_workers': 2}
-        >>> recommend(cpu, [GpuInfo(0, "NVIDIA A100", (8, 0), 40 * 2**30)])["precision"]["value"]
-        '16-mixed'
-    """
-    return {
-        "precision": _precision(cpu, gpus),
-        "strategy": _strategy(gpus),
-        "num_workers": _num_workers(cpu, gpus),
-    }
 
 
 def collect() -> dict[str, Any]:
@@ -129,67 +106,6 @@ def main(json_output: bool = False) -> int:
     report = collect()
     print(json.dumps(report, indent=2) if json_output else format_text(report))
     return 0
-
-
-def _precision(cpu: CpuInfo, gpus: Sequence[GpuInfo]) -> dict[str, Any]:
-    if gpus:
-        old = [gpu for gpu in gpus if not gpu.tensor_cores]
-        if old:
-            return _choice("32-true", f"{_describe(old)} predates Volta (compute < 7.0): no tensor cores for fp16")
-        no_bf16 = [gpu for gpu in gpus if not gpu.bf16]
-        bf16_note = (
-            "'bf16-mixed' is also available (every GPU has compute >= 8.0), needs no loss scaling, and preset's"
-            " PrecisionTuner times it against '16-mixed' at fit start"
-            if not no_bf16
-            else f"'bf16-mixed' is not: {_describe(no_bf16)} has compute < 8.0"
-        )
-        return _choice("16-mixed", f"to start on CUDA, tensor cores on every GPU; {bf16_note}")
-    bf16_flags = cpu.bf16_instructions
-    if bf16_flags:
-        return _choice(
-            "32-true",
-            f"to start; the CPU has {' and '.join(bf16_flags)}, so preset's PrecisionTuner times 'bf16-mixed'"
-            " against it on real training steps at fit start and keeps the faster (measured on one such CPU:"
-            " benchmarks/results/precision.json)",
-        )
-    return _choice(
-        "32-true",
-        "no bf16 instructions: bf16 autocast would be emulated (about 10x slower than fp32 measured on an AVX2 CPU),"
-        " so it is not tried; Lightning turns '16-mixed' into 'bf16-mixed' on CPU (with a warning)",
-    )
-
-
-def _strategy(gpus: Sequence[GpuInfo]) -> dict[str, Any]:
-    if len(gpus) > 1:
-        return _choice("ddp", f"{len(gpus)} GPUs: one process per GPU, devices={len(gpus)}")
-    if gpus:
-        return _choice("auto", "one GPU: single device, no process group")
-    return _choice("auto", "CPU only: single process")
-
-
-def _num_workers(cpu: CpuInfo, gpus: Sequence[GpuInfo]) -> dict[str, Any]:
-    cores = cpu.available_cores
-    if gpus:
-        workers = min(_MAX_WORKERS_PER_GPU, max(1, cores // len(gpus) - 1))
-        return _choice(
-            workers,
-            f"{cores} cores / {len(gpus)} GPU process(es), one core kept for the training loop, "
-            f"at least 1 and at most {_MAX_WORKERS_PER_GPU} per process",
-        )
-    return _choice(
-        cores // 4,
-        f"{cores} cores // 4: on CPU the loader workers compete with the model for the same cores; "
-        "DataLoaderTuner measures it",
-    )
-
-
-def _choice(value: object, reason: str) -> dict[str, Any]:
-    return {"value": value, "reason": reason}
-
-
-def _describe(gpus: Sequence[GpuInfo]) -> str:
-    """``"cuda:0 (Tesla P100, 6.0)"``, comma-separated for several GPUs."""
-    return ", ".join(f"cuda:{g.index} ({g.name}, {g.capability[0]}.{g.capability[1]})" for g in gpus)
 
 
 def _package_version(name: str) -> str | None:

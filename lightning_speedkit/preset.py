@@ -11,16 +11,17 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins import Precision
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
-from lightning_speedkit.doctor import recommend
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary
 from lightning_speedkit.lr_finder import LRFinder
+from lightning_speedkit.machine import placement, recommend, unified_precision
 from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.precision import PrecisionTuner
@@ -31,105 +32,93 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PresetChoices", "choose", "default_callbacks", "preset"]
 
-_PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "64-true", "bf16-true", "16-true", "transformer-engine")
-
 
 class PresetChoices(dict[str, Any]):
     """What `preset` chose and why, as a plain dict that serialises as it is.
 
     Keys: ``accelerator``, ``devices``, ``num_nodes``, ``precision``, ``tune_precision`` (whether `PrecisionTuner`
     measures the precision at fit start; it then writes its choice and reason here), ``strategy``, ``channels_last``,
-    ``num_workers``, ``logger``, ``callbacks`` and ``reasons`` (a one-line reason per choice).
+    ``num_workers``, ``logger``, ``callbacks``, ``reasons`` (a one-line reason per choice; ``"as asked"`` where the
+    user decided) and ``overridden`` (the user's value for each choice they made instead of speedkit, e.g.
+    ``{"accelerator": "cpu", "devices": 2}``; an object is named by its type).
     """
 
     def summary(self) -> str:
-        """One short, human-readable line per choice."""
+        """One short, human-readable line per choice, and which ones the user's arguments decided."""
         reasons = self["reasons"]
         lines = ["speedkit.preset:"]
         for key in ("accelerator", "devices", "precision", "strategy", "channels_last", "logger", "callbacks"):
             value = self[key]
-            shown = ", ".join(value) if isinstance(value, list) else value
+            shown = ", ".join(value) if isinstance(value, list) and key == "callbacks" else value
             lines.append(f"  {key:<11} {shown!s:<28} {reasons.get(key, '')}".rstrip())
+        if self.get("overridden"):
+            lines.append(f"  {'as asked':<11} {', '.join(f'{k}={v!r}' for k, v in self['overridden'].items())}")
         return "\n".join(lines)
 
 
 def choose(
     cpu: CpuInfo,
     gpus: Sequence[GpuInfo],
-    devices: int | str = "auto",
+    devices: Any = "auto",
     num_nodes: int = 1,
-    precision: str = "auto",
-    strategy: str = "auto",
+    precision: Any = "auto",
+    strategy: Any = "auto",
     channels_last: bool | str = "auto",
+    accelerator: str = "auto",
 ) -> PresetChoices:
     """Decide accelerator, devices, the starting precision, strategy and layout from hardware facts (no Trainer built).
 
-    What hardware facts cannot decide is left to a measurement at fit start. ``precision="auto"`` starts from
-    ``"32-true"`` on CPU (``"16-mixed"`` on CUDA) and sets ``tune_precision``, so `PrecisionTuner` times the other
-    autocast precisions the hardware supports on real steps and keeps the fastest. ``channels_last="auto"`` adds
-    `~lightning_speedkit.ChannelsLast`, which times both layouts and keeps NHWC only when it wins (it helps the demo
-    ResNet on CPU and slows `~lightning_speedkit.demo.FlatHeadNet`: ``benchmarks/results/channels_last.json``).
+    The hardware decisions are `lightning_speedkit.machine`'s; an argument other than ``"auto"`` is used as it is,
+    recorded in ``overridden`` with the reason ``"as asked"`` (naming speedkit's choice where it differs). What the
+    facts cannot decide is measured at fit start: ``precision="auto"`` sets ``tune_precision`` for `PrecisionTuner`;
+    ``channels_last="auto"`` adds `~lightning_speedkit.ChannelsLast`, which keeps NHWC only when it is faster
+    (``benchmarks/results/channels_last.json``).
 
     Raises:
-        ValueError: If ``devices`` asks for more GPUs (or, on CPU, processes than cores) than exist, or an
-            argument is malformed.
+        ValueError: If ``accelerator`` asks for a GPU torch does not see, ``devices`` asks for more GPUs (or, on
+            CPU, processes than cores) than exist, or an argument is malformed.
 
     Example:
         >>> cpu = CpuInfo(8, 8, "test CPU", ("avx2",), "AVX2")
         >>> c = choose(cpu, [GpuInfo(i, "NVIDIA A100", (8, 0), 40 * 2**30) for i in range(4)], devices=4)
         >>> c["accelerator"], c["devices"], c["precision"], c["strategy"], c["channels_last"], c["tune_precision"]
         ('gpu', 4, '16-mixed', 'ddp', True, True)
-        >>> choose(cpu, [])["precision"], choose(cpu, [], precision="32-true")["tune_precision"]
-        ('32-true', False)
+        >>> c = choose(cpu, [], devices=2, precision="32-true")
+        >>> c["strategy"], c["tune_precision"], c["overridden"], c["reasons"]["devices"]
+        ('ddp', False, {'devices': 2, 'precision': '32-true'}, 'as asked (speedkit would choose 1)')
     """
-    if not (isinstance(num_nodes, int) and num_nodes >= 1):
-        raise ValueError(f"`num_nodes` must be a positive int, got {num_nodes!r}.")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"`precision` must be one of {', '.join(_PRECISIONS)}, got {precision!r}.")
     if not (channels_last == "auto" or isinstance(channels_last, bool)):
         raise ValueError(f"`channels_last` must be 'auto', True or False, got {channels_last!r}.")
-    accelerator = "gpu" if gpus else "cpu"
-    available = len(gpus) if gpus else cpu.available_cores
-    unit = "GPU(s)" if gpus else "CPU core(s) (one process each)"
-    if devices == "auto":
-        count = len(gpus) if gpus else 1
-    elif isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
-        count = devices
-    else:
-        raise ValueError(f"`devices` must be a positive int or 'auto', got {devices!r}.")
-    if count > available:
-        raise ValueError(f"`devices`={count} asks for more than this machine has: {available} {unit}.")
-    advice = recommend(cpu, list(gpus[:count]))
-    reasons: dict[str, str] = {"accelerator": "CUDA GPU found" if gpus else "no CUDA GPU: CPU"}
-    reasons["devices"] = f"{count} of {available} {unit}" + (f" x {num_nodes} nodes" if num_nodes > 1 else "")
-    tune_precision = precision == "auto"
-    if tune_precision:
-        precision = str(advice["precision"]["value"])
-        reasons["precision"] = advice["precision"]["reason"]
-    else:
-        reasons["precision"] = "as asked"
-    world = count * num_nodes
-    if strategy == "auto" and world > 1:
-        strategy = "ddp"
-        reasons["strategy"] = f"{world} processes: DDP ({'nccl' if gpus else 'gloo'}), gradient_as_bucket_view"
-    else:
-        reasons["strategy"] = "single process" if world == 1 else "as asked"
-    if channels_last != "auto":
-        reasons["channels_last"] = "as asked"
-    else:
-        channels_last = True
-        reasons["channels_last"] = "conv nets only; both layouts timed at fit start, NHWC kept if >= 3% faster"
-    return PresetChoices(
-        accelerator=accelerator,
-        devices=count,
+    precision = unified_precision(precision)
+    where = placement(cpu, gpus, accelerator, devices, num_nodes)
+    advice = recommend(cpu, where.gpus, where.processes, num_nodes)
+    layout = "conv nets only; both layouts timed at fit start, NHWC kept if >= 3% faster"
+    reasons = {**where.reasons, **{key: advice[key]["reason"] for key in ("precision", "strategy")}}
+    reasons["channels_last"] = layout
+    choices = PresetChoices(
+        accelerator=where.accelerator,
+        devices=where.devices,
         num_nodes=num_nodes,
-        precision=precision,
-        tune_precision=tune_precision,
-        strategy=strategy,
-        channels_last=channels_last,
+        precision=advice["precision"]["value"],
+        tune_precision=precision == "auto",
+        strategy=advice["strategy"]["value"],
+        channels_last=True,
         num_workers=advice["num_workers"]["value"],
         reasons=reasons,
+        overridden={},
     )
+    ours = {**choices, "accelerator": placement(cpu, gpus, num_nodes=num_nodes).accelerator}
+    ours["devices"] = placement(cpu, gpus, where.accelerator, num_nodes=num_nodes).devices
+    asked = {"accelerator": accelerator, "devices": devices, "precision": precision, "strategy": strategy}
+    for key, value in {**asked, "channels_last": channels_last}.items():
+        if isinstance(value, str) and value == "auto":
+            continue
+        shown = list(value) if isinstance(value, (list, tuple)) else value
+        shown = shown if isinstance(shown, (str, int, list)) else type(shown).__name__
+        choices[key] = choices["overridden"][key] = shown
+        note = "" if shown == ours[key] else f" (speedkit would choose {ours[key]!r})"
+        choices["reasons"][key] = f"as asked{note}"
+    return choices
 
 
 def default_callbacks(
@@ -191,7 +180,7 @@ def default_callbacks(
         if not isinstance(value, (bool, dict)):
             raise ValueError(f"`{name}` must be True, False or a dict of arguments, got {value!r}.")
     if any(not isinstance(c, Callback) for c in callbacks or ()):
-        raise TypeError(f"`callbacks` must hold lightning Callbacks, got {list(callbacks or ())!r}.")
+        raise ValueError(f"`callbacks` must hold lightning Callbacks, got {list(callbacks or ())!r}.")
     ours: list[Callback] = []
     if channels_last is not False:
         ours.append(ChannelsLast(**_kwargs(channels_last)))
@@ -230,10 +219,10 @@ def default_callbacks(
 
 
 def preset(
-    devices: int | str = "auto",
+    devices: int | str | Sequence[int] = "auto",
     num_nodes: int = 1,
-    precision: str = "auto",
-    strategy: str = "auto",
+    precision: str | int = "auto",
+    strategy: str | Strategy = "auto",
     logger: Logger | bool | str = "auto",
     batch_size: str | dict[str, Any] | None = None,
     prune: float | dict[str, Any] | StructuredPruning | None = None,
@@ -243,27 +232,35 @@ def preset(
     lr: str | None = None,
     compile: bool | str | dict[str, Any] = False,
     guard: bool | dict[str, Any] = True,
+    warmup: bool | dict[str, Any] = True,
+    monitor: bool | dict[str, Any] = True,
+    tune_data: bool | dict[str, Any] = True,
+    accelerator: str = "auto",
     verbose: bool = True,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """A ``lightning.Trainer`` tuned for this machine, with speedkit's callbacks.
 
-    - Precision: with ``precision="auto"`` the Trainer starts in ``"16-mixed"`` on CUDA and ``"32-true"`` on CPU, and a
-      `PrecisionTuner` times the other autocast precisions the hardware supports (``"bf16-mixed"`` on GPUs that have
-      it and on CPUs with bf16 instructions) on real steps at fit start, keeping the fastest; an explicit
-      ``precision`` is used as it is.
-    - Strategy: ``devices * num_nodes > 1`` gives DDP (`DDPStrategy` with ``gradient_as_bucket_view=True``; gloo on
-      CPU, NCCL on GPU). Multi-node runs take their ranks from Lightning's cluster environments: launch with
-      ``torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train.py`` or
-      ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)`` in ``train.py``.
-    - Callbacks: `default_callbacks` (a user callback of the same type replaces ours), then a
-      `~lightning_speedkit.loggers.RunSummary` that writes every callback's report to ``speedkit_summary.json``
-      (and the W&B run summary). `ChannelsLast` (``channels_last="auto"``) acts only on conv nets that it has
-      checked run NHWC, and keeps NHWC only when real steps are faster; ``False`` switches it off.
+    Every Trainer argument passes through. Preset chooses ``accelerator``, ``devices``, ``precision``, ``strategy``
+    (a name or a ``Strategy``) and ``logger``; a value other than ``"auto"`` is used as it is and listed in
+    ``trainer.speedkit["overridden"]``, its reason ``"as asked"``. A precision plugin in ``plugins`` sets the precision.
+
+    - Device: every CUDA GPU with ``accelerator="auto"``, else one CPU process; ``accelerator`` takes ``"cpu"``,
+      ``"gpu"`` or ``"cuda"``. On CPU ``devices=N`` runs N processes (at most one per core).
+    - Precision: ``precision="auto"`` starts in ``"16-mixed"`` on CUDA and ``"32-true"`` on CPU, and a `PrecisionTuner`
+      times the other autocast precisions the hardware supports on real steps at fit start, keeping the fastest.
+    - Strategy (`lightning_speedkit.machine.strategy_choice`): ``devices * num_nodes > 1`` gives DDP (`DDPStrategy`
+      with ``gradient_as_bucket_view=True``; gloo on CPU, NCCL on GPU). Multi-node runs take their ranks from
+      Lightning's cluster environments: launch with ``torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d
+      --rdzv-endpoint=HOST:PORT train.py`` or ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)``.
+    - Callbacks: `default_callbacks` (a user callback of the same type replaces ours), then a `RunSummary` that
+      writes every callback's report to ``speedkit_summary.json`` (and the W&B run summary). ``warmup``, ``monitor``,
+      ``tune_data`` and ``guard`` take ``False`` (no `WarmupScheduler`, `UtilizationMonitor`, `DataLoaderTuner`,
+      `TrainingGuard`) or a dict of its arguments. `ChannelsLast` (``channels_last="auto"``) acts only on conv nets,
+      and keeps NHWC only when real steps are faster.
     - LR: ``lr=None`` keeps the user's; ``lr="auto"`` adds an `LRFinder`, whose range test at fit start scales every
       LR to its suggestion (the warmup then ramps to it). A `TrainingGuard` keeps a last-good snapshot and rolls back
-      at half the LR on a NaN or a loss spike; ``guard=False`` switches it off, and a dict configures it (its stall
-      check, ``{"stall_steps": ...}``, is off by default: an early plateau is normal for many nets).
+      at half the LR on a NaN or a loss spike (its stall check, ``{"stall_steps": ...}``, is off by default).
     - Compile: ``compile="auto"`` adds `Compile`, which times eager and compiled steps at fit start and keeps the
       compiled module only when the steps left repay the compile (+10%); ``True`` compiles without timing (eager if
       compiling fails); a dict passes `Compile` arguments; ``False`` (the default) never compiles.
@@ -275,32 +272,38 @@ def preset(
     The choices and reasons are on ``trainer.speedkit`` (a `PresetChoices`) and printed once on rank zero.
 
     Raises:
-        ValueError: If ``devices`` asks for more than the machine has, or an argument is malformed.
+        ValueError: If ``accelerator`` asks for a GPU torch does not see, ``devices`` asks for more than the machine
+            has, ``precision`` is given with a precision plugin, or an argument is malformed.
 
     Example:
         >>> trainer = preset(logger=False, verbose=False, max_epochs=1)
         >>> trainer.speedkit["precision"], type(trainer.strategy).__name__
         ('32-true', 'SingleDeviceStrategy')
+        >>> preset(accelerator="cpu", logger=False, verbose=False).speedkit["overridden"]
+        {'accelerator': 'cpu', 'logger': False}
     """
     if lr not in (None, "auto"):
         raise ValueError(f"`lr` must be None (keep yours) or 'auto' (an LRFinder range test), got {lr!r}.")
-    compile_arg: bool | dict[str, Any]
-    if compile == "auto":
-        compile_arg = True
-    elif compile is True:
-        compile_arg = {"measure": False}
-    elif compile is False or isinstance(compile, dict):
-        compile_arg = compile
-    else:
+    if not (compile == "auto" or isinstance(compile, (bool, dict))):
         raise ValueError(f"`compile` must be 'auto', True, False or a dict of Compile arguments, got {compile!r}.")
-    if not isinstance(guard, (bool, dict)):
-        raise ValueError(f"`guard` must be True, False or a dict of TrainingGuard arguments, got {guard!r}.")
-    choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, precision, strategy, channels_last)
+    compile_arg: Any = True if compile == "auto" else {"measure": False} if compile is True else compile
+    plugins = trainer_kwargs.get("plugins")
+    plugins = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    plugin = next((p for p in plugins if isinstance(p, Precision)), None)
+    if plugin is not None and precision != "auto":
+        raise ValueError(f"`precision`={precision!r} and a {type(plugin).__name__} in `plugins`: pass one of them.")
+    asked_precision = plugin.precision if plugin is not None else precision
+    choices = choose(cpu_info(), gpu_infos(), devices, num_nodes, asked_precision, strategy, channels_last, accelerator)
+    if plugin is not None:
+        choices["reasons"]["precision"] = f"as asked, by the {type(plugin).__name__} in `plugins`"
     chosen_callbacks = default_callbacks(
         batch_size=batch_size,
         prune=prune,
         export=export,
         callbacks=callbacks,
+        warmup=warmup,
+        monitor=monitor,
+        tune_data=tune_data,
         channels_last=choices["channels_last"],
         precision=choices["tune_precision"],
         lr_finder=lr == "auto",
@@ -309,22 +312,22 @@ def preset(
     )
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
         chosen_callbacks.append(RunSummary())
-    strategy_obj: Any = choices["strategy"]
-    if choices["strategy"] == "ddp":
-        strategy_obj = DDPStrategy(
-            process_group_backend="nccl" if choices["accelerator"] == "gpu" else "gloo",
-            gradient_as_bucket_view=True,
-        )
+    strategy_obj: Any = strategy
+    if strategy == "auto" and choices["strategy"] == "ddp":
+        backend = "nccl" if choices["accelerator"] in ("gpu", "cuda") else "gloo"
+        strategy_obj = DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
     chosen_logger = _logger(logger, trainer_kwargs.get("default_root_dir"))
     choices["logger"] = type(chosen_logger).__name__ if isinstance(chosen_logger, Logger) else str(chosen_logger)
     choices["reasons"]["logger"] = _logger_reason(chosen_logger, asked=logger)
+    if not (logger == "auto" or logger is True):
+        choices["overridden"]["logger"] = logger if isinstance(logger, (str, bool)) else choices["logger"]
     choices["callbacks"] = [type(c).__name__ for c in chosen_callbacks]
     choices["reasons"]["callbacks"] = "speedkit's, in acting order; yours replace ours of the same type"
     trainer = L.Trainer(
         accelerator=choices["accelerator"],
         devices=choices["devices"],
         num_nodes=choices["num_nodes"],
-        precision=choices["precision"],
+        precision=None if plugin is not None else choices["precision"],
         strategy=strategy_obj,
         logger=chosen_logger,
         callbacks=chosen_callbacks,
@@ -382,12 +385,13 @@ def _logger(logger: Logger | bool | str, root: Any) -> Logger | bool:
 def _logger_reason(logger: Logger | bool, asked: Logger | bool | str) -> str:
     if logger is False:
         return "none, as asked"
+    if isinstance(asked, Logger):
+        return "as asked: yours"
     if asked == "csv":
         return "CSV, as asked: metrics.csv"
     name = type(logger).__name__
     if name == "WandbLogger":
         mode = "offline (no WANDB_API_KEY)" if getattr(logger, "_offline", False) else "online"
-        return f"wandb installed: {mode}, speedkit/* grouped on trainer/global_step"
-    if name == "CSVLogger":
-        return "wandb not installed: metrics.csv"
-    return "yours"
+        source = "W&B, as asked" if asked == "wandb" else "wandb installed"
+        return f"{source}: {mode}, speedkit/* grouped on trainer/global_step"
+    return "wandb not installed: metrics.csv"

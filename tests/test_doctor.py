@@ -1,3 +1,5 @@
+"""Tests of ``speedkit doctor``: the report, its text and JSON; the recommendation is tested in test_machine.py."""
+
 from __future__ import annotations
 
 import json
@@ -8,69 +10,8 @@ import pytest
 import torch
 
 from lightning_speedkit import doctor
-from lightning_speedkit.hardware import CpuInfo, GpuInfo
-
-CPU_2_CORES_AVX512_BF16 = CpuInfo(2, 2, "AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), "AVX512")
-CPU_2_CORES_AVX2 = CpuInfo(2, 2, "Intel Core", ("avx2",), "AVX2")
-CPU_AMX = CpuInfo(112, 112, "Xeon 8480+", ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
-CPU_32_CORES = CpuInfo(32, 32, "EPYC", ("avx2",), "AVX2")
-H100 = GpuInfo(0, "NVIDIA H100", (9, 0), 80 * 2**30)
-T4 = GpuInfo(0, "Tesla T4", (7, 5), 16 * 2**30)
-P100 = GpuInfo(0, "Tesla P100", (6, 0), 16 * 2**30)
-A100S = [GpuInfo(i, "NVIDIA A100", (8, 0), 40 * 2**30) for i in range(4)]
-
-
-@pytest.mark.parametrize(
-    ("cpu", "gpus", "precision", "strategy", "num_workers"),
-    [
-        (CPU_2_CORES_AVX512_BF16, [], "32-true", "auto", 0),
-        (CPU_2_CORES_AVX2, [], "32-true", "auto", 0),
-        (CPU_AMX, [], "32-true", "auto", 28),
-        (CPU_32_CORES, [H100], "16-mixed", "auto", 8),
-        (CPU_2_CORES_AVX2, [H100], "16-mixed", "auto", 1),
-        (CPU_32_CORES, [T4], "16-mixed", "auto", 8),
-        (CPU_32_CORES, A100S, "16-mixed", "ddp", 7),
-        (CPU_32_CORES, [P100], "32-true", "auto", 8),
-        (CPU_32_CORES, [H100, GpuInfo(1, "Tesla P100", (6, 0), 2**34)], "32-true", "ddp", 8),
-    ],
-)
-def test_recommend_values(cpu: CpuInfo, gpus: list[GpuInfo], precision: str, strategy: str, num_workers: int) -> None:
-    """`recommend` picks precision, strategy and num_workers from the CPU and GPUs, each with a one-line reason."""
-    result = doctor.recommend(cpu, gpus)
-    assert {key: choice["value"] for key, choice in result.items()} == {
-        "precision": precision,
-        "strategy": strategy,
-        "num_workers": num_workers,
-    }
-    for choice in result.values():
-        assert choice["reason"]
-        assert "\n" not in choice["reason"]
-
-
-@pytest.mark.parametrize(
-    ("cpu", "gpus", "key", "fragments", "absent"),
-    [
-        (CPU_2_CORES_AVX2, [], "precision", ["no bf16 instructions", "'16-mixed'", "10x", "warning"], ["avx512_bf16"]),
-        (CPU_2_CORES_AVX512_BF16, [], "precision", ["avx512_bf16", "PrecisionTuner", "precision.json"], ["silently"]),
-        (CPU_AMX, [], "precision", ["avx512_bf16 and amx_bf16", "times 'bf16-mixed'"], []),
-        (CPU_32_CORES, [H100], "precision", ["'bf16-mixed' is also available"], []),
-        (CPU_32_CORES, [T4], "precision", ["'bf16-mixed' is not", "Tesla T4, 7.5"], []),
-        (CPU_32_CORES, [P100], "precision", ["no tensor cores", "Tesla P100, 6.0"], []),
-        (CPU_32_CORES, A100S, "strategy", ["devices=4"], []),
-        (CPU_32_CORES, [H100], "strategy", ["single device"], []),
-        (CPU_2_CORES_AVX2, [], "strategy", ["single process"], []),
-        (CPU_2_CORES_AVX2, [], "num_workers", ["compete with the model for the same cores", "DataLoaderTuner"], []),
-    ],
-)
-def test_recommend_reasons(
-    cpu: CpuInfo, gpus: list[GpuInfo], key: str, fragments: list[str], absent: list[str]
-) -> None:
-    """Each reason names the fact that decided it (bf16 instructions and the measurement, devices, cores)."""
-    reason = doctor.recommend(cpu, gpus)[key]["reason"]
-    for fragment in fragments:
-        assert fragment in reason
-    for fragment in absent:
-        assert fragment not in reason
+from lightning_speedkit.hardware import GpuInfo, cpu_info, gpu_infos
+from lightning_speedkit.machine import recommend
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
@@ -110,3 +51,8 @@ def test_format_text_lists_each_gpu() -> None:
     text = doctor.format_text(report)
     assert "cuda:1" in text
     assert "NVIDIA H100, compute 9.0, 80.0 GiB, bf16 yes, tensor cores yes" in text
+
+
+def test_recommendation_is_the_machines_rules_for_every_gpu() -> None:
+    """Doctor recommends what `lightning_speedkit.machine.recommend` decides for every GPU torch sees (or one CPU)."""
+    assert doctor.collect()["recommendation"] == recommend(cpu_info(), gpu_infos())

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_benchmark
+import torch
+from conftest import ROOT, load_benchmark
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_speedkit as speedkit
@@ -89,6 +92,57 @@ def test_channels_last_is_chosen_by_device_and_precision(
     assert choices["reasons"]["channels_last"]
 
 
+WOULD = "as asked (speedkit would choose {})"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "kwargs", "overridden", "reasons"),
+    [
+        ([A100], {"accelerator": "cpu"}, {"accelerator": "cpu"}, {"accelerator": WOULD.format("'gpu'")}),
+        (
+            [],
+            {"accelerator": "cpu", "devices": 2},
+            {"accelerator": "cpu", "devices": 2},
+            {"accelerator": "as asked", "devices": WOULD.format(1)},
+        ),
+        ([A100] * 4, {"devices": [0, 2]}, {"devices": [0, 2]}, {"devices": WOULD.format(4)}),
+        (
+            [A100],
+            {"precision": "bf16-mixed", "strategy": "ddp_spawn"},
+            {"precision": "bf16-mixed", "strategy": "ddp_spawn"},
+            {"precision": WOULD.format("'16-mixed'"), "strategy": WOULD.format("'auto'")},
+        ),
+        (
+            [],
+            {"precision": 32, "channels_last": False},
+            {"precision": "32-true", "channels_last": False},
+            {"precision": "as asked", "channels_last": WOULD.format(True)},
+        ),
+        ([], {}, {}, {"accelerator": "no CUDA GPU: CPU"}),
+    ],
+)
+def test_choose_records_what_the_user_overrode(
+    gpus: list[GpuInfo], kwargs: dict[str, Any], overridden: dict[str, Any], reasons: dict[str, str]
+) -> None:
+    """A user's argument is used as given, listed in ``overridden``, and its reason says "as asked" (and ours)."""
+    chosen = choose(CPU2, gpus, **kwargs)
+    assert chosen["overridden"] == overridden
+    for key, value in overridden.items():
+        assert chosen[key] == value
+    for key, reason in reasons.items():
+        assert chosen["reasons"][key] == reason
+    assert chosen["tune_precision"] is ("precision" not in overridden)
+
+
+def test_accelerator_cpu_on_a_gpu_machine_decides_for_the_cpu() -> None:
+    """``accelerator="cpu"`` with GPUs present: CPU processes, the CPU's precision rule and gloo DDP."""
+    chosen = choose(CPU2, [A100] * 4, devices=2, accelerator="cpu")
+    decided = (chosen["accelerator"], chosen["devices"], chosen["precision"], chosen["strategy"])
+    assert decided == ("cpu", 2, "32-true", "ddp")
+    assert "gloo" in chosen["reasons"]["strategy"]
+    assert "PrecisionTuner times 'bf16-mixed'" in chosen["reasons"]["precision"]
+
+
 def test_more_gpus_than_exist_is_an_error() -> None:
     """Asking for 4 GPUs on a 1-GPU machine names what exists."""
     with pytest.raises(ValueError, match="1 GPU"):
@@ -163,6 +217,136 @@ def test_preset_two_cpu_devices_gives_ddp(tmp_path: Path) -> None:
     assert trainer.strategy._process_group_backend == "gloo"
     assert trainer.num_devices == 2
     assert trainer.speedkit["strategy"] == "ddp"
+
+
+def test_preset_accelerator_cpu_passes_through(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``accelerator="cpu"`` (once a TypeError: Trainer got it twice) reaches the Trainer, recorded as the user's."""
+    trainer = preset(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+    assert trainer.speedkit["overridden"] == {"accelerator": "cpu", "logger": False}
+    assert trainer.speedkit["reasons"]["accelerator"].startswith("as asked")
+    assert trainer.speedkit["reasons"]["logger"] == "none, as asked"
+    summary = trainer.speedkit.summary()
+    assert "as asked    accelerator='cpu', logger=False" in summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_preset_gpu_without_cuda_is_a_clear_error(tmp_path: Path, accelerator: str) -> None:
+    """``accelerator="gpu"`` where torch sees no CUDA device names the argument and the value, before any Trainer."""
+    with pytest.raises(ValueError, match=rf"`accelerator`='{accelerator}' asks for a CUDA GPU, but torch sees none"):
+        preset(accelerator=accelerator, logger=False, default_root_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accelerator": "mps"}, r"`accelerator` must be one of 'auto', 'cpu', 'gpu', 'cuda'.*got 'mps'"),
+        ({"devices": [0, 1]}, r"`devices` must be 'auto' or a positive int, got \[0, 1\]"),
+        ({"precision": "fp8"}, r"`precision` must be one of .*got 'fp8'"),
+        ({"precision": "32-true", "plugins": [MixedPrecision("bf16-mixed", "cpu")]},
+         r"`precision`='32-true' and a MixedPrecision in `plugins`"),
+        ({"warmup": "yes"}, r"`warmup` must be True, False or a dict of arguments, got 'yes'"),
+        ({"monitor": 3}, r"`monitor`"),
+        ({"tune_data": None}, r"`tune_data`"),
+    ],
+)  # fmt: skip
+def test_preset_refuses_what_it_cannot_pass_on(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    """An accelerator speedkit does not decide for, malformed devices or precision, or a precision given twice."""
+    with pytest.raises(ValueError, match=match):
+        preset(logger=False, verbose=False, default_root_dir=tmp_path, **kwargs)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU processes need two cores")
+def test_preset_passes_devices_strategy_and_precision_as_asked(tmp_path: Path) -> None:
+    """The user's devices, strategy and precision reach the Trainer unchanged; no PrecisionTuner second-guesses them."""
+    trainer = preset(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", precision="bf16-mixed", logger=False, verbose=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy._start_method == "spawn"
+    assert trainer.num_devices == 2
+    assert trainer.precision == "bf16-mixed"
+    assert "PrecisionTuner" not in [type(c).__name__ for c in trainer.callbacks]
+    expected = {"accelerator": "cpu", "devices": 2, "precision": "bf16-mixed", "strategy": "ddp_spawn", "logger": False}
+    assert trainer.speedkit["overridden"] == expected
+    for key in expected:
+        assert "as asked" in trainer.speedkit["reasons"][key], key
+
+
+def test_preset_takes_a_precision_plugin_and_a_strategy_object(tmp_path: Path) -> None:
+    """A precision plugin in ``plugins`` decides the precision (no tuner); a Strategy object is used as it is."""
+    strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    kwargs: dict[str, Any] = {"logger": False, "verbose": False, "default_root_dir": tmp_path}
+    trainer = preset(accelerator="cpu", strategy=strategy, plugins=[plugin], **kwargs)
+    assert trainer.strategy is strategy
+    assert trainer.precision_plugin is plugin
+    assert "PrecisionTuner" not in [type(c).__name__ for c in trainer.callbacks]
+    overridden = trainer.speedkit["overridden"]
+    assert (overridden["strategy"], overridden["precision"]) == ("SingleDeviceStrategy", "bf16-mixed")
+    assert trainer.speedkit["reasons"]["precision"] == "as asked, by the MixedPrecision in `plugins`"
+
+
+def test_preset_forwards_every_default_callbacks_option(tmp_path: Path) -> None:
+    """``warmup``, ``monitor`` and ``tune_data`` reach `default_callbacks`: False drops the callback, a dict sets it."""
+
+    def names(trainer: Any) -> list[str]:
+        return [type(c).__name__ for c in trainer.callbacks]
+
+    off = preset(warmup=False, monitor=False, tune_data=False, logger=False, verbose=False, default_root_dir=tmp_path)
+    assert not {"WarmupScheduler", "UtilizationMonitor", "DataLoaderTuner"} & set(names(off))
+    assert "TrainingGuard" in names(off)
+    tuned = preset(
+        warmup={"warmup": 5}, monitor={"window": 7}, tune_data={"probe_steps": 3}, logger=False, verbose=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.WarmupScheduler)).warmup == 5
+    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.UtilizationMonitor)).window == 7
+    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.DataLoaderTuner)).probe_steps == 3
+
+
+_CPU_DDP_RUN = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from conftest import TinyClassifier
+import lightning as L
+from lightning_speedkit import preset
+
+L.seed_everything(0, verbose=False)
+trainer = preset(devices=2, accelerator="cpu", logger=False, default_root_dir={root!r}, max_epochs=2,
+                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, verbose=False)
+model = TinyClassifier()
+trainer.fit(model)
+record = dict(speedkit=dict(trainer.speedkit), world_size=trainer.world_size, step=trainer.global_step,
+              strategy=type(trainer.strategy).__name__, backend=trainer.strategy._process_group_backend,
+              weights=[float(v) for v in torch.cat([p.detach().flatten() for p in model.parameters()])])
+with open({root!r} + f"/rank{{trainer.global_rank}}.json", "w") as out:
+    json.dump(record, out)
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU processes need two cores")
+def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path) -> None:
+    """``preset(devices=2, accelerator="cpu")`` fits with 2 gloo DDP processes that end with the same weights."""
+    # A script, not pytest: Lightning's "ddp" launcher starts the second rank by re-running the command line.
+    script = tmp_path / "cpu_ddp.py"
+    script.write_text(_CPU_DDP_RUN.format(tests=str(ROOT / "tests"), root=str(tmp_path)))
+    subprocess.run([sys.executable, str(script)], cwd=tmp_path, check=True, timeout=600)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in ranks:
+        assert (rank["world_size"], rank["strategy"], rank["backend"]) == (2, "DDPStrategy", "gloo")
+        assert rank["step"] == 8  # 64 samples, batch 8, split over 2 ranks: 4 steps an epoch
+        assert rank["speedkit"]["strategy"] == "ddp"
+        assert rank["speedkit"]["overridden"] == {"accelerator": "cpu", "devices": 2, "logger": False}
+        assert "2 processes (devices=2)" in rank["speedkit"]["reasons"]["strategy"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
 def test_preset_refuses_more_devices_than_cores(tmp_path: Path) -> None:
