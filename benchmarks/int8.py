@@ -239,8 +239,8 @@ def _workload(name: str, model: L.LightningModule, dm: Any, s: dict[str, Any], o
         callbacks=[WarmupScheduler(warmup=0.05), export],  # warmup + cosine: both nets train reliably at LR 1e-3
     )
     trainer.fit(model, datamodule=dm)
-    report = export.report
-    if report is None:
+    report = export.report()
+    if not report["exported"]:
         raise RuntimeError(f"Int8Export wrote no report for {name}")
     model.eval()
     loader = model.val_dataloader() if text else dm.val_dataloader()

@@ -10,9 +10,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_speedkit.report import flatten_reports, write_json_atomic
+from lightning_speedkit.report import collect_reports, flatten_reports, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,15 @@ def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str =
 class RunSummary(Callback):
     """At the end of fit, gather the ``report()`` of every callback that has one into the run summary.
 
+    Every callback with a ``report()`` method (the `~lightning_speedkit.report.Reports` protocol) contributes the
+    dict it returns, under its class name (a second instance of a class as ``Name#2``); empty dicts are left out. A
+    callback whose ``report`` is not a method, or whose ``report()`` returns something other than a dict, is left
+    out with one warning naming it: the fit has finished, and a summary is no reason to fail it.
+
     Writes ``speedkit_summary.json`` (atomically) into the first logger's ``log_dir`` (else the Trainer's
-    ``default_root_dir``) and, for a W&B logger, puts the flattened scalars and labels into the run summary and
-    groups ``speedkit/*`` metrics on ``trainer/global_step``. Rank zero only.
+    ``default_root_dir``) and, for a W&B logger, puts the flattened scalars and labels
+    (`~lightning_speedkit.report.flatten_reports`: ``speedkit/<Callback>/<key>``) into the run summary and groups
+    ``speedkit/*`` metrics on ``trainer/global_step``. Rank zero only; `report` returns what was gathered.
     """
 
     def __init__(self) -> None:
@@ -66,13 +73,10 @@ class RunSummary(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        reports = {}
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            report = getattr(callback, "report", None)
-            if callback is not self and callable(report):
-                value = report()
-                if value:
-                    reports[type(callback).__name__] = value
+        others = [c for c in trainer.callbacks if not isinstance(c, RunSummary)]  # type: ignore[attr-defined]
+        reports, problems = collect_reports(others)
+        for problem in problems:
+            rank_zero_warn(f"RunSummary: {problem}.")
         self.summary = reports
         if not trainer.is_global_zero:
             return
@@ -82,3 +86,7 @@ class RunSummary(Callback):
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.summary.update(flatten_reports(reports))  # type: ignore[attr-defined]
+
+    def report(self) -> dict[str, Any]:
+        """The reports gathered at the end of the last fit, by callback class name (empty before one)."""
+        return dict(self.summary)

@@ -1,4 +1,4 @@
-"""Files written whole or not at all, and reports as data: atomic writes, JSON reports, logger payloads."""
+"""Files written whole or not at all, and reports as data: the `Reports` protocol, atomic writes, logger payloads."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
+    "Reports",
     "atomic_directory",
     "atomic_file",
+    "collect_reports",
     "flatten_reports",
     "log_rank_zero",
     "write_json_atomic",
@@ -25,6 +27,66 @@ __all__ = [
 ]
 
 _SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
+
+
+@runtime_checkable
+class Reports(Protocol):
+    """What every speedkit callback offers: ``report()``, a plain dict of what it decided and measured.
+
+    The dict holds numbers, strings, bools, None, lists and nested dicts (JSON-ready): `RunSummary
+    <lightning_speedkit.loggers.RunSummary>` writes it to ``speedkit_summary.json`` and `flatten_reports` turns
+    it into logger keys. Before the callback has run it still returns a dict (saying so), never None.
+    """
+
+    def report(self) -> dict[str, Any]:
+        """What was decided and measured, as a plain dict."""
+        ...
+
+
+def collect_reports(objects: Iterable[object]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The non-empty ``report()`` dicts of ``objects`` by class name, and why any were left out.
+
+    Objects without a ``report`` are passed over in silence. One whose ``report`` is not a method, or whose
+    ``report()`` returns something other than a dict, is left out, with a line saying why (a summary at the end of
+    fit is no reason to fail a finished run). Of two objects of the same class, the first keeps the plain name and
+    the next one is ``Name#2``.
+
+    Example:
+        >>> class Good:
+        ...     def report(self):
+        ...         return {"decision": "kept"}
+        >>> class Bad:
+        ...     def report(self):
+        ...         return "kept"
+        >>> reports, problems = collect_reports([Good(), Bad(), object(), Good()])
+        >>> reports
+        {'Good': {'decision': 'kept'}, 'Good#2': {'decision': 'kept'}}
+        >>> problems
+        ["Bad.report() must return a dict, got str 'kept'; left out of the summary"]
+    """
+    reports: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for obj in objects:
+        if not isinstance(obj, Reports):
+            continue
+        name = type(obj).__name__
+        method = getattr(obj, "report", None)
+        if not callable(method):
+            shown = type(method).__name__
+            problems.append(f"{name}.report must be a method returning a dict, got a {shown}; left out of the summary")
+            continue
+        value = method()
+        if not isinstance(value, dict):
+            shown = f"{type(value).__name__} {value!r}"[:80]
+            problems.append(f"{name}.report() must return a dict, got {shown}; left out of the summary")
+            continue
+        if value:
+            key, count = name, 1
+            while key in reports:
+                count += 1
+                key = f"{name}#{count}"
+            reports[key] = value
+    return reports, problems
 
 
 @contextlib.contextmanager

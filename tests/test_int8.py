@@ -98,7 +98,7 @@ class ReportRecorder(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         export = next(c for c in trainer.callbacks if isinstance(c, Int8Export))  # type: ignore[attr-defined]
-        (self.out / f"report_rank{trainer.global_rank}.json").write_text(json.dumps(export.report))
+        (self.out / f"report_rank{trainer.global_rank}.json").write_text(json.dumps(export.report()))
 
 
 def listing(directory: Path) -> dict[str, bytes]:
@@ -240,7 +240,7 @@ def test_symmetric_mode_gives_only_zero_zero_points(
 ) -> None:
     """``symmetric=True`` gives int8 activations and only zero zero points (TensorRT's rule); the default does not."""
     value = request.getfixturevalue(fixture)
-    report = value["report"] if fixture == "pure" else value["export"].report
+    report = value["report"] if fixture == "pure" else value["export"].report()
     points = zero_points(report["int8_path"])
     assert len(points) > 10
     assert report["quantization"]["activation_symmetric"] is symmetric
@@ -352,6 +352,10 @@ def test_export_int8_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any
         ({"filename": "sub/model.onnx"}, "filename"),
         ({"latency_batch_size": 0}, "latency_batch_size"),
         ({"symmetric": True, "activation_type": "uint8"}, "activation_type"),
+        ({"symmetric": "yes"}, "symmetric"),
+        ({"verify": 1}, "verify"),
+        ({"overwrite": "no"}, "overwrite"),
+        ({"use_best_checkpoint": None}, "use_best_checkpoint"),
     ],
 )
 def test_callback_rejects_bad_arguments(kwargs: dict[str, Any], argument: str) -> None:
@@ -360,9 +364,22 @@ def test_callback_rejects_bad_arguments(kwargs: dict[str, Any], argument: str) -
         Int8Export(**kwargs)
 
 
+def test_a_non_bool_symmetric_is_refused_with_its_value() -> None:
+    """``symmetric="yes"`` is not taken as true: the error names ``symmetric`` and the value received."""
+    with pytest.raises(ValueError, match=r"`symmetric` must be True or False, got 'yes'\."):
+        Int8Export(symmetric="yes")  # type: ignore[arg-type]
+
+
+def test_report_before_an_export_says_nothing_was_exported(tmp_path: Path) -> None:
+    """``report()`` is a method that returns a dict before any fit (``exported: False``), like every callback's."""
+    report = Int8Export(tmp_path).report()
+    assert report["exported"] is False
+    assert "end of fit" in report["reason"]
+
+
 def test_callback_exports_the_best_checkpoint(fitted: dict[str, Any], datamodule: DemoDataModule) -> None:
     """At the end of fit the best checkpoint's weights (not the last) are exported and verified with val_acc."""
-    report, best = fitted["export"].report, fitted["checkpoint"].best_model_path
+    report, best = fitted["export"].report(), fitted["checkpoint"].best_model_path
     assert "epoch=0" in best
     assert report["weights"] == f"best checkpoint {best}"
     best_model = StampedClassifier(width=8)
@@ -382,7 +399,8 @@ def test_callback_exports_the_best_checkpoint(fitted: dict[str, Any], datamodule
 
 def test_callback_writes_the_report_and_logs_metrics(fitted: dict[str, Any]) -> None:
     """The report JSON sits beside the model and the numbers are logged under ``speedkit/int8/``."""
-    report = fitted["export"].report
+    report = fitted["export"].report()
+    assert report.pop("exported") is True
     assert json.loads(Path(report["report_path"]).read_text()) == report
     assert Path(report["report_path"]).parent == fitted["root"] / "int8"
     with open(Path(fitted["trainer"].logger.log_dir) / "metrics.csv") as handle:
@@ -399,7 +417,7 @@ def test_resume_exports_the_same_model_as_the_uninterrupted_run(
     fitted: dict[str, Any], datamodule: DemoDataModule
 ) -> None:
     """Resumed from the epoch-0 checkpoint, the fit exports the same INT8 model beside the first, never over it."""
-    root, first = fitted["root"], fitted["export"].report
+    root, first = fitted["root"], fitted["export"].report()
     before = listing(root / "int8")
     L.seed_everything(1, verbose=False)  # the resumed epoch trains differently; the best checkpoint stays epoch 0
     export = Int8Export(root / "int8", calibration_batches=2, symmetric=True, latency_repeats=2)
@@ -412,8 +430,8 @@ def test_resume_exports_the_same_model_as_the_uninterrupted_run(
         callbacks=[export, ModelCheckpoint(dirpath=root / "ckpt", monitor="stamp", mode="min", save_top_k=1)],
     )
     trainer.fit(StampedClassifier(width=8, lr=3e-3), datamodule, ckpt_path=fitted["checkpoint"].best_model_path)
-    second = export.report
-    assert second is not None
+    second = export.report()
+    assert second["exported"] is True
     assert Path(second["int8_path"]).name == "model-v1.onnx"
     assert {k: v for k, v in listing(root / "int8").items() if k in before} == before
     assert second["weights"] == first["weights"]
@@ -423,7 +441,7 @@ def test_resume_exports_the_same_model_as_the_uninterrupted_run(
     assert all(np.array_equal(a[k], b[k]) for k in a)
     restored = Int8Export(root / "int8")
     restored.load_state_dict(pickle.loads(pickle.dumps(export.state_dict())))
-    assert restored.report == second
+    assert restored.report() == second
 
 
 def test_pruned_model_is_exported_after_fine_tuning(tmp_path: Path, datamodule: DemoDataModule) -> None:
@@ -442,8 +460,8 @@ def test_pruned_model_is_exported_after_fine_tuning(tmp_path: Path, datamodule: 
     )
     with pytest.warns(UserWarning, match="does not fit the module any more .* size mismatch for model"):
         trainer.fit(model, datamodule)
-    report = export.report
-    assert report is not None
+    report = export.report()
+    assert report["exported"] is True
     assert report["weights"] == "final weights"
     unpruned = DemoResNet(width=8).state_dict()
     exported = initializers(report["fp32_path"])
@@ -470,8 +488,8 @@ def test_callback_reports_a_metric_drop_once_or_fails(tmp_path: Path, on_metric_
     drops = [str(w.message) for w in caught if "max_metric_drop" in str(w.message)]
     assert len(drops) == 1
     assert drops[0].startswith("Int8Export: INT8 top1_accuracy is ")
-    assert export.report is not None
-    assert export.report["passed"] is False
+    assert export.report()["exported"] is True
+    assert export.report()["passed"] is False
     assert (tmp_path / "int8" / "model.onnx").is_file()
 
 
@@ -494,7 +512,7 @@ def test_wandb_logger_gets_the_metrics(
     export = Int8Export(tmp_path / "int8", latency_repeats=1)
     tiny_trainer(tmp_path, logger=logger, callbacks=[export]).fit(tiny_model)
     summary = dict(logger.experiment.summary)
-    assert summary["speedkit/int8/size_ratio"] == pytest.approx(export.report["size_ratio"])  # type: ignore[index]
+    assert summary["speedkit/int8/size_ratio"] == pytest.approx(export.report()["size_ratio"])
     assert "speedkit/int8/metric_fp32" in summary
 
 
@@ -516,7 +534,7 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
         "model.onnx",
     ]
     reports = rank_records(tmp_path, prefix="report_rank")
-    assert reports[0] == reports[1] == json.loads((tmp_path / "int8" / "model.json").read_text())
+    assert reports[0] == reports[1] == json.loads((tmp_path / "int8" / "model.json").read_text()) | {"exported": True}
     assert reports[0]["verification"]["samples"] == 64  # the whole validation set, not rank 0's shard
 
 

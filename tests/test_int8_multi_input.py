@@ -232,8 +232,8 @@ def test_callback_exports_a_model_fed_dict_batches(tmp_path: Path) -> None:
         inputs_from_batch=lambda batch: {k: batch[k] for k in ("input_ids", "attention_mask")},
     )
     tiny_trainer(tmp_path, max_epochs=1, callbacks=[export], num_sanity_val_steps=0).fit(TextClassifier())
-    report = export.report
-    assert report is not None
+    report = export.report()
+    assert report["exported"] is True
     assert report["input_names"] == ["input_ids", "attention_mask"]
     assert report["verification"]["samples"] == 16
     assert report["verification"]["metric"] == "top1_accuracy"

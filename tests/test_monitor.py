@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 import lightning_speedkit.monitor as monitor_module
-from lightning_speedkit.hardware import DeviceSample, ProcessSampler, cpu_info
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor import (
     DENSE_PEAK_FLOPS,
     LABELS,
@@ -31,6 +31,7 @@ from lightning_speedkit.monitor import (
     peak_flops,
     precision_key,
 )
+from lightning_speedkit.sampling import DeviceSample, ProcessSampler
 
 SAMPLER_THREAD = "speedkit-device-sampler"
 

@@ -43,7 +43,7 @@ def _fit(root: Path, ckpt_path: str | None = None) -> dict[str, Any]:
         lrs=recorder.lrs,
         global_step=trainer.global_step,
         monitor=find(trainer, UtilizationMonitor).report(),
-        int8=find(trainer, Int8Export).report,
+        int8=find(trainer, Int8Export).report(),
         params={n: p.detach().clone() for n, p in model.named_parameters()},
     )
     return result

@@ -15,10 +15,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_speedkit.checks import check_bool
 from lightning_speedkit.int8.export import check_export_args, drop_message, export_int8, export_paths
 from lightning_speedkit.int8.inputs import InputsFromBatch
 from lightning_speedkit.int8.report import int8_metrics, summary_line
 from lightning_speedkit.int8.steps import import_export_deps
+from lightning_speedkit.report import log_rank_zero
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,7 +52,7 @@ class Int8Export(Callback):
     ``model.json`` (the report), named after ``filename``. They are written into a temporary directory and moved
     into place when complete. An existing export is never replaced unless ``overwrite=True``: the new one gets
     the next free name ``model-v1.onnx``, ``model-v2.onnx``, ... Only global rank zero exports; the other ranks
-    wait for it (a broadcast of the report, which every rank then holds in `report`), and a failure on rank zero
+    wait for it (a broadcast of the report, which every rank then returns from `report`), and a failure on rank zero
     is raised on every rank. The report is uploaded as a W&B artifact when a ``WandbLogger`` is attached.
 
     Args:
@@ -114,6 +116,9 @@ class Int8Export(Callback):
     ) -> None:
         if calibration_batches is None:
             raise ValueError("`calibration_batches` must be a positive int, got None.")
+        for name, flag in (("symmetric", symmetric), ("verify", verify), ("overwrite", overwrite)):
+            check_bool(name, flag)
+        check_bool("use_best_checkpoint", use_best_checkpoint)
         check_export_args(
             symmetric=symmetric,
             activation_type=activation_type,
@@ -128,7 +133,7 @@ class Int8Export(Callback):
             max_fp32_layers=max_fp32_layers,
         )
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise TypeError(f"`dirpath` must be a directory path or None, got {dirpath!r}.")
+            raise ValueError(f"`dirpath` must be a directory path or None, got {dirpath!r}.")
         if not isinstance(filename, str) or not filename.endswith(".onnx") or Path(filename).name != filename:
             raise ValueError(f"`filename` must be a file name ending in '.onnx', got {filename!r}.")
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -156,10 +161,16 @@ class Int8Export(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
 
-    @property
-    def report(self) -> dict[str, Any] | None:
-        """The report of the last export (on every rank), or None before one."""
-        return self._report
+    def report(self) -> dict[str, Any]:
+        """The last export's report (on every rank) with ``exported: True``, or ``exported: False`` before one.
+
+        After an export: `lightning_speedkit.int8.export_int8`'s report (what ``model.json`` holds: paths, sizes,
+        latency, verification, ``passed``, ``weights``, ...) plus ``exported``. Before one: ``exported`` and
+        ``reason``.
+        """
+        if self._report is None:
+            return {"exported": False, "reason": "Int8Export exports at the end of fit; no fit has ended yet"}
+        return {"exported": True, **self._report}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -200,9 +211,7 @@ class Int8Export(Callback):
         self._report = report
         if report is None or not trainer.is_global_zero:
             return
-        metrics = int8_metrics(report)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_rank_zero(trainer, int8_metrics(report))
         self._upload(trainer, report)
         rank_zero_info(f"Int8Export: {summary_line(report)}.")
 

@@ -1,7 +1,16 @@
 """Why is training slow: data wait vs compute per step, device readings, a diagnosis with advice, and MFU."""
 
 from lightning_speedkit.monitor.callback import UtilizationMonitor
-from lightning_speedkit.monitor.diagnosis import LABELS, LoaderSettings, WindowDiagnosis, diagnose, format_summary
+from lightning_speedkit.monitor.diagnosis import (
+    LABELS,
+    LoaderSettings,
+    RankWindow,
+    WindowDiagnosis,
+    WindowJudgement,
+    diagnose,
+    format_summary,
+    judge_window,
+)
 from lightning_speedkit.monitor.flops import (
     DENSE_PEAK_FLOPS,
     measure_flops,
@@ -17,10 +26,13 @@ __all__ = [
     "DENSE_PEAK_FLOPS",
     "LABELS",
     "LoaderSettings",
+    "RankWindow",
     "UtilizationMonitor",
     "WindowDiagnosis",
+    "WindowJudgement",
     "diagnose",
     "format_summary",
+    "judge_window",
     "measure_flops",
     "mfu",
     "peak_flops",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +14,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.batch import first_tensor
-from lightning_speedkit.hardware import DeviceSample, DeviceSampler, SamplerThread, cpu_info, open_sampler
-from lightning_speedkit.monitor.diagnosis import LABELS, LoaderSettings, diagnose, format_summary
-from lightning_speedkit.monitor.flops import measure_flops, mfu, training_peak_flops
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
+from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
+from lightning_speedkit.monitor.readings import DeviceReadings
+from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.sampling import DeviceSampler, open_sampler
 from lightning_speedkit.timing import StepTimer, WindowStats, median_fractions
 
 if TYPE_CHECKING:
@@ -31,15 +34,16 @@ class UtilizationMonitor(Callback):
     Every ``window`` training batches it takes the last ``window`` completed steps, the device readings since the
     previous window and the CUDA allocator's retry count, labels them with `diagnose` (one of `LABELS`, with
     advice built from the training dataloader's settings read at train start), logs the figures and warns once
-    each time the label changes (rank zero). The diagnosis uses the median step's data-wait share
-    (`lightning_speedkit.timing.median_fractions`), so one slow step (warm-up, a checkpoint write, the process
-    being descheduled) cannot flip it; the logged fractions are shares of the window's summed time. At the end of
-    fit it prints a summary table (`format_summary`) and `report` returns the figures as a dict.
+    each time the label changes (rank zero); the window's maths is the pure `judge_window`. The diagnosis uses the
+    median step's data-wait share (`lightning_speedkit.timing.median_fractions`), so one slow step (warm-up, a
+    checkpoint write, the process being descheduled) cannot flip it; the logged fractions are shares of the
+    window's summed time. At the end of fit it prints a summary table (`format_summary`) and `report` returns the
+    figures as a dict.
 
     Timing goes through `lightning_speedkit.timing.StepTimer`: wall clock on CPU; on CUDA, events read only once
     the GPU has passed them, so no step waits for the GPU. Host time in ``strategy.batch_to_device`` is timed as the
     host-to-device copy (the method is wrapped on the strategy instance during fit and restored at teardown).
-    Device readings come from a `lightning_speedkit.hardware.DeviceSampler` (NVML on CUDA, else this process's CPU
+    Device readings come from a `lightning_speedkit.sampling.DeviceSampler` (NVML on CUDA, else this process's CPU
     share and RSS) in a daemon thread that stops at the end of fit, on an exception and at teardown; if it fails
     mid-run it warns once, falls back to the process reading and training goes on. On CPU the utilisation is
     logged but not used for the diagnosis (other processes share the cores).
@@ -56,7 +60,7 @@ class UtilizationMonitor(Callback):
         peak_flops: Peak FLOP/s of one device, overriding the table (needed for MFU on CPU or unlisted GPUs).
         flops_per_batch: FLOPs of one training step on one device (forward and backward), None to measure.
         sample_interval: Seconds between device readings.
-        sampler: Opens the `DeviceSampler` for a device (default `lightning_speedkit.hardware.open_sampler`).
+        sampler: Opens the `DeviceSampler` for a device (default `lightning_speedkit.sampling.open_sampler`).
         summary: Print the summary table at the end of fit.
 
     Raises:
@@ -106,8 +110,12 @@ class UtilizationMonitor(Callback):
         self.sampler = sampler
         self.summary = summary
         self._state_key: tuple[tuple[float, ...], str] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """The run's state as before any fit: the one list of it (here, before the hooks, so mypy reads its types)."""
         self._timer: StepTimer | None = None
-        self._thread: SamplerThread | None = None
+        self._readings = DeviceReadings(self.sample_interval)
         self._wrapped: tuple[Any, Any] | None = None
         self._loader: LoaderSettings | None = None
         self._base = WindowStats(0, 0, 0.0, 0.0, 0.0)
@@ -121,7 +129,6 @@ class UtilizationMonitor(Callback):
         self._peak: float | None = None
         self._cuda = False
         self._device_name = "cpu"
-        self._sampling_error: str | None = None
         self._warned_mfu = False
 
     @property
@@ -161,7 +168,7 @@ class UtilizationMonitor(Callback):
         self._timer.restore(self._base)
         self._cuda = device.type == "cuda"
         self._device_name = torch.cuda.get_device_name(device) if self._cuda else "cpu"
-        loader = _first_loader(trainer.train_dataloader)
+        loader = first_loader(trainer.train_dataloader)
         if loader is not None:
             cores = cpu_info().available_cores
             self._loader = LoaderSettings.from_loader(loader, cores, trainer.num_devices, device.type)
@@ -169,7 +176,7 @@ class UtilizationMonitor(Callback):
         if self._peak is None and self._cuda:  # TF32's peak for a conv net in 32-true: cuDNN runs its convs in TF32
             self._peak = training_peak_flops(self._device_name, str(trainer.precision), pl_module)[0]
         self._retries = self._alloc_retries(device)
-        self._start_sampling(self.sampler or open_sampler, device)
+        self._readings.start(self.sampler or open_sampler, device)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -214,7 +221,7 @@ class UtilizationMonitor(Callback):
         if self._batches % self.window or self._label is None:
             self._close_window(trainer)
         else:
-            self._readings()  # notice a sampler that failed after the last window
+            self._readings.take()  # notice a sampler that failed after the last window
         self._stop()
         if self.summary and self._label is not None:
             rank_zero_info(format_summary(self.report()))
@@ -280,11 +287,7 @@ class UtilizationMonitor(Callback):
             "windows": self._windows,
             "label_counts": dict(self._label_counts),
             "total": {
-                "steps": totals.steps,
-                "samples": totals.samples,
-                "data_wait_s": totals.data_wait_s,
-                "h2d_s": totals.h2d_s,
-                "compute_s": totals.compute_s,
+                **asdict(totals),  # steps, samples, data_wait_s, h2d_s, compute_s
                 "data_wait_fraction": totals.data_wait_fraction,
                 "h2d_fraction": totals.h2d_fraction,
                 "samples_per_second": totals.samples_per_second,
@@ -295,123 +298,50 @@ class UtilizationMonitor(Callback):
             "peak_flops": self._peak,
             "device": self._device_name,
             "loader": asdict(self._loader) if self._loader is not None else None,
-            "sampling_error": self._sampling_error,
+            "sampling_error": self._readings.error,
         }
-
-    def _reset(self) -> None:
-        self._timer = None
-        self._thread = None
-        self._wrapped = None
-        self._loader = None
-        self._base = WindowStats(0, 0, 0.0, 0.0, 0.0)
-        self._batches = self._windows = self._retries = 0
-        self._label = None
-        self._advice = ""
-        self._label_counts = {}
-        self._last = {}
-        self._flops = None
-        self._flops_input = None
-        self._peak = None
-        self._cuda = False
-        self._device_name = "cpu"
-        self._sampling_error = None
-        self._warned_mfu = False
 
     def _totals(self) -> WindowStats:
         return self._timer.total_stats() if self._timer is not None else self._base
-
-    def _start_sampling(self, factory: Callable[[torch.device], DeviceSampler], device: torch.device) -> None:
-        try:
-            self._thread = SamplerThread(sampler := factory(device), self.sample_interval)
-            self._sampling_error = self._sampling_error or getattr(sampler, "fallback_reason", None)
-            self._thread.start()
-        except Exception as err:  # no readings is no reason to stop training
-            self._sampling_error = f"{type(err).__name__}: {err}"
-            rank_zero_warn(f"UtilizationMonitor: device sampling unavailable ({self._sampling_error}).")
-            self._thread = None
-
-    def _readings(self) -> dict[str, float]:
-        thread = self._thread
-        if thread is None:
-            return {}
-        samples = thread.drain()
-        if thread.error is not None and thread.error != self._sampling_error:  # once per failure
-            self._sampling_error = thread.error
-            rank_zero_warn(
-                f"UtilizationMonitor: device sampling failed ({thread.error}); training goes on with the process's"
-                " CPU and memory readings instead."
-            )
-            thread.stop()
-            self._start_sampling(open_sampler, torch.device("cpu"))
-        return _aggregate(samples)
 
     def _close_window(self, trainer: pl.Trainer) -> None:
         assert self._timer is not None  # only called while timing
         stats = self._timer.window_stats()
         if stats.steps == 0:
             return
-        readings = self._readings()
-        device_util = readings.get("gpu_utilization") if self._cuda else None
+        readings = self._readings.take()
         retries_now = self._alloc_retries(trainer.strategy.root_device)
         retries, self._retries = retries_now - self._retries, retries_now
-        step_time = stats.total_s / stats.steps
-        (wait, h2d), util, slowest = median_fractions(self._timer.recent_steps()), device_util, None
-        metrics: dict[str, float] = {}
-        if trainer.world_size > 1:  # every rank gets here at the same batch: gather and judge by the worst rank
-            mine = [wait, h2d, -1.0 if util is None else util, step_time, float(retries)]
-            mine_t = torch.tensor(mine, dtype=torch.float64, device=trainer.strategy.root_device)
-            rows = trainer.strategy.all_gather(mine_t).cpu().reshape(-1, len(mine))
-            utils = rows[:, 2][rows[:, 2] >= 0]
-            wait, h2d, retries = float(rows[:, 0].max()), float(rows[:, 1].max()), int(rows[:, 4].max())
-            util = float(utils.min()) if len(utils) else None
-            slowest = int(rows[:, 3].argmax())
-            metrics.update(
-                slowest_rank=float(slowest), step_time_max_s=float(rows[:, 3].max()), median_data_wait_fraction_max=wait
-            )
-            if len(utils):
-                metrics.update(utilization_min=float(utils.min()), utilization_max=float(utils.max()))
-        diagnosis = diagnose(wait, h2d, util, retries, self._loader, self.warn_util_below, self.warn_data_wait_above)
+        wait, h2d = median_fractions(self._timer.recent_steps())
+        util = readings.get("gpu_utilization") if self._cuda else None
+        mine = RankWindow(wait, h2d, util, stats.total_s / stats.steps, retries)
+        flops = self.flops_per_batch or self._flops
+        judged = judge_window(
+            stats,
+            _gather(trainer, mine),
+            readings,
+            loader=self._loader,
+            flops_per_batch=flops,
+            peak_flops=self._peak,
+            cuda=self._cuda,
+            warn_util_below=self.warn_util_below,
+            warn_data_wait_above=self.warn_data_wait_above,
+        )
+        diagnosis = judged.diagnosis
         self._windows += 1
         self._label_counts[diagnosis.label] = self._label_counts.get(diagnosis.label, 0) + 1
         if diagnosis.label != self._label:
             notify = rank_zero_info if diagnosis.label == "compute_bound" else rank_zero_warn
             notify(f"UtilizationMonitor: {diagnosis.advice}")
         self._label, self._advice = diagnosis.label, diagnosis.advice
-        flops = self.flops_per_batch or self._flops
-        value = mfu(flops, step_time, self._peak) if flops and self._peak else None
-        if value is not None and value > 1 and not self._warned_mfu:
+        if judged.mfu is not None and judged.mfu > 1 and not self._warned_mfu:
             self._warned_mfu = True
             rank_zero_warn(
-                f"UtilizationMonitor: MFU {value:.2f} > 1 is impossible: the peak ({self._peak:.3g} FLOP/s for"
+                f"UtilizationMonitor: MFU {judged.mfu:.2f} > 1 is impossible: the peak ({self._peak:.3g} FLOP/s for"
                 f" {self._device_name!r}) or flops_per_batch ({flops:.3g}) is wrong; pass the right `peak_flops`."
             )
-        metrics.update(
-            data_wait_fraction=stats.data_wait_fraction,
-            h2d_fraction=stats.h2d_fraction,
-            step_time_s=step_time,
-            samples_per_second=stats.samples_per_second,
-            diagnosis=float(LABELS.index(diagnosis.label)),
-            **readings,
-        )
-        if self._cuda:
-            metrics["alloc_retries"] = float(retries)
-        if value is not None:
-            metrics["mfu"] = value
-        self._last = {
-            "median_data_wait_fraction": wait,
-            "data_wait_fraction": stats.data_wait_fraction,
-            "h2d_fraction": stats.h2d_fraction,
-            "samples_per_second": stats.samples_per_second,
-            "step_time_s": step_time,
-            "steps": trainer.global_step,
-            "utilization": readings.get("gpu_utilization", readings.get("cpu_utilization")),
-            "mfu": value,
-            "slowest_rank": slowest,
-        }
-        if trainer.is_global_zero:
-            keyed = {f"speedkit/monitor/{name}": v for name, v in metrics.items()}
-            for logger in trainer.loggers:
-                logger.log_metrics(keyed, step=trainer.global_step)
+        self._last = {**judged.figures, "steps": trainer.global_step}
+        log_rank_zero(trainer, {f"speedkit/monitor/{name}": value for name, value in judged.metrics.items()})
 
     def _measure_flops(self, pl_module: pl.LightningModule, first: torch.Tensor) -> None:
         self._flops_input = None
@@ -428,9 +358,7 @@ class UtilizationMonitor(Callback):
         return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
     def _stop(self) -> None:
-        if self._thread is not None:
-            self._thread.stop()
-            self._thread = None
+        self._readings.stop()
         if self._wrapped is not None:
             strategy, wrapper = self._wrapped
             if strategy.__dict__.get("batch_to_device") is wrapper:
@@ -438,42 +366,11 @@ class UtilizationMonitor(Callback):
             self._wrapped = None
 
 
-def _aggregate(samples: Sequence[DeviceSample]) -> dict[str, float]:
-    """Mean utilisation, power and clock, peak memory and temperature of readings, under logged metric names."""
-    gpu = [s for s in samples if s.device != "cpu"]
-    cpu = [s for s in samples if s.device == "cpu"]
-    out: dict[str, float] = {}
-
-    def mean(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return sum(known) / len(known) if known else None
-
-    def peak(values: list[float | int | None]) -> float | None:
-        known = [float(v) for v in values if v is not None]
-        return max(known) if known else None
-
-    figures = {
-        "gpu_utilization": mean([s.utilization for s in gpu]),
-        "gpu_memory_used_gb": peak([s.memory_used_bytes for s in gpu]),
-        "gpu_power_w": mean([s.power_w for s in gpu]),
-        "gpu_temperature_c": peak([s.temperature_c for s in gpu]),
-        "gpu_sm_clock_mhz": mean([s.sm_clock_mhz for s in gpu]),
-        "cpu_utilization": mean([s.utilization for s in cpu]),
-        "rss_gb": peak([s.memory_used_bytes for s in cpu]),
-    }
-    for name, value in figures.items():
-        if value is not None:
-            out[name] = value / 2**30 if name.endswith("_gb") else value
-    return out
-
-
-def _first_loader(loaders: Any) -> Any:
-    """The first ``DataLoader`` in what ``trainer.train_dataloader`` holds (a loader, or a list/dict of them)."""
-    if loaders is None or hasattr(loaders, "num_workers"):
-        return loaders
-    items = loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else ()
-    for item in items:
-        found = _first_loader(item)
-        if found is not None:
-            return found
-    return None
+def _gather(trainer: pl.Trainer, mine: RankWindow) -> list[RankWindow]:
+    """Every rank's figures for the window, in rank order (every rank gets here at the same batch)."""
+    if trainer.world_size == 1:
+        return [mine]
+    row = [*mine[:2], -1.0 if mine.utilization is None else mine.utilization, mine.step_time_s, mine.alloc_retries]
+    local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
+    rows = trainer.strategy.all_gather(local).cpu().reshape(-1, len(row)).tolist()
+    return [RankWindow(w, h, None if u < 0 else u, t, int(r)) for w, h, u, t, r in rows]

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["LABELS", "LoaderSettings", "WindowDiagnosis", "diagnose", "format_summary"]
+from lightning_speedkit.monitor.flops import mfu
+from lightning_speedkit.timing import WindowStats
+
+__all__ = [
+    "LABELS",
+    "LoaderSettings",
+    "RankWindow",
+    "WindowDiagnosis",
+    "WindowJudgement",
+    "diagnose",
+    "first_loader",
+    "format_summary",
+    "judge_window",
+]
 
 LABELS = ("compute_bound", "data_bound", "h2d_bound", "memory_thrash", "underutilized")
 """The diagnoses; ``speedkit/monitor/diagnosis`` logs the index of one in this tuple."""
@@ -132,6 +145,133 @@ def diagnose(
     return WindowDiagnosis(
         "compute_bound", f"compute_bound: {100 - wait}% of each step computes; speed the model up: {speedups}."
     )
+
+
+class RankWindow(NamedTuple):
+    """One rank's figures for a window, the ones `judge_window` compares across ranks."""
+
+    data_wait_fraction: float
+    """The median step's data-wait share (`lightning_speedkit.timing.median_fractions`)."""
+    h2d_fraction: float
+    """The median step's host-to-device-copy share."""
+    utilization: float | None
+    """The device's busy share, None when unknown or not used (on CPU)."""
+    step_time_s: float
+    """Mean seconds per step."""
+    alloc_retries: int
+    """CUDA allocator retries during the window."""
+
+
+@dataclass(frozen=True)
+class WindowJudgement:
+    """What `judge_window` concludes about a window.
+
+    Args:
+        diagnosis: The label and advice.
+        metrics: What to log, by name under ``speedkit/monitor/``.
+        figures: The latest-window figures of `UtilizationMonitor.report
+            <lightning_speedkit.monitor.UtilizationMonitor.report>` (``steps`` aside).
+        mfu: This rank's model FLOPs utilisation, None without FLOPs or a peak.
+    """
+
+    diagnosis: WindowDiagnosis
+    metrics: dict[str, float]
+    figures: dict[str, Any]
+    mfu: float | None
+
+
+def judge_window(
+    stats: WindowStats,
+    ranks: Sequence[RankWindow],
+    readings: Mapping[str, float] | None = None,
+    *,
+    loader: LoaderSettings | None = None,
+    flops_per_batch: float | None = None,
+    peak_flops: float | None = None,
+    cuda: bool = False,
+    warn_util_below: float = 0.7,
+    warn_data_wait_above: float = 0.2,
+) -> WindowJudgement:
+    """Diagnose a window of steps from this rank's totals and every rank's figures: the worst rank decides.
+
+    The diagnosis (`diagnose`) takes the highest median data-wait and copy shares, the most allocator retries and
+    the lowest known utilisation over ``ranks`` (one entry without DDP). The logged fractions and rate are this
+    rank's shares of the window's summed time (``stats``); its step time is ``stats.total_s / stats.steps`` and its
+    MFU uses that. With several ranks the metrics add ``slowest_rank``, ``step_time_max_s``,
+    ``median_data_wait_fraction_max`` and, when known, ``utilization_min`` and ``utilization_max``; on CUDA
+    ``alloc_retries``. ``readings`` (`lightning_speedkit.monitor.readings.aggregate_readings`) are logged as they are.
+
+    Example:
+        >>> stats = WindowStats(steps=4, samples=128, data_wait_s=0.2, h2d_s=0.0, compute_s=1.8)
+        >>> judged = judge_window(stats, [RankWindow(0.1, 0.0, None, 0.5, 0)], flops_per_batch=1e9, peak_flops=1e10)
+        >>> judged.diagnosis.label, judged.mfu, judged.metrics["samples_per_second"]
+        ('compute_bound', 0.2, 64.0)
+        >>> two = [RankWindow(0.1, 0.0, None, 0.5, 0), RankWindow(0.6, 0.0, None, 0.9, 0)]
+        >>> judged = judge_window(stats, two)
+        >>> judged.diagnosis.label, judged.metrics["slowest_rank"], judged.figures["median_data_wait_fraction"]
+        ('data_bound', 1.0, 0.6)
+    """
+    if not ranks:
+        raise ValueError("`ranks` must hold at least one rank's figures, got none.")
+    readings = dict(readings or {})
+    wait, h2d = max(r.data_wait_fraction for r in ranks), max(r.h2d_fraction for r in ranks)
+    retries = max(r.alloc_retries for r in ranks)
+    utils = [r.utilization for r in ranks if r.utilization is not None]
+    util = min(utils) if utils else None
+    metrics: dict[str, float] = {}
+    slowest = None
+    if len(ranks) > 1:
+        slowest = max(range(len(ranks)), key=lambda i: ranks[i].step_time_s)
+        metrics.update(
+            slowest_rank=float(slowest), step_time_max_s=ranks[slowest].step_time_s, median_data_wait_fraction_max=wait
+        )
+        if utils:
+            metrics.update(utilization_min=min(utils), utilization_max=max(utils))
+    diagnosis = diagnose(wait, h2d, util, retries, loader, warn_util_below, warn_data_wait_above)
+    step_time = stats.total_s / stats.steps if stats.steps else 0.0
+    value = mfu(flops_per_batch, step_time, peak_flops) if flops_per_batch and peak_flops else None
+    metrics.update(
+        data_wait_fraction=stats.data_wait_fraction,
+        h2d_fraction=stats.h2d_fraction,
+        step_time_s=step_time,
+        samples_per_second=stats.samples_per_second,
+        diagnosis=float(LABELS.index(diagnosis.label)),
+        **readings,
+    )
+    if cuda:
+        metrics["alloc_retries"] = float(retries)
+    if value is not None:
+        metrics["mfu"] = value
+    figures = {
+        "median_data_wait_fraction": wait,
+        "data_wait_fraction": stats.data_wait_fraction,
+        "h2d_fraction": stats.h2d_fraction,
+        "samples_per_second": stats.samples_per_second,
+        "step_time_s": step_time,
+        "utilization": readings.get("gpu_utilization", readings.get("cpu_utilization")),
+        "mfu": value,
+        "slowest_rank": slowest,
+    }
+    return WindowJudgement(diagnosis, metrics, figures, value)
+
+
+def first_loader(loaders: Any) -> Any:
+    """The first ``DataLoader`` in what ``trainer.train_dataloader`` holds (a loader, or a list/dict of them).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(4))
+        >>> first_loader({"a": [None, loader]}) is loader, first_loader(None)
+        (True, None)
+    """
+    if loaders is None or hasattr(loaders, "num_workers"):
+        return loaders
+    items = loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else ()
+    for item in items:
+        found = first_loader(item)
+        if found is not None:
+            return found
+    return None
 
 
 def format_summary(report: Mapping[str, Any]) -> str:

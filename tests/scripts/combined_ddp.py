@@ -176,7 +176,7 @@ def main(out: Path) -> None:
     record["lrs"] = sorted(find(trainer, LrRecorder).lrs.items())
     record["speedkit_keys"] = sorted(k for k in keys.keys if k.startswith("speedkit/"))
     record["messages"] = handler.lines
-    record["int8_report"] = find(trainer, Int8Export).report
+    record["int8_report"] = find(trainer, Int8Export).report()
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
     # Tear the gloo group down before exit: its threads outliving the interpreter abort the process
     # ("terminate called without an active exception"), now and then.

@@ -1,19 +1,10 @@
-"""Compile: ``torch.compile`` as a measured lever, kept only when the steps left repay the compile with a margin.
-
-Compiling costs seconds once (2-45 s on a 2-core CPU; the first compile in a process pays for starting the compiler)
-and then saves a share of every step; a short job loses, a long one wins. So the callback times real training steps
-eager and compiled through `lightning_speedkit.trials` (state restored afterwards, one verdict on every rank), times
-the compile itself, and keeps the compiled module only when `compile_pays_back`. The LightningModule is compiled in
-place (`torch.nn.Module.compile`), inside any DDP wrapper: ``state_dict`` keys stay clean and checkpoints load into an
-eager model and back. ``benchmarks/compile.py`` sets the decision beside whole fits eager and compiled.
-"""
+"""`Compile`: ``torch.compile`` kept only when the compile is repaid, with margin, by the steps left in the run."""
 
 from __future__ import annotations
 
 import logging
 import math
 import statistics
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,163 +12,25 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import counters
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.decisions import check_margin, check_probe_steps, loss_is_sound, probe_pays_back
-
-_callback_handler: Any
-try:
-    from torch._dynamo.callback import callback_handler as _callback_handler
-except ImportError:  # older torch: no compile callbacks; compile seconds then come from the first compiled step
-    _callback_handler = None
+from lightning_speedkit.checks import check_int, check_margin, check_number, check_probe_steps
+from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks
+from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back, compile_worth_probing
+from lightning_speedkit.decisions import loss_is_sound, probe_pays_back
+from lightning_speedkit.report import log_rank_zero
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILE_MODES", "Compile", "compile_pays_back", "compile_worth_probing"]
+__all__ = ["COMPILE_MODES", "Compile"]
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The ``mode`` values ``torch.compile`` accepts."""
 
 _EAGER, _COMPILED = "eager", "compiled"
-_MAX_GAIN = 0.5
-"""The most compiling is taken to save of a step when deciding whether to probe (1.3-1.4x measured here)."""
 _LOSS_TOLERANCE = 0.1
 """How much higher (relative) the compiled trial's mean loss may be than eager's on the same batches."""
-
-
-def compile_pays_back(
-    eager_step_s: float, compiled_step_s: float, compile_s: float, steps_left: float, margin: float = 0.1
-) -> tuple[bool, str]:
-    """Whether compiling pays back: ``(eager_step_s - compiled_step_s) * steps_left > compile_s * (1 + margin)``.
-
-    Example:
-        >>> compile_pays_back(0.030, 0.020, compile_s=10.0, steps_left=5000, margin=0.1)
-        (True, 'compiled: 50.0 s saved over 5000 steps left > 11.0 s (compile 10.0 s + 10%)')
-        >>> compile_pays_back(0.030, 0.020, compile_s=10.0, steps_left=500, margin=0.1)[1]
-        'eager: 5.0 s saved over 500 steps left <= 11.0 s (compile 10.0 s + 10%)'
-        >>> compile_pays_back(0.030, 0.031, compile_s=1.0, steps_left=float("inf"))[1]
-        'eager: the compiled step is not faster (31.0 ms vs 30.0 ms eager)'
-    """
-    if compiled_step_s >= eager_step_s:
-        shown = f"{1e3 * compiled_step_s:.1f} ms vs {1e3 * eager_step_s:.1f} ms eager"
-        return False, f"eager: the compiled step is not faster ({shown})"
-    cost = compile_s * (1.0 + margin)
-    if math.isinf(steps_left):
-        return True, f"compiled: {100 * (1 - compiled_step_s / eager_step_s):.1f}% faster per step in an unbounded run"
-    saved = (eager_step_s - compiled_step_s) * steps_left
-    shown = f"{saved:.1f} s saved over {steps_left:.0f} steps left"
-    paid = f"{cost:.1f} s (compile {compile_s:.1f} s + {100 * margin:.0f}%)"
-    if saved > cost:
-        return True, f"compiled: {shown} > {paid}"
-    return False, f"eager: {shown} <= {paid}"
-
-
-def compile_worth_probing(
-    eager_step_s: float, steps_left: float, min_compile_s: float, max_gain: float = _MAX_GAIN, margin: float = 0.1
-) -> tuple[bool, str]:
-    """Before compiling anything: whether even steps ``max_gain`` shorter could repay a compile of ``min_compile_s``.
-
-    Example:
-        >>> compile_worth_probing(0.010, steps_left=200, min_compile_s=2.0)[1]
-        'skipped: steps 50% faster would save at most 1.0 s in 200 steps left, less than a 2.0 s compile + 10%'
-        >>> compile_worth_probing(0.010, steps_left=2000, min_compile_s=2.0)[0]
-        True
-    """
-    pays, _ = compile_pays_back(eager_step_s, eager_step_s * (1.0 - max_gain), min_compile_s, steps_left, margin)
-    best = "an unbounded run" if math.isinf(steps_left) else f"{max_gain * eager_step_s * steps_left:.1f} s"
-    if pays:
-        return True, f"worth probing: at best {best} saved"
-    return False, (
-        f"skipped: steps {100 * max_gain:.0f}% faster would save at most {best} in {steps_left:.0f} steps left,"
-        f" less than a {min_compile_s:.1f} s compile + {100 * margin:.0f}%"
-    )
-
-
-class _CompileWatch:
-    """Seconds and count of dynamo's compilations in this process while installed (its compile start/end callbacks)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, float]] = []  # (trigger, seconds): DYNAMO (a graph) or LAZY_BACKWARD
-        self._started: dict[int, float] = {}
-        self._installed = False
-
-    @staticmethod
-    def available() -> bool:
-        return _callback_handler is not None
-
-    def install(self) -> None:
-        if not self._installed and self.available():
-            _callback_handler.register_start_callback(self._start)
-            _callback_handler.register_end_callback(self._end)
-            self._installed = True
-
-    def remove(self) -> None:
-        if self._installed:
-            _callback_handler.remove_start_callback(self._start)
-            _callback_handler.remove_end_callback(self._end)
-            self._installed = False
-
-    def since(self, mark: int) -> tuple[int, float]:
-        """Graphs compiled and seconds spent compiling since ``len(events)`` was ``mark``."""
-        later = self.events[mark:]
-        return sum(trigger == "DYNAMO" for trigger, _ in later), sum(seconds for _, seconds in later)
-
-    def _start(self, args: Any) -> None:
-        self._started[id(args)] = time.perf_counter()
-
-    def _end(self, args: Any) -> None:
-        started = self._started.pop(id(args), None)
-        if started is not None:
-            self.events.append((str(args.callback_trigger.name), time.perf_counter() - started))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"events": list(self.events), "_started": {}, "_installed": False}
-
-
-def _graph_breaks() -> int:
-    return sum(counters["graph_break"].values())
-
-
-def _no_compiled_call() -> None:
-    return None
-
-
-class _CompiledCall:
-    """A module's compiled ``__call__`` that falls back to eager, for good, when compiling fails at a call.
-
-    A compile error is raised while tracing, before the compiled code runs, so the call is repeated eagerly. Under
-    DDP, Lightning runs ``training_step`` as the module's ``forward`` (its ``_ForwardRedirection`` patches ``forward``
-    on the instance for that call): that call runs eager, so the compiled graph is the module's own ``forward`` on
-    every strategy (``self.log`` inside a step would break the graph, and ``fullgraph=True`` would fail only under
-    DDP). A copy or pickle of the module is eager: the compiled function stays bound to the original module.
-    """
-
-    def __init__(
-        self, compiled: Callable[..., Any], eager: Callable[..., Any], on_failure: Callable[[Exception], None]
-    ) -> None:
-        self.compiled, self.eager, self.on_failure = compiled, eager, on_failure
-        self.module: object = getattr(eager, "__self__", None)
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        patched = getattr(self.module, "__dict__", {}).get("forward")
-        if getattr(patched, "__qualname__", "").startswith("_ForwardRedirection."):
-            return self.eager(*args, **kwargs)
-        self.calls += 1
-        try:
-            return self.compiled(*args, **kwargs)
-        except TorchDynamoException as err:
-            self.on_failure(err)
-            return self.eager(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
-        return _no_compiled_call, ()
 
 
 class _Compiled(trials.Setting):
@@ -194,14 +47,14 @@ class _Compiled(trials.Setting):
     @override
     def apply(self, trainer: pl.Trainer) -> None:
         call = self.callback._install(trainer.lightning_module)
-        self._marks = (len(self.callback._watch.events), _graph_breaks(), call.calls)
+        self._marks = (len(self.callback._watch.events), graph_breaks(), call.calls)
 
     @override
     def revert(self, trainer: pl.Trainer) -> None:
         call = self.callback._uninstall(trainer.lightning_module)
         graphs, seconds = self.callback._watch.since(self._marks[0])
         self.graphs, self.compile_s = self.graphs + graphs, self.compile_s + seconds
-        self.graph_breaks += _graph_breaks() - self._marks[1]
+        self.graph_breaks += graph_breaks() - self._marks[1]
         self.calls += (call.calls if call is not None else self._marks[2]) - self._marks[2]
 
 
@@ -287,10 +140,8 @@ class Compile(Callback):
             raise ValueError(f"`options` must be a dict or None, got {options!r}.")
         if options is not None and mode is not None:
             raise ValueError(f"`options` cannot be combined with `mode`; pass one of them, got mode={mode!r}.")
-        if isinstance(max_graph_breaks, bool) or not isinstance(max_graph_breaks, int) or max_graph_breaks < 0:
-            raise ValueError(f"`max_graph_breaks` must be an int >= 0, got {max_graph_breaks!r}.")
-        if isinstance(min_compile_s, bool) or not isinstance(min_compile_s, (int, float)) or min_compile_s < 0:
-            raise ValueError(f"`min_compile_s` must be a number >= 0, got {min_compile_s!r}.")
+        check_int("max_graph_breaks", max_graph_breaks, low=0)
+        check_number("min_compile_s", min_compile_s, 0)
         self.compile_kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
         self.compile_kwargs.update(mode=mode, options=options)
         self.measure = measure
@@ -300,15 +151,15 @@ class Compile(Callback):
         self.min_compile_s = float(min_compile_s)
         self._decision: dict[str, Any] = {}
         self._status = "not set up"
-        self._watch = _CompileWatch()
+        self._watch = CompileWatch()
         self._mark = 0
-        self._call: _CompiledCall | None = None
+        self._call: CompiledCall | None = None
         self._failure: Exception | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         users = pl_module._compiled_call_impl
-        if (users is not None and not isinstance(users, _CompiledCall)) or pl_module._compiler_ctx is not None:
+        if (users is not None and not isinstance(users, CompiledCall)) or pl_module._compiler_ctx is not None:
             self._status = "compiled by the user: left as it is"
             return
         self._watch.install()
@@ -316,7 +167,7 @@ class Compile(Callback):
             self._decision = self._decide(trainer)
             trials.log_decision(trainer, "compile", self._decision)
             if self._decision.get("compile_s") is not None:
-                _log_metric(trainer, "compile_s", self._decision["compile_s"])
+                log_rank_zero(trainer, {"speedkit/compile/compile_s": float(self._decision["compile_s"])})
         self._use(trainer, self._decision["decision"] == _COMPILED)
 
     @override
@@ -325,7 +176,7 @@ class Compile(Callback):
             return
         graphs, seconds = self._watch.since(self._mark)
         self._decision.update(recompiles=graphs, recompile_s=seconds)
-        _log_metric(trainer, "recompiles", graphs)
+        log_rank_zero(trainer, {"speedkit/compile/recompiles": float(graphs)})
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -362,7 +213,7 @@ class Compile(Callback):
         report: dict[str, Any] = {"decision": _EAGER, "reason": "", "probed": False, "probe_s": 0.0}
         report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
         if self.measure:
-            pays, why = probe_pays_back(self.probe_steps * 2 * trials.PROBE_ROUNDS, left, _MAX_GAIN)
+            pays, why = probe_pays_back(self.probe_steps * 2 * trials.PROBE_ROUNDS, left, MAX_GAIN)
             if not pays:
                 report["reason"] = why
                 return report
@@ -388,7 +239,7 @@ class Compile(Callback):
                     break
                 if setting is eager and len(results) == 1:
                     worth, why = compile_worth_probing(
-                        results[0].median_step_s or 0.0, left, self.min_compile_s, _MAX_GAIN, self.margin
+                        results[0].median_step_s or 0.0, left, self.min_compile_s, MAX_GAIN, self.margin
                     )
                     if not worth:
                         report["reason"] = why
@@ -416,7 +267,7 @@ class Compile(Callback):
         """Fill in the decision from the trials' results."""
         own = {name: [r for r in results if r.setting == name] for name in (_EAGER, _COMPILED)}
         step_s = {name: _median_step(rs) for name, rs in own.items() if rs}
-        compile_s = compiled.compile_s if _CompileWatch.available() else _first_step_excess(own)
+        compile_s = compiled.compile_s if CompileWatch.available() else _first_step_excess(own)
         report.update(step_s=step_s, compile_s=compile_s, graphs=compiled.graphs, graph_breaks=compiled.graph_breaks)
         if failed:
             error = self._failure
@@ -464,18 +315,18 @@ class Compile(Callback):
         shown = reason.removeprefix("eager: ").removeprefix("compiled: ")
         rank_zero_info(f"Compile: {'compiled' if compiled else 'eager'} ({shown}).")
 
-    def _install(self, module: pl.LightningModule) -> _CompiledCall:
+    def _install(self, module: pl.LightningModule) -> CompiledCall:
         """Compile ``module`` in place (once; later calls put the same compiled function back)."""
         if self._call is None or self._call.module is not module:
             module.compile(**self.compile_kwargs)
             compiled = module._compiled_call_impl
             if compiled is None:  # pragma: no cover - nn.Module.compile always sets it
                 raise RuntimeError("Compile: `nn.Module.compile` left no compiled call.")
-            self._call = _CompiledCall(compiled, module._call_impl, self._on_failure)
+            self._call = CompiledCall(compiled, module._call_impl, self._on_failure)
         module._compiled_call_impl = self._call
         return self._call
 
-    def _uninstall(self, module: pl.LightningModule) -> _CompiledCall | None:
+    def _uninstall(self, module: pl.LightningModule) -> CompiledCall | None:
         """Make ``module`` eager again; the compiled call it had (kept for the next `_install`)."""
         module._compiled_call_impl = None
         return self._call
@@ -490,12 +341,6 @@ class Compile(Callback):
             self._decision.update(decision=_EAGER, reason=f"eager: compiling failed at a call ({what})")
             self._status = f"eager: compiling failed at a call ({what})"
             rank_zero_warn(f"Compile: compiling the module failed ({what}); training goes on eager.")
-
-
-def _log_metric(trainer: pl.Trainer, name: str, value: float) -> None:
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics({f"speedkit/compile/{name}": float(value)}, step=trainer.global_step)
 
 
 def _median_step(results: list[trials.TrialResult]) -> float | None:

@@ -1,0 +1,195 @@
+"""Rebuild a DataLoader with other worker settings, keeping what it yields; the settings as a trial setting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_speedkit.trials import Setting
+
+__all__ = [
+    "SETTINGS",
+    "LoaderSettings",
+    "NotRebuildableError",
+    "Owner",
+    "complete_settings",
+    "default_candidates",
+    "loader_settings",
+    "rebuild_dataloader",
+    "settings_name",
+]
+
+SETTINGS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")
+"""The loader settings a candidate may set, in the order reports name them."""
+Owner = pl.LightningModule | pl.LightningDataModule
+"""What builds the loaders: a LightningDataModule or LightningModule."""
+_MISSING = object()
+
+
+class NotRebuildableError(ValueError):
+    """A DataLoader that cannot be rebuilt with other settings without changing what it yields."""
+
+
+def complete_settings(
+    num_workers: int,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    pin_memory: bool = False,
+) -> dict[str, Any]:
+    """All four loader settings; with workers, persistent ones and ``prefetch_factor=2`` unless given.
+
+    Example:
+        >>> complete_settings(2)
+        {'num_workers': 2, 'persistent_workers': True, 'prefetch_factor': 2, 'pin_memory': False}
+        >>> complete_settings(0, persistent_workers=True, prefetch_factor=4)
+        {'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}
+    """
+    workers = num_workers > 0
+    return {
+        "num_workers": num_workers,
+        "persistent_workers": workers and (persistent_workers is None or bool(persistent_workers)),
+        "prefetch_factor": (prefetch_factor or 2) if workers else None,
+        "pin_memory": bool(pin_memory),
+    }
+
+
+def loader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The four settings ``loader`` was built with.
+
+    Example:
+        >>> loader_settings(DataLoader(list(range(8)), num_workers=1))
+        {'num_workers': 1, 'persistent_workers': False, 'prefetch_factor': 2, 'pin_memory': False}
+    """
+    return complete_settings(loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory)
+
+
+def settings_name(settings: dict[str, Any]) -> str:
+    """The label of a setting in reports (``decision``, ``step_s``).
+
+    Example:
+        >>> settings_name(complete_settings(0))
+        'num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False'
+    """
+    return ", ".join(f"{name}={settings[name]}" for name in SETTINGS)
+
+
+def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[str, Any]]:
+    """Candidate settings: ``num_workers`` 0, 1, 2, 4, ... up to ``max_workers`` (always included).
+
+    Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``.
+
+    Example:
+        >>> [c["num_workers"] for c in default_candidates(6)]
+        [0, 1, 2, 4, 6]
+        >>> default_candidates(0)
+        [{'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}]
+    """
+    if max_workers < 0:
+        raise ValueError(f"`max_workers` must be >= 0, got {max_workers}.")
+    counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers] + [max_workers]
+    return [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
+
+
+def rebuild_dataloader(loader: DataLoader[Any], settings: dict[str, Any]) -> DataLoader[Any]:
+    """A new DataLoader like ``loader`` (dataset, sampler, batch size, collate_fn, ...) with other worker settings.
+
+    Raises:
+        NotRebuildableError: For a DataLoader subclass (its extra behaviour would be lost) or an IterableDataset
+            with workers (each worker would yield the whole dataset unless it shards itself).
+
+    Example:
+        >>> loader = DataLoader(list(range(10)), batch_size=4, shuffle=True, drop_last=True)
+        >>> new = rebuild_dataloader(loader, {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4})
+        >>> new.num_workers, new.batch_size, new.drop_last, new.sampler is loader.sampler
+        (2, 4, True, True)
+    """
+    if type(loader) is not DataLoader:
+        raise NotRebuildableError(f"{type(loader).__name__} is a DataLoader subclass; rebuilding it would lose it.")
+    workers = int(settings.get("num_workers", loader.num_workers))
+    if isinstance(loader.dataset, IterableDataset) and workers > 0:
+        raise NotRebuildableError(
+            f"{type(loader.dataset).__name__} is an IterableDataset: with workers each one would yield every sample"
+            " unless the dataset shards itself by worker."
+        )
+    kwargs: dict[str, Any] = {
+        "collate_fn": loader.collate_fn,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "pin_memory": bool(settings.get("pin_memory", loader.pin_memory)),
+        "pin_memory_device": loader.pin_memory_device,
+        "num_workers": workers,
+    }
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    if workers > 0:
+        kwargs["persistent_workers"] = bool(settings.get("persistent_workers", loader.persistent_workers))
+        kwargs["prefetch_factor"] = settings.get("prefetch_factor") or 2
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+    if loader.batch_size is not None and type(loader.batch_sampler) is BatchSampler:
+        return DataLoader(
+            loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **kwargs
+        )
+    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
+
+
+class LoaderSettings(Setting):
+    """Loader settings as a trial `~lightning_speedkit.trials.Setting`: the owner's hooks return rebuilt loaders.
+
+    `apply` patches the hooks of the LightningDataModule (or LightningModule) that builds the loaders, so each call
+    returns the user's loader rebuilt with `rebuild_dataloader`; `revert` removes the patches. Only hooks the owner
+    overrides are patched. A loader that cannot be rebuilt is returned as it is, and ``on_refused`` gets the reason.
+
+    Args:
+        owner: The LightningDataModule or LightningModule whose hooks build the loaders.
+        settings: The four settings (see `complete_settings`).
+        hooks: The hooks to patch; a trial needs only the train loader.
+        on_refused: Called with the reason when a hook's loader cannot be rebuilt.
+    """
+
+    def __init__(
+        self,
+        owner: Owner,
+        settings: dict[str, Any],
+        hooks: Sequence[str] = ("train_dataloader",),
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self.owner, self.settings, self.hooks, self.on_refused = owner, dict(settings), tuple(hooks), on_refused
+        self.name = settings_name(self.settings)
+        self._saved: dict[str, Any] = {}
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        for hook in self.hooks:
+            if hook in self._saved or not is_overridden(hook, self.owner):
+                continue
+            self._saved[hook] = vars(self.owner).get(hook, _MISSING)
+            setattr(self.owner, hook, self._rebuilding(hook, getattr(self.owner, hook)))
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        for hook, previous in self._saved.items():
+            if previous is _MISSING:
+                vars(self.owner).pop(hook, None)
+            else:
+                setattr(self.owner, hook, previous)
+        self._saved = {}
+
+    def _rebuilding(self, hook: str, original: Callable[[], Any]) -> Callable[[], Any]:
+        def rebuilt() -> Any:
+            loader = original()
+            try:
+                return rebuild_dataloader(loader, self.settings) if isinstance(loader, DataLoader) else loader
+            except NotRebuildableError as error:
+                if self.on_refused is not None:
+                    self.on_refused(f"{hook}: {error}")
+                return loader
+
+        return rebuilt

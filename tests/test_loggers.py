@@ -1,0 +1,117 @@
+"""RunSummary: every callback's report in ``speedkit_summary.json`` and the W&B run summary; bad reports skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from conftest import TinyClassifier, tiny_trainer
+
+from lightning_speedkit.loggers import RunSummary
+
+
+class Decides(L.Callback):
+    """A callback with a proper report."""
+
+    def report(self) -> dict[str, Any]:
+        """What it decided."""
+        return {"decision": "kept", "steps": 3}
+
+
+class SaysText(L.Callback):
+    """A callback whose ``report()`` returns a string, not a dict."""
+
+    def report(self) -> str:
+        """Not a dict."""
+        return "kept"
+
+
+class ReportAttribute(L.Callback):
+    """A callback whose ``report`` is a property (Int8Export's old form), not a method."""
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """A dict, but not through a call."""
+        return {"decision": "kept"}
+
+
+class ReportsNothing(L.Callback):
+    """A callback whose report is empty."""
+
+    def report(self) -> dict[str, Any]:
+        """Nothing to say."""
+        return {}
+
+
+def test_run_summary_gathers_dict_reports_and_skips_the_others_with_a_warning(tmp_path: Path) -> None:
+    """Dict reports land in the JSON; a non-dict ``report()`` and a ``report`` property are left out, each named."""
+    summary = RunSummary()
+    callbacks = [Decides(), SaysText(), ReportAttribute(), ReportsNothing(), Decides(), summary]
+    with pytest.warns(UserWarning, match="^RunSummary: ") as caught:
+        tiny_trainer(tmp_path, max_epochs=1, limit_train_batches=2, callbacks=callbacks).fit(TinyClassifier())
+    messages = [str(w.message) for w in caught if str(w.message).startswith("RunSummary:")]
+    assert messages == [
+        "RunSummary: SaysText.report() must return a dict, got str 'kept'; left out of the summary.",
+        "RunSummary: ReportAttribute.report must be a method returning a dict, got a dict; left out of the summary.",
+    ]
+    expected = {"Decides": {"decision": "kept", "steps": 3}, "Decides#2": {"decision": "kept", "steps": 3}}
+    assert json.loads((tmp_path / "speedkit_summary.json").read_text()) == expected
+    assert summary.report() == expected
+
+
+def test_run_summary_leaves_other_run_summaries_out(tmp_path: Path) -> None:
+    """A second RunSummary's report (a summary itself) is not nested into the first's."""
+    first, second = RunSummary(), RunSummary()
+    tiny_trainer(tmp_path, max_epochs=1, limit_train_batches=2, callbacks=[Decides(), first, second]).fit(
+        TinyClassifier()
+    )
+    assert first.report() == second.report() == {"Decides": {"decision": "kept", "steps": 3}}
+
+
+_PRESET_EXPORT_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import TinyClassifier
+from lightning.pytorch.loggers import WandbLogger
+from lightning_speedkit import preset
+logger = WandbLogger(save_dir={root!r}, offline=True, project="speedkit")
+export = {{"dirpath": {int8!r}, "calibration_batches": 1, "latency_repeats": 0}}
+trainer = preset(logger=logger, export=export, default_root_dir={root!r}, max_epochs=1, enable_progress_bar=False)
+trainer.fit(TinyClassifier())
+print("WANDB_SUMMARY " + json.dumps(dict(logger.experiment.summary), default=str))
+"""
+
+
+@pytest.mark.slow
+def test_preset_export_report_reaches_the_summary_json_and_the_offline_wandb_summary(tmp_path: Path) -> None:
+    """After ``preset(export=...)`` the Int8Export report is in ``speedkit_summary.json`` and the W&B run summary."""
+    # A fresh process: wandb keeps its mode per process, and the other tests run it disabled.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    code = _PRESET_EXPORT_RUN.format(tests=str(Path(__file__).parent), root=str(tmp_path), int8=str(tmp_path / "int8"))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    )
+    line = next(line for line in done.stdout.splitlines() if line.startswith("WANDB_SUMMARY "))
+    wandb_summary = json.loads(line.removeprefix("WANDB_SUMMARY "))
+
+    report = json.loads(next(tmp_path.rglob("speedkit_summary.json")).read_text())["Int8Export"]
+    assert report["exported"] is True
+    assert report == json.loads((tmp_path / "int8" / "model.json").read_text()) | {"exported": True}
+    assert Path(report["int8_path"]).is_file()
+
+    assert wandb_summary["speedkit/Int8Export/exported"] is True
+    assert wandb_summary["speedkit/Int8Export/int8_path"] == report["int8_path"]
+    assert wandb_summary["speedkit/Int8Export/size_ratio"] == pytest.approx(report["size_ratio"])
+    assert wandb_summary["speedkit/Int8Export/verification/top1_agreement"] == pytest.approx(
+        report["verification"]["top1_agreement"]
+    )
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))  # what `wandb sync` uploads
+    assert len(runs) == 1
+    assert b"speedkit/Int8Export/size_ratio" in runs[0].read_bytes()
