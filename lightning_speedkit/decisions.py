@@ -12,6 +12,9 @@ The rules every lever follows, in one place (the trials themselves run in `light
   (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
 - **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
   batches from the same weights (`loss_is_sound`).
+
+The levers' own arguments are checked with `lightning_speedkit.checks` (`check_margin` and `check_probe_steps` live
+there and are re-exported here).
 """
 
 from __future__ import annotations
@@ -20,39 +23,9 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from lightning_speedkit.checks import check_margin, check_probe_steps
+
 __all__ = ["check_margin", "check_probe_steps", "choose_setting", "loss_is_sound", "probe_pays_back"]
-
-
-def check_margin(name: str, value: object) -> float:
-    """Validate a relative margin in [0, 1) and return it as a float.
-
-    Example:
-        >>> check_margin("margin", 0.05)
-        0.05
-        >>> check_margin("margin", 1.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `margin` must be a number in [0, 1), got 1.0.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
-    return float(value)
-
-
-def check_probe_steps(name: str, value: object, low: int = 1) -> int:
-    """Validate a count of probe steps (an int >= ``low``) and return it.
-
-    Example:
-        >>> check_probe_steps("probe_steps", 4)
-        4
-        >>> check_probe_steps("probe_steps", 0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `probe_steps` must be an int >= 1, got 0.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-    return value
 
 
 def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 4.0) -> tuple[bool, str]:

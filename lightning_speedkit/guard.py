@@ -21,6 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_speedkit.checks import check_int, check_number
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 
@@ -132,9 +133,8 @@ class TrainingGuard(Callback):
         max_rollbacks: int = 3,
         max_snapshot_bytes: int | None = None,
     ) -> None:
-        for name, value, low in (("every_n_steps", every_n_steps, 1), ("window", window, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        check_int("every_n_steps", every_n_steps)
+        check_int("window", window, low=2)
         if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
             stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
         if stall_steps is not None and (
@@ -146,17 +146,11 @@ class TrainingGuard(Callback):
             raise ValueError(
                 f"`stall_steps` must be a positive int, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
             )
-        if isinstance(spike_z, bool) or not isinstance(spike_z, (int, float)) or not spike_z > 0:
-            raise ValueError(f"`spike_z` must be a positive number, got {spike_z!r}.")
-        for name, number in (("backoff", backoff), ("stall_fraction", stall_fraction)):
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0.0 < number < 1.0:
-                raise ValueError(f"`{name}` must be in (0, 1), got {number!r}.")
-        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
-            raise ValueError(f"`max_rollbacks` must be an int >= 0, got {max_rollbacks!r}.")
-        if max_snapshot_bytes is not None and (
-            isinstance(max_snapshot_bytes, bool) or not isinstance(max_snapshot_bytes, int) or max_snapshot_bytes < 0
-        ):
-            raise ValueError(f"`max_snapshot_bytes` must be an int >= 0 or None, got {max_snapshot_bytes!r}.")
+        check_number("spike_z", spike_z, 0, open_low=True)
+        check_number("backoff", backoff, 0, 1, open_low=True, open_high=True)
+        check_number("stall_fraction", stall_fraction, 0, 1, open_low=True, open_high=True)
+        check_int("max_rollbacks", max_rollbacks, low=0)
+        check_int("max_snapshot_bytes", max_snapshot_bytes, low=0, optional=True)
         self.every_n_steps, self.window, self.spike_z = every_n_steps, window, float(spike_z)
         self.stall_steps, self.stall_fraction = stall_steps, float(stall_fraction)
         self.backoff, self.max_rollbacks = float(backoff), max_rollbacks

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.decisions import check_probe_steps
+from lightning_speedkit.checks import check_number, check_probe_steps
 from lightning_speedkit.lr import (
     diverged,
     param_group_lrs,
@@ -25,12 +25,6 @@ from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials import TrialSession
 
 __all__ = ["LRFinder"]
-
-
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-    return float(value)
 
 
 class _RangeSteps(Callback):
@@ -126,16 +120,15 @@ class LRFinder(trials.RemembersDecision, Callback):
         max_fraction: float = 0.15,
     ) -> None:
         self.steps = check_probe_steps("steps", steps, low=5)
-        self.factors = range_test_factors(steps, _positive("start_factor", start_factor), end_factor)
-        self.min_scale, self.max_scale = _positive("min_scale", min_scale), _positive("max_scale", max_scale)
+        start = check_number("start_factor", start_factor, 0, open_low=True)
+        self.factors = range_test_factors(steps, start, end_factor)
+        self.min_scale = check_number("min_scale", min_scale, 0, open_low=True)
+        self.max_scale = check_number("max_scale", max_scale, 0, open_low=True)
         if self.max_scale < self.min_scale:
             raise ValueError(f"`max_scale` must be >= `min_scale` ({min_scale}), got {max_scale!r}.")
-        if _positive("divergence", divergence) <= 1.0:
-            raise ValueError(f"`divergence` must be greater than 1, got {divergence!r}.")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing!r}.")
-        if _positive("max_fraction", max_fraction) > 1.0:
-            raise ValueError(f"`max_fraction` must be in (0, 1], got {max_fraction!r}.")
+        check_number("divergence", divergence, 1, open_low=True)
+        check_number("smoothing", smoothing, 0, 1, open_high=True)
+        check_number("max_fraction", max_fraction, 0, 1, open_low=True)
         self.divergence, self.smoothing, self.max_fraction = float(divergence), float(smoothing), float(max_fraction)
         self._decision: dict[str, Any] = {}
 

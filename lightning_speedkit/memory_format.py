@@ -80,7 +80,8 @@ class ChannelsLast(trials.RemembersDecision, Callback):
     as the user had it, and the report says why. The decision is in ``state_dict``: a resumed run does not probe.
 
     Args:
-        enabled: ``False`` makes the callback a no-op.
+        enabled: ``False`` makes the callback a no-op (for a callback list written out, e.g. in a config file);
+            ``preset(channels_last=False)`` does not use it: it leaves the callback out.
         verify: Check the model on its ``example_input_array`` before keeping the new layout.
         measure: Time both layouts and keep NHWC only when it wins; ``False`` keeps NHWC without timing it.
         margin: How much faster (relative step time, in [0, 1)) NHWC must be to be kept.
@@ -92,7 +93,7 @@ class ChannelsLast(trials.RemembersDecision, Callback):
 
     Example:
         >>> from lightning_speedkit import preset
-        >>> trainer = preset(logger=False, verbose=False, channels_last=False)
+        >>> trainer = preset(logger=False, verbose=False, channels_last=False)  # left out, not enabled=False
         >>> any(isinstance(c, ChannelsLast) for c in trainer.callbacks)
         False
     """

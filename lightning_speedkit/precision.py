@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.decisions import check_margin, check_probe_steps
+from lightning_speedkit.checks import check_margin, check_number, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
@@ -124,8 +124,7 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
             raise ValueError(
                 f"`candidates` must be a non-empty list from {', '.join(AUTOCAST_PRECISIONS)}, got {candidates!r}."
             )
-        if isinstance(loss_tolerance, bool) or not isinstance(loss_tolerance, (int, float)) or loss_tolerance < 0:
-            raise ValueError(f"`loss_tolerance` must be a number >= 0, got {loss_tolerance!r}.")
+        check_number("loss_tolerance", loss_tolerance, 0)
         self.candidates = list(dict.fromkeys(candidates)) if candidates is not None else None
         self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.margin = check_margin("margin", margin)

@@ -11,7 +11,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_speedkit.checks import check_choice, is_int, is_number
 from lightning_speedkit.lr import scale_trainer_lrs
+from lightning_speedkit.report import log_rank_zero
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -26,13 +28,9 @@ DECAYS = ("constant", "cosine", "linear")
 """The decays after warmup that `warmup_factor` and `WarmupScheduler` accept."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_warmup(warmup: int | float) -> None:
     """Raise ``ValueError`` unless ``warmup`` is an int >= 0 (steps) or a float in (0, 1) (fraction)."""
-    if not (_is_int(warmup) and warmup >= 0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
+    if not is_int(warmup, low=0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
         raise ValueError(f"`warmup` must be an int >= 0 (steps) or a float in (0, 1) (fraction), got {warmup!r}.")
 
 
@@ -45,17 +43,16 @@ def _check_schedule(
     warmup_name: str = "warmup_steps",
 ) -> None:
     """Raise ``ValueError`` naming the argument and its value if the schedule is not valid."""
-    if not _is_int(warmup_steps) or warmup_steps < 0:
+    if not is_int(warmup_steps, low=0):
         raise ValueError(f"`{warmup_name}` must be a non-negative int, got {warmup_steps!r}.")
-    if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+    if total_steps is not None and not is_int(total_steps, low=1):
         raise ValueError(f"`total_steps` must be a positive int or None, got {total_steps!r}.")
     if total_steps is not None and warmup_steps > total_steps:
         raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
-    if decay not in DECAYS:
-        raise ValueError(f"`decay` must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}.")
-    if not isinstance(min_lr_ratio, (int, float)) or not 0.0 <= min_lr_ratio <= 1.0:
+    check_choice("decay", decay, DECAYS)
+    if not is_number(min_lr_ratio, 0, 1):
         raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
-    if not isinstance(start_factor, (int, float)) or not 0.0 <= start_factor <= 1.0:
+    if not is_number(start_factor, 0, 1):
         raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
 
 
@@ -96,7 +93,7 @@ def warmup_factor(
     _check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor)
     if total_steps is None and decay != "constant":
         raise ValueError(f"`total_steps` is needed for decay={decay!r}, got None.")
-    if not _is_int(step) or step < 0:
+    if not is_int(step, low=0):
         raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
     if step < warmup_steps:
         return start_factor + (1.0 - start_factor) * step / warmup_steps
@@ -245,6 +242,22 @@ class WarmupScheduler(Callback):
         s = self._schedule
         return None if s is None else (s.warmup_steps, s.total_steps, s.start_step)
 
+    def report(self) -> dict[str, Any]:
+        """The schedule as a plain dict: what was asked and, once resolved, the steps it runs.
+
+        Keys: ``warmup`` and ``total_steps`` (as asked, or as set by a finder or pruning), ``decay``,
+        ``min_lr_ratio``, ``start_factor`` and ``resolved`` (``warmup_steps``, ``total_steps``, ``start_step``; None
+        before the first training batch).
+        """
+        return {
+            "warmup": self._warmup_spec,
+            "total_steps": self._total_spec,
+            "decay": self.decay,
+            "min_lr_ratio": self.min_lr_ratio,
+            "start_factor": self.start_factor,
+            "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
+        }
+
     def factor(self, step: int) -> float:
         """The multiplier applied at ``trainer.global_step == step`` (1.0 before the schedule is resolved)."""
         s = self._schedule
@@ -279,7 +292,7 @@ class WarmupScheduler(Callback):
         if total is None:
             estimated = trainer.estimated_stepping_batches
             total = None if math.isinf(estimated) else max(1, int(estimated) - start)
-        if not _is_int(warmup):
+        if not is_int(warmup):
             if total is None:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
             warmup = math.ceil(warmup * total)
@@ -311,15 +324,11 @@ class WarmupScheduler(Callback):
         for group, lr in zip(optimizer.param_groups, written, strict=True):
             group["lr"] = lr
         self._inflight[index] = (originals, written)
-        if (
-            trainer.is_global_zero
-            and trainer.loggers
-            and step % max(1, int(getattr(trainer, "log_every_n_steps", 1))) == 0
-        ):
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 1)))
+        if trainer.is_global_zero and trainer.loggers and step % every == 0:
             metrics = {"speedkit/lr/factor": factor}
             metrics.update({f"speedkit/lr/opt{index}_group{j}": float(lr) for j, lr in enumerate(written)})
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+            log_rank_zero(trainer, metrics, step=step)
 
     def _after_step(self, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         originals, written = self._inflight.pop(index, ([], []))

@@ -191,10 +191,32 @@ def test_lr_scale_factor_table(global_batch: int, reference: int, rule: str, exp
     assert lr_scale_factor(global_batch, reference, rule) == pytest.approx(expected)
 
 
-def test_lr_scale_factor_rejects_unknown_rule() -> None:
-    """An unknown rule names `lr_scaling`."""
-    with pytest.raises(ValueError, match="`lr_scaling`"):
-        lr_scale_factor(8, 8, "cubic")
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((8, 8, "cubic"), "`rule` must be one of 'linear', 'none', 'sqrt', got 'cubic'"),
+        ((0, 8, "linear"), "`global_batch` must be a positive int, got 0"),
+        ((8, 2.5, "linear"), "`reference_batch` must be a positive int, got 2.5"),
+    ],
+)
+def test_lr_scale_factor_rejects_bad_arguments(args: tuple[Any, ...], match: str) -> None:
+    """An unknown rule or a batch that is not a positive int is refused, naming the parameter and the value."""
+    with pytest.raises(ValueError, match=match):
+        lr_scale_factor(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 8, 1), "`global_batch` must be a positive int, got 0"),
+        ((64, -1, 1), "`max_per_device` must be a positive int, got -1"),
+        ((64, 8, True), "`world_size` must be a positive int, got True"),
+    ],
+)
+def test_hold_global_batch_rejects_bad_arguments(args: tuple[Any, ...], match: str) -> None:
+    """A size that is not a positive int is refused, naming the parameter and the value."""
+    with pytest.raises(ValueError, match=match):
+        hold_global_batch(*args)
 
 
 @pytest.mark.parametrize(
@@ -227,6 +249,7 @@ def test_hold_global_batch_table(global_batch: int, max_per_device: int, world: 
         ({"max_trials": 0}, "`max_trials`"),
         ({"throughput_tolerance": 1.5}, "`throughput_tolerance`"),
         ({"batch_arg_name": ""}, "`batch_arg_name`"),
+        ({"keep_global_batch": "yes"}, "`keep_global_batch`"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -183,10 +183,14 @@ def test_memory_budget_and_in_memory_mode(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"max_disk_bytes": 0}, "`max_disk_bytes`"), ({"max_memory_bytes": -1}, "`max_memory_bytes`")],
+    [
+        ({"max_disk_bytes": 0}, "`max_disk_bytes` must be a positive int or None, got 0"),
+        ({"max_disk_bytes": "x"}, "`max_disk_bytes` must be a positive int or None, got 'x'"),
+        ({"max_memory_bytes": -1}, "`max_memory_bytes` must be a positive int or None, got -1"),
+    ],
 )
-def test_bad_budgets_are_refused(tmp_path: Path, kwargs: dict[str, int], match: str) -> None:
-    """Non-positive budgets are refused with the argument's name."""
+def test_bad_budgets_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    """Budgets that are not a positive int of bytes are refused with the argument's name and value."""
     with pytest.raises(ValueError, match=match):
         CachedDataset(Source(), tmp_path, **kwargs)
 

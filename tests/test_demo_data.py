@@ -127,6 +127,10 @@ def test_datamodule_workers_decode_the_same_data(demo_cache: Path) -> None:
         ({"val_fraction": 1.0}, "val_fraction"),
         ({"batch_size": 0}, "batch_size"),
         ({"num_workers": -1}, "num_workers"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"num_images": 5}, "num_images"),
+        ({"crop_size": "big"}, "crop_size"),
+        ({"pin_memory": "yes"}, "pin_memory"),
     ],
 )
 def test_datamodule_rejects_bad_arguments(kwargs: dict[str, float], argument: str) -> None:

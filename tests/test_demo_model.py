@@ -21,9 +21,12 @@ def test_resnet_shapes_and_size_knobs(width: int, blocks: int) -> None:
     assert sum(p.numel() for p in model.parameters()) > sum(p.numel() for p in smaller.parameters())
 
 
-@pytest.mark.parametrize(("kwargs", "argument"), [({"width": 0}, "width"), ({"blocks_per_stage": 0}, "blocks")])
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"width": 0}, "`width`"), ({"blocks_per_stage": 0}, "`blocks_per_stage`"), ({"width": 2.5}, "`width`")],
+)
 def test_resnet_rejects_bad_sizes(kwargs: dict[str, int], argument: str) -> None:
-    """A non-positive width or depth is refused with the argument's name."""
+    """A width or depth that is not a positive int is refused with the argument's name."""
     with pytest.raises(ValueError, match=argument):
         DemoResNet(**kwargs)
 
@@ -34,6 +37,8 @@ def test_classifier_has_example_input_and_rejects_bad_lr() -> None:
     assert model.example_input_array.shape == (1, 3, 48, 48)
     with pytest.raises(ValueError, match="`lr`"):
         DemoClassifier(lr=0.0)
+    with pytest.raises(ValueError, match="`lr` must be a positive number, got 'x'"):
+        DemoClassifier(lr="x")  # type: ignore[arg-type]
 
 
 def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path, demo_cache: Path) -> None:

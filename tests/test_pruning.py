@@ -215,10 +215,17 @@ def test_target_speedup_on_a_resnet_logs_the_report(tmp_path: Path) -> None:
         assert f"speedkit/pruning/{key}" in keys
 
 
-def test_warmup_restarts_at_the_pruning_step(tmp_path: Path, tiny_model: TinyClassifier) -> None:
-    """A WarmupScheduler's warmup starts again at the pruning step: that step's LR is the warmup's first (0)."""
+class RenamedWarmup(WarmupScheduler):
+    """A user's subclass of the warmup under another name: found by the cooperation protocol, not by class name."""
+
+
+@pytest.mark.parametrize("warmup_class", [WarmupScheduler, RenamedWarmup])
+def test_warmup_restarts_at_the_pruning_step(
+    tmp_path: Path, tiny_model: TinyClassifier, warmup_class: type[WarmupScheduler]
+) -> None:
+    """A warmup callback's warmup starts again at the pruning step: that step's LR is the warmup's first (0)."""
     probe = Probe(epoch=1)
-    warmup = WarmupScheduler(warmup=2, decay="constant")
+    warmup = warmup_class(warmup=2, decay="constant")
     pruning = StructuredPruning(amount=0.5, start_epoch=1, rewarm=4, round_to=None, latency_batch_sizes=())
     trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[warmup, pruning, probe], limit_val_batches=0)
     trainer.fit(tiny_model)
@@ -281,3 +288,39 @@ def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
         assert result["rows"][name]["macs_ratio"] >= 2.0, name
     assert result["rows"]["latency"]["search_speedup"] >= result["settings"]["latency_target"]
     assert result["rows"]["modelpruning"]["params_ratio"] == 1.0
+
+
+class ProtocolWarmup(Callback):
+    """Not a WarmupScheduler at all: a callback with the methods of `lightning_speedkit.lr.WarmupLike`."""
+
+    warmup: int | float = 2
+    total_steps: int | None = None
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def rescale_base_lrs(self, trainer: Any, factor: float) -> None:
+        self.calls.append(("rescale_base_lrs", factor))
+
+    def set_warmup_steps(self, warmup_steps: int) -> None:
+        self.calls.append(("set_warmup_steps", warmup_steps))
+
+    def restart(self, warmup: int | float, total_steps: int | None = None) -> None:
+        self.calls.append(("restart", warmup))
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.calls.append(("on_train_batch_start", batch))
+
+
+def test_restart_warmup_drives_every_warmup_through_the_protocol() -> None:
+    """Each callback with the warmup protocol is restarted and attached at once, whatever its class; others are not."""
+    from types import SimpleNamespace
+
+    from lightning_speedkit.pruning.optimizers import restart_warmup
+
+    first, second = ProtocolWarmup(), ProtocolWarmup()
+    bystander = Probe(epoch=1)
+    trainer = SimpleNamespace(callbacks=[first, bystander, second])
+    restart_warmup(trainer, None, "batch", 0.25)  # type: ignore[arg-type]
+    assert first.calls == second.calls == [("restart", 0.25), ("on_train_batch_start", "batch")]

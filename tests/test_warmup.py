@@ -178,6 +178,7 @@ def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str)
         ({"total_steps": -5}, "`total_steps` must be a positive int or None, got -5"),
         ({"min_lr_ratio": -0.5}, "`min_lr_ratio` must be in \\[0, 1\\], got -0.5"),
         ({"min_lr_ratio": 2}, "`min_lr_ratio` must be in \\[0, 1\\], got 2"),
+        ({"min_lr_ratio": True}, "`min_lr_ratio` must be in \\[0, 1\\], got True"),
         ({"decay": "step"}, "`decay` must be one of 'constant', 'cosine', 'linear', got 'step'"),
         ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
     ],

@@ -22,7 +22,9 @@ from lightning_speedkit.batch_size.search import (
     lr_scale_factor,
     next_trial_size,
 )
+from lightning_speedkit.checks import check_bool, check_choice, check_int, check_margin, check_number, is_int
 from lightning_speedkit.lr import rescale_run_lrs
+from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials import BatchSize, TrialResult, TrialSession
 
 if TYPE_CHECKING:
@@ -31,10 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchSizeFinder"]
-
-
-def _is_int(value: object, low: int = 1) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 class BatchSizeFinder(Callback):
@@ -102,30 +100,23 @@ class BatchSizeFinder(Callback):
         throughput_tolerance: float = 0.05,
         batch_arg_name: str = "batch_size",
     ) -> None:
-        for name, value, choices in (("mode", mode, MODES), ("lr_scaling", lr_scaling, LR_SCALINGS),
-                                     ("objective", objective, OBJECTIVES)):  # fmt: skip
-            if value not in choices:
-                raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}, got {value!r}.")
-        for name, number in (
-            ("init_val", init_val),
-            ("max_val", max_val),
-            ("reference_batch_size", reference_batch_size),
-        ):
-            if number is not None and not _is_int(number):
-                raise ValueError(f"`{name}` must be a positive int or None, got {number!r}.")
-        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 1.0:
-            raise ValueError(f"`margin` must be a number in [0, 1), got {margin!r}.")
+        check_choice("mode", mode, MODES)
+        check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
+        check_choice("objective", objective, OBJECTIVES)
+        check_int("init_val", init_val, optional=True)
+        check_int("max_val", max_val, optional=True)
+        check_int("reference_batch_size", reference_batch_size, optional=True)
+        check_margin("margin", margin)
         if steps_per_trial is None:
             steps_per_trial = 3 if objective == "throughput" else 2
-        if not _is_int(steps_per_trial, low=2 if objective == "throughput" else 1):
+        if not is_int(steps_per_trial, low=2 if objective == "throughput" else 1):
             raise ValueError(
                 f"`steps_per_trial` must be an int >= {2 if objective == 'throughput' else 1}"
                 f"{' for objective=throughput' if objective == 'throughput' else ''}, got {steps_per_trial!r}."
             )
-        if not _is_int(max_trials):
-            raise ValueError(f"`max_trials` must be a positive int, got {max_trials!r}.")
-        if not isinstance(throughput_tolerance, (int, float)) or not 0.0 <= throughput_tolerance < 1.0:
-            raise ValueError(f"`throughput_tolerance` must be in [0, 1), got {throughput_tolerance!r}.")
+        check_int("max_trials", max_trials)
+        check_number("throughput_tolerance", throughput_tolerance, 0, 1, open_high=True)
+        check_bool("keep_global_batch", keep_global_batch)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty str, got {batch_arg_name!r}.")
         self.mode, self.init_val, self.max_val, self.margin = mode, init_val, max_val, float(margin)
@@ -305,8 +296,11 @@ class BatchSizeFinder(Callback):
                 f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
                 f"{len(decision['trials'])} trials in {decision['search_s']:.1f} s."
             )
-        if trainer.is_global_zero:
-            metrics = {"speedkit/batch_size": float(size), "speedkit/lr_scale": scale,
-                       "speedkit/accumulate_grad_batches": float(accumulation)}  # fmt: skip
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_rank_zero(
+            trainer,
+            {
+                "speedkit/batch_size": float(size),
+                "speedkit/lr_scale": scale,
+                "speedkit/accumulate_grad_batches": float(accumulation),
+            },
+        )

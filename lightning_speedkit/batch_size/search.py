@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from lightning_speedkit.checks import check_choice, check_int
+
 __all__ = [
     "LR_SCALINGS",
     "MODES",
@@ -124,14 +126,18 @@ def choose_batch_size(
 def lr_scale_factor(global_batch: int, reference_batch: int, rule: str) -> float:
     """LR multiplier for training at ``global_batch`` an LR that was tuned at ``reference_batch``.
 
+    ``rule`` is one of `LR_SCALINGS` (the finder's ``lr_scaling``).
+
+    Raises:
+        ValueError: For an unknown ``rule`` or a batch that is not a positive int (the message names it).
+
     Example:
         >>> lr_scale_factor(256, 64, "linear"), lr_scale_factor(256, 64, "sqrt"), lr_scale_factor(256, 64, "none")
         (4.0, 2.0, 1.0)
     """
-    if rule not in LR_SCALINGS:
-        raise ValueError(f"`lr_scaling` must be one of {', '.join(map(repr, LR_SCALINGS))}, got {rule!r}.")
-    if global_batch < 1 or reference_batch < 1:
-        raise ValueError(f"batch sizes must be positive, got {global_batch} and {reference_batch}.")
+    check_choice("rule", rule, LR_SCALINGS)
+    check_int("global_batch", global_batch)
+    check_int("reference_batch", reference_batch)
     ratio = global_batch / reference_batch
     return ratio if rule == "linear" else math.sqrt(ratio) if rule == "sqrt" else 1.0
 
@@ -151,8 +157,9 @@ def hold_global_batch(global_batch: int, max_per_device: int, world_size: int) -
         >>> hold_global_batch(250, max_per_device=40, world_size=1)
         (25, 10)
     """
-    if min(global_batch, max_per_device, world_size) < 1:
-        raise ValueError(f"sizes must be positive, got {global_batch}, {max_per_device}, {world_size}.")
+    check_int("global_batch", global_batch)
+    check_int("max_per_device", max_per_device)
+    check_int("world_size", world_size)
     per_rank = math.ceil(global_batch / world_size)
     fewest = math.ceil(per_rank / max_per_device)
     if global_batch % world_size == 0:

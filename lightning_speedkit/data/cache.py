@@ -25,6 +25,7 @@ import psutil
 import torch
 from torch.utils.data import Dataset
 
+from lightning_speedkit.checks import check_bool, check_int
 from lightning_speedkit.report import atomic_directory
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ class CachedDataset(Dataset[Any]):
         max_memory_bytes: With ``in_memory``, refuse when the arrays exceed this (default: available RAM).
 
     Raises:
-        ValueError: For an empty source or a non-positive budget.
+        ValueError: For a source that is not a non-empty map-style dataset, a budget that is not a positive int (bytes),
+            or a transform that is not callable.
         CacheBudgetError: When the cache would not fit the free disk space, ``max_disk_bytes`` or the memory budget.
 
     Example:
@@ -133,11 +135,18 @@ class CachedDataset(Dataset[Any]):
         in_memory: bool = False,
         max_memory_bytes: int | None = None,
     ) -> None:
+        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
+            raise ValueError(
+                f"`source` must be a map-style dataset (with `__len__` and `__getitem__`), got {source!r}."
+            )
         if len(source) == 0:
             raise ValueError("`source` must hold at least one sample, got an empty dataset.")
-        for name, value in (("max_disk_bytes", max_disk_bytes), ("max_memory_bytes", max_memory_bytes)):
-            if value is not None and value <= 0:
-                raise ValueError(f"`{name}` must be a positive number of bytes, got {value}.")
+        check_int("max_disk_bytes", max_disk_bytes, optional=True)
+        check_int("max_memory_bytes", max_memory_bytes, optional=True)
+        check_bool("in_memory", in_memory)
+        for name, function in (("pre_transform", pre_transform), ("transform", transform)):
+            if function is not None and not callable(function):
+                raise ValueError(f"`{name}` must be a function of a sample or None, got {function!r}.")
         self.source = source
         self.pre_transform = pre_transform
         self.transform = transform

@@ -16,6 +16,7 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_speedkit.checks import check_bool, check_int, check_number, is_int
 from lightning_speedkit.report import atomic_directory
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,8 @@ def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: st
     Raises:
         ValueError: if ``num_images`` is smaller than the number of classes or ``image_size`` is below 16.
     """
-    if num_images < len(CLASSES):
-        raise ValueError(f"`num_images` must be at least {len(CLASSES)} (one per class), got {num_images}.")
-    if image_size < 16:
-        raise ValueError(f"`image_size` must be at least 16, got {image_size}.")
+    check_int("num_images", num_images, low=len(CLASSES))  # one per class
+    check_int("image_size", image_size, low=16)
     root = Path(root) if root is not None else default_cache_dir()
     final = root / f"shapes-v{_FORMAT_VERSION}-n{num_images}-s{image_size}-seed{seed}"
     if (final / "manifest.json").is_file():
@@ -252,15 +251,16 @@ class DemoDataModule(L.LightningDataModule):
         cache: bool = False,
     ) -> None:
         super().__init__()
+        check_int("num_images", num_images, low=len(CLASSES))  # one image per class at least
+        check_int("image_size", image_size, low=16)
         crop_size = crop_size if crop_size is not None else image_size * 7 // 8
-        if not 0 < crop_size <= image_size:
-            raise ValueError(f"`crop_size` must be in (0, image_size={image_size}], got {crop_size}.")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}.")
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int, got {batch_size}.")
-        if num_workers < 0:
-            raise ValueError(f"`num_workers` must be >= 0, got {num_workers}.")
+        if not is_int(crop_size, low=1) or crop_size > image_size:
+            raise ValueError(f"`crop_size` must be an int in [1, image_size={image_size}] or None, got {crop_size!r}.")
+        check_number("val_fraction", val_fraction, 0, 1, open_low=True, open_high=True)
+        check_int("batch_size", batch_size)
+        check_int("num_workers", num_workers, low=0)
+        check_bool("pin_memory", pin_memory)
+        check_bool("cache", cache)
         self.save_hyperparameters(ignore=["root"])
         self.num_images, self.image_size, self.crop_size = num_images, image_size, crop_size
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory

@@ -8,6 +8,8 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_speedkit.checks import check_choice, check_int, check_number
+
 __all__ = ["DemoClassifier", "DemoResNet"]
 
 
@@ -48,10 +50,9 @@ class DemoResNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, width: int = 16, blocks_per_stage: int = 1) -> None:
         super().__init__()
-        if width < 1:
-            raise ValueError(f"`width` must be a positive int, got {width}.")
-        if blocks_per_stage < 1:
-            raise ValueError(f"`blocks_per_stage` must be a positive int, got {blocks_per_stage}.")
+        check_int("num_classes", num_classes)
+        check_int("width", width)
+        check_int("blocks_per_stage", blocks_per_stage)
         self.stem = nn.Sequential(
             nn.Conv2d(3, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
         )
@@ -134,10 +135,10 @@ class DemoClassifier(L.LightningModule):
         architecture: str = "resnet",
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"`lr` must be positive, got {lr}.")
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"`architecture` must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}.")
+        check_number("lr", lr, 0, open_low=True)
+        check_number("weight_decay", weight_decay, 0)
+        check_int("crop_size", crop_size)
+        check_choice("architecture", architecture, ARCHITECTURES)
         self.save_hyperparameters()
         self.lr = lr
         self.model: nn.Module = (

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
+from lightning_speedkit.checks import check_int, check_number
 from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
@@ -79,18 +80,11 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing or mislabel the table, naming the field."""
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ValueError(f"`lr` must be a positive number, got {self.lr!r}.")
-        for name in ("max_epochs", "num_images", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-        if (
-            isinstance(self.target_acc, bool)
-            or not isinstance(self.target_acc, (int, float))
-            or not 0.0 < self.target_acc <= 1.0
-        ):
-            raise ValueError(f"`target_acc` must be a number in (0, 1], got {self.target_acc!r}.")
+        check_number("lr", self.lr, 0, open_low=True)
+        for name in ("max_epochs", "num_images", "batch_size", "width", "blocks_per_stage"):
+            check_int(name, getattr(self, name))
+        check_int("num_workers", self.num_workers, low=0)
+        check_number("target_acc", self.target_acc, 0, 1, open_low=True)
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:

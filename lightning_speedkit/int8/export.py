@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_speedkit.checks import check_bool, check_choice, check_int, is_int, is_number
 from lightning_speedkit.int8.inputs import InputsFromBatch, batch_inputs, feeds, named_inputs
 from lightning_speedkit.int8.sensitivity import budget_shortfall, keep_layers_in_fp32, metric_drop
 from lightning_speedkit.int8.steps import (
@@ -61,8 +62,10 @@ class Int8VerificationError(RuntimeError):
         self.report = report
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_batches(name: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an iterable of batches (not a string)."""
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes)):
+        raise ValueError(f"`{name}` must be an iterable of batches (e.g. a DataLoader), got {value!r}.")
 
 
 def check_export_args(**values: Any) -> None:
@@ -75,27 +78,22 @@ def check_export_args(**values: Any) -> None:
         ValueError: `calibration_batches` must be a positive int or None, got 0.
     """
     for name in ("calibration_batches", "verify_batches"):
-        value = values.get(name)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
+        check_int(name, values.get(name), optional=True)
     drop = values.get("max_metric_drop")
-    if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float)) or not drop >= 0):
+    if drop is not None and not is_number(drop, 0):
         raise ValueError(f"`max_metric_drop` must be a number >= 0 or None, got {drop!r}.")
     agreement = values.get("min_agreement")
-    if agreement is not None and (
-        isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 < agreement <= 1
-    ):
+    if agreement is not None and not is_number(agreement, 0, 1, open_low=True):
         raise ValueError(f"`min_agreement` must be a number in (0, 1] or None, got {agreement!r}.")
-    limit = values.get("max_fp32_layers")
-    if limit is not None and (not _is_int(limit) or limit < 0):
-        raise ValueError(f"`max_fp32_layers` must be an int >= 0 or None, got {limit!r}.")
+    check_int("max_fp32_layers", values.get("max_fp32_layers"), low=0, optional=True)
     if values.get("inputs_from_batch") is not None and not callable(values["inputs_from_batch"]):
         raise ValueError(
             f"`inputs_from_batch` must be a function of the batch or None, got {values['inputs_from_batch']!r}."
         )
-    if values.get("on_metric_drop", "warn") not in ACTIONS_ON_METRIC_DROP:
-        choices = ", ".join(map(repr, ACTIONS_ON_METRIC_DROP))
-        raise ValueError(f"`on_metric_drop` must be one of {choices}, got {values['on_metric_drop']!r}.")
+    check_choice("on_metric_drop", values.get("on_metric_drop", "warn"), ACTIONS_ON_METRIC_DROP)
+    for name in ("symmetric", "verify", "keep_fp32", "overwrite"):
+        if name in values:
+            check_bool(name, values[name])
     activation_type = values.get("activation_type")
     if activation_type is not None and activation_type not in ACTIVATION_TYPES:
         choices = ", ".join(map(repr, ACTIVATION_TYPES))
@@ -104,7 +102,7 @@ def check_export_args(**values: Any) -> None:
         raise ValueError("`activation_type` must be 'int8' or None with symmetric=True (zero points 0), got 'uint8'.")
     for name, low in (("latency_batch_size", 1), ("latency_repeats", 0), ("num_threads", 0)):
         value = values.get(name, low)
-        if not _is_int(value) or value < low:
+        if not is_int(value, low):
             raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
 
 
@@ -260,8 +258,16 @@ def export_int8(
         >>> report["opset"], report["quantization"]["format"], report["verification"]["samples"], report["input_names"]
         (20, 'QDQ', 64, ['input'])
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"`model` must be a torch.nn.Module, got {model!r}.")
+    _check_batches("calibration_data", calibration_data)
+    if validation_data is not None:
+        _check_batches("validation_data", validation_data)
     check_export_args(
         symmetric=symmetric,
+        verify=verify,
+        keep_fp32=keep_fp32,
+        overwrite=overwrite,
         activation_type=activation_type,
         calibration_batches=calibration_batches,
         max_metric_drop=max_metric_drop,

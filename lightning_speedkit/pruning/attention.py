@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_speedkit.checks import is_int
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -66,7 +68,7 @@ class AttentionLayer:
 def _heads_field(module: nn.Module) -> str | None:
     for field in HEAD_COUNT_FIELDS:
         value = getattr(module, field, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value, low=1):
             return field
     return None
 

@@ -29,6 +29,7 @@ from lightning_speedkit.pruning.surgery import (
     pruning_history,
     unsupported_layer_names,
 )
+from lightning_speedkit.report import log_rank_zero
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -60,7 +61,8 @@ class StructuredPruning(Callback):
     ``finetune_epochs`` epochs after the last step are the fine-tune whose result the report gives. Each step
     prunes copies on rank zero to find the plan, broadcasts it and applies it on every rank, re-wraps the DDP model,
     rebuilds the optimizers and LR schedulers from ``configure_optimizers`` (carrying the current LRs and scheduler
-    states over) and, when a speedkit ``WarmupScheduler`` is in ``trainer.callbacks``, restarts its warmup.
+    states over) and restarts the warmup of each warmup callback in ``trainer.callbacks`` (a ``WarmupScheduler``,
+    or any callback with the methods of `lightning_speedkit.lr.WarmupLike`).
 
     How much: ``amount`` removes that share of every layer's channels. ``target_speedup`` is a **MACs** ratio: the
     smallest channel ratio whose MACs reach the step's geometric share of the target (exact and portable, but
@@ -91,7 +93,7 @@ class StructuredPruning(Callback):
         round_to: Keep channel counts a multiple of this (None: any count).
         example_input: An input for tracing (tensor, tuple or dict); default the module's ``example_input_array``,
             else the first sample of the first training batch.
-        rewarm: Warmup passed to ``WarmupScheduler.restart`` after each step (int steps or fraction in (0, 1)).
+        rewarm: Warmup passed to the warmup callback's ``restart`` after each step (int steps or fraction in (0, 1)).
         monitor: Validation metric reported before pruning and after the fine-tune (None for none).
         latency_batch_sizes: Batch sizes at which CPU latency is measured before and after (empty: none).
         latency_device: Where ``target_latency`` is timed: ``"auto"`` (the training device) or ``"cpu"``.
@@ -391,6 +393,4 @@ class StructuredPruning(Callback):
         )
 
     def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({f"speedkit/pruning/{k}": v for k, v in metrics.items()}, step=trainer.global_step)
+        log_rank_zero(trainer, {f"speedkit/pruning/{k}": v for k, v in metrics.items()})

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_speedkit.lr import warmups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,12 +41,12 @@ def rebuild_optimizers(trainer: pl.Trainer) -> None:
 
 
 def restart_warmup(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, rewarm: int | float) -> None:
-    """Restart a speedkit ``WarmupScheduler``'s warmup for ``rewarm``, and let it attach to the new optimizers now.
+    """Restart every warmup callback's warmup for ``rewarm``, and let it attach to the new optimizers now.
 
-    The warmup is found by type name on ``trainer.callbacks`` and driven through its public ``restart``; without
-    one, nothing happens.
+    The warmups are found by the cooperation protocol (`lightning_speedkit.lr.warmups`, any callback that is
+    `~lightning_speedkit.lr.WarmupLike`) and driven through its public ``restart``; without one, nothing happens.
     """
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if type(callback).__name__ == "WarmupScheduler" and callable(getattr(callback, "restart", None)):
-            callback.restart(rewarm)
-            callback.on_train_batch_start(trainer, pl_module, batch, 0)  # idempotent: resolves and attaches
+    for warmup in warmups(trainer):
+        warmup.restart(rewarm)
+        if isinstance(warmup, Callback):  # idempotent: resolves the new schedule and attaches to the new optimizers
+            warmup.on_train_batch_start(trainer, pl_module, batch, 0)
