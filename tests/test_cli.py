@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,30 +55,76 @@ def test_doctor_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "recommended" in capsys.readouterr().out
 
 
+def _time_cell(seconds: float | None) -> str:
+    """How the side-by-side table shows a time to target."""
+    return f"{seconds:.1f} s" if seconds is not None else "not reached"
+
+
+def _row_cells(printed: str, label: str) -> list[str]:
+    """The cells after ``label`` of the one table row that starts with it (cells are separated by 2+ spaces)."""
+    rows = [line for line in printed.splitlines() if line.startswith(label)]
+    assert len(rows) == 1, (label, printed)
+    return re.split(r"\s{2,}", rows[0][len(label) :].strip())
+
+
 def test_demo_quick_writes_report(tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``speedkit demo --quick`` trains both variants, prints the side-by-side table and writes demo.json."""
+    """``speedkit demo --quick`` prints a table whose times, epochs and speed-up line are those of demo.json."""
     out_dir = tmp_path / "out"
     argv = ["demo", "--quick", "--num-images", "100", "--max-epochs", "1", "--out", str(out_dir)]
     assert main([*argv, "--cache-dir", str(demo_cache)]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out_dir / "demo.json").read_text())
     runs = report["runs"]
+    assert list(runs) == ["baseline", "speedkit"]
     assert [run["epochs"] for run in runs.values()] == [1, 1]
-    assert "time to val_acc 0.80" in printed
-    if report["speedup"] is None:  # one epoch of 80 images: the target is usually out of reach, and says so
-        assert "not reached" in printed
+    lines = printed.splitlines()
+    header = lines[next(i for i, line in enumerate(lines) if line.startswith("demo workload:")) + 1]
+    assert header.split() == ["baseline", "speedkit"]
+    times = [run["time_to_target_s"] for run in runs.values()]
+    assert _row_cells(printed, "time to val_acc 0.80") == [_time_cell(t) for t in times]
+    assert _row_cells(printed, "epochs") == ["1", "1"]
+    assert _row_cells(printed, "final val_acc") == [f"{run['final_val_acc'] or 0:.3f}" for run in runs.values()]
+    speedup_lines = [line for line in printed.splitlines() if line.startswith("speed-up (time to target")]
+    if None in times:  # one epoch of 80 images: the target is usually out of reach, and then no speed-up is claimed
+        assert report["speedup"] is None
+        assert speedup_lines == []
     else:
-        assert f"speed-up (time to target, baseline / speedkit): {report['speedup']:.2f}x" in printed
+        assert report["speedup"] == pytest.approx(times[0] / times[1])
+        assert speedup_lines == [f"speed-up (time to target, baseline / speedkit): {report['speedup']:.2f}x"]
+
+
+def _seed_cell(run: dict[str, Any]) -> str:
+    """How the per-seed table shows one variant's run."""
+    reached = run["time_to_target_s"]
+    return f"{reached:.1f} s ({run['epochs']} ep)" if reached else f"not reached ({run['final_val_acc'] or 0:.3f})"
 
 
 def test_demo_seeds_prints_the_summary_line(
     tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``speedkit demo --seeds 0-1`` prints a row per seed and the median/worst/reached line, and writes demo.json."""
+    """``speedkit demo --seeds 0-1`` prints one row per seed and a summary line, each matching demo.json."""
     argv = ["demo", "--quick", "--num-images", "100", "--max-epochs", "1", "--target-acc", "1.0", "--seeds", "0-1"]
     assert main([*argv, "--out", str(tmp_path), "--cache-dir", str(demo_cache)]) == 0
-    printed = capsys.readouterr().out
-    summary = json.loads((tmp_path / "demo.json").read_text())["summary"]
-    assert summary["total"] == 2
-    assert f"reached {summary['reached']}/2" in printed
-    assert "speed-up over seeds: median 0.00x, worst 0.00x" in printed
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads((tmp_path / "demo.json").read_text())
+    seeds, summary = report["seeds"], report["summary"]
+    assert [row["seed"] for row in seeds] == [0, 1]
+    header = next(i for i, line in enumerate(lines) if line.startswith("seed  "))
+    rows = lines[header + 1 : header + 1 + len(seeds)]
+    for line, row in zip(rows, seeds, strict=True):  # fixed columns: seed 6, baseline 22, speedkit 22, speed-up 9
+        assert line[:6].strip() == str(row["seed"]), line
+        assert line[6:28].strip() == _seed_cell(row["baseline"]), line
+        assert line[28:50].strip() == _seed_cell(row["speedkit"]), line
+        assert line[50:59].strip() == f"{row['speedup']:.2f}x", line
+        assert line[61:].startswith(f"{row['speedkit']['choices']['precision']}, "), line
+    match = re.fullmatch(
+        r"speed-up over seeds: median (\d+\.\d\d)x, worst (\d+\.\d\d)x, reached (\d+)/(\d+)",
+        lines[header + 1 + len(seeds)],
+    )
+    assert match, lines[header + 1 + len(seeds) :]
+    speedups = [row["speedup"] for row in seeds]
+    assert float(match[1]) == pytest.approx(statistics.median(speedups), abs=0.005)
+    assert float(match[2]) == pytest.approx(min(speedups), abs=0.005)
+    assert (int(match[3]), int(match[4])) == (sum(bool(r["speedkit"]["time_to_target_s"]) for r in seeds), 2)
+    assert (summary["reached"], summary["total"]) == (int(match[3]), int(match[4]))
+    assert speedups == [0.0, 0.0]  # target 1.0 is out of reach in one epoch: every seed is a miss, counted as 0.00x

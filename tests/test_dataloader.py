@@ -392,3 +392,52 @@ def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     saved = json.loads(out.read_text())
     assert saved["rows"][0]["num_workers"] == 0
     assert saved["rows"][4]["tuner"]["decision"]
+
+
+class WorkerData(SlowData):
+    """`SlowData` whose loaders already have worker processes (the setting the user built)."""
+
+    def __init__(self, num_workers: int, persistent_workers: bool) -> None:
+        super().__init__()
+        self.num_workers, self.persistent_workers = num_workers, persistent_workers
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        loader = super().train_dataloader()
+        return DataLoader(
+            loader.dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.persistent_workers,
+        )
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent_workers", "candidate"),
+    [(1, False, {"num_workers": 0}), (2, True, {"num_workers": 1})],
+)
+def test_probing_a_loader_with_workers_does_not_change_training(
+    tmp_path: Path, num_workers: int, persistent_workers: bool, candidate: dict[str, Any]
+) -> None:
+    """A probe that keeps a loader with workers leaves training as a run without the tuner: same batches, same weights.
+
+    The samples' augmentation draws from the workers' RNGs, seeded from the main process when the workers start, so a
+    probe that consumed them, or the main RNG, would change the batches the fit trains on.
+    """
+    weights, reports, loaders = [], [], []
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=16)
+    for callbacks in ([], [DataLoaderTuner(candidates=[candidate], margin=0.99)]):
+        L.seed_everything(0, verbose=False)
+        model = Model()
+        trainer = tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(model, WorkerData(num_workers, persistent_workers))
+        weights.append(model.net.weight.detach().clone())
+        reports.extend(c.report() for c in callbacks)
+        loaders.append((trainer.train_dataloader.num_workers, trainer.train_dataloader.persistent_workers))
+    assert reports[0]["probed"]
+    assert [c["num_workers"] for c in reports[0]["candidates"]] == [candidate["num_workers"]]
+    assert reports[0]["rebuilt"] is False
+    assert loaders == [(num_workers, persistent_workers)] * 2
+    assert torch.equal(weights[0], weights[1])

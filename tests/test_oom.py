@@ -39,6 +39,7 @@ def test_is_oom_error_table(exc: BaseException, expected: bool) -> None:
 
 def test_every_known_message_is_recognised() -> None:
     """Each fragment in OOM_MESSAGES alone makes a RuntimeError an OOM."""
+    assert len(OOM_MESSAGES) >= 5  # a vacuous `all` over an emptied tuple must not pass
     assert all(is_oom_error(RuntimeError(f"prefix {fragment} suffix")) for fragment in OOM_MESSAGES)
 
 
@@ -103,27 +104,34 @@ def test_memory_limit_per_rank_and_mode(
 
 
 def test_memory_limit_raises_a_real_out_of_memory_error_above_the_limit() -> None:
-    """Attached to a module, a batch over the limit raises torch.OutOfMemoryError; eval mode has its own limit."""
+    """Over the limit a batch raises torch.OutOfMemoryError, at it it runs; eval has its own; removing lifts it."""
     model = nn.Linear(4, 2)
     handle = MemoryLimit(8, eval_limit=4).attach(model)
-    model(torch.zeros(8, 4))
+    assert model(torch.zeros(8, 4)).shape == (8, 2)
     with pytest.raises(torch.OutOfMemoryError, match="batch of 9 with room for 8") as info:
         model(torch.zeros(9, 4))
     assert is_oom_error(info.value)
     model.eval()
-    with pytest.raises(torch.OutOfMemoryError, match="room for 4"):
+    assert model(torch.zeros(4, 4)).shape == (4, 2)
+    with pytest.raises(torch.OutOfMemoryError, match="batch of 5 with room for 4"):
         model(torch.zeros(5, 4))
     handle.remove()
-    model(torch.zeros(100, 4))
+    assert model(torch.zeros(100, 4)).shape == (100, 2)
+    model.train()
+    assert model(torch.zeros(100, 4)).shape == (100, 2)
 
 
 def test_memory_limit_travels_with_a_pickled_module() -> None:
-    """The hook pickles with its module (as ddp_spawn does) and still applies."""
+    """The hook pickles with its module (as ddp_spawn does) and still applies, with the same limits."""
     model = nn.Linear(4, 2)
-    MemoryLimit(3).attach(model)
+    MemoryLimit(3, eval_limit=2).attach(model)
     clone = pickle.loads(pickle.dumps(model))
-    with pytest.raises(torch.OutOfMemoryError):
+    assert clone(torch.zeros(3, 4)).shape == (3, 2)
+    with pytest.raises(torch.OutOfMemoryError, match="batch of 4 with room for 3"):
         clone(torch.zeros(4, 4))
+    clone.eval()
+    with pytest.raises(torch.OutOfMemoryError, match="batch of 3 with room for 2"):
+        clone(torch.zeros(3, 4))
 
 
 @pytest.mark.parametrize(
