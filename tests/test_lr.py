@@ -10,7 +10,15 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import lr_scheduler as sched
 
-from lightning_speedkit.lr import param_group_lrs, scale_lrs, scale_trainer_lrs
+from lightning_speedkit.lr import (
+    MIN_SIGNAL,
+    curve_signal,
+    param_group_lrs,
+    range_test_factors,
+    scale_lrs,
+    scale_trainer_lrs,
+    suggest_lr,
+)
 
 Factory = Callable[[torch.optim.Optimizer], Any]
 
@@ -97,3 +105,26 @@ def test_scale_lrs_rejects_bad_factor(factor: Any) -> None:
     """A factor that is not a positive finite number raises ValueError naming `factor`."""
     with pytest.raises(ValueError, match="`factor` must be a positive finite number"):
         scale_lrs(factor, [_optimizer()])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_plateau_curve_suggests_no_lr(seed: int) -> None:
+    """A range test whose loss only wanders around its chance level (noise, no trend) suggests nothing."""
+    g = torch.Generator().manual_seed(seed)
+    losses = (2.35 + 0.07 * torch.randn(60, generator=g)).tolist()
+    lrs = range_test_factors(60, 0.01, 100.0)
+    lr, why = suggest_lr(lrs, losses)
+    assert lr is None
+    assert "no signal" in why
+
+
+def test_a_falling_curve_suggests_an_lr_in_its_valley() -> None:
+    """The same noise on a loss that falls as the LR grows, then blows up, gives a suggestion inside the fall."""
+    g = torch.Generator().manual_seed(0)
+    lrs = range_test_factors(60, 0.01, 100.0)
+    trend = [2.3 - 1.5 * min(1.0, max(0.0, (k - 15) / 30)) + (0.0 if k < 50 else 0.8 * (k - 50)) for k in range(60)]
+    losses = [t + 0.07 * float(e) for t, e in zip(trend, torch.randn(60, generator=g), strict=True)]
+    assert curve_signal(losses) > MIN_SIGNAL
+    lr, _ = suggest_lr(lrs, losses)
+    assert lr is not None
+    assert lrs[15] < lr < lrs[50]
