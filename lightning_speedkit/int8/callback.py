@@ -116,11 +116,11 @@ class Int8Export(Callback):
     ) -> None:
         if calibration_batches is None:
             raise ValueError("`calibration_batches` must be a positive int, got None.")
-        for name, flag in (("symmetric", symmetric), ("verify", verify), ("overwrite", overwrite)):
-            check_bool(name, flag)
         check_bool("use_best_checkpoint", use_best_checkpoint)
         check_export_args(
             symmetric=symmetric,
+            verify=verify,
+            overwrite=overwrite,
             activation_type=activation_type,
             calibration_batches=calibration_batches,
             max_metric_drop=max_metric_drop,

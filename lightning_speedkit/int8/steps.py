@@ -6,18 +6,17 @@ step lives in `lightning_speedkit.int8.to_onnx` and the inputs in `lightning_spe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import types
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from lightning_speedkit.int8.to_onnx import describe_failure, export_onnx
+from lightning_speedkit.int8.to_onnx import describe_failure, export_onnx, quiet_logger
 from lightning_speedkit.timing import median_ms
 
 if TYPE_CHECKING:
@@ -101,24 +100,12 @@ class _Reader:
         return next(self._items, None)
 
 
-@contextlib.contextmanager
-def _quiet_quantizer() -> Iterator[None]:
-    """Silence ONNX Runtime's per-channel notes on 1-D weights (LayerNorm), which it logs on the root logger."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
-
-
 def preprocess(fp32: Path, out: Path) -> None:
     """ONNX Runtime's ``quant_pre_process`` (shape inference, graph clean-up) of ``fp32`` into ``out``."""
     from onnxruntime.quantization import quant_pre_process
 
     large = sum(p.stat().st_size for p in files_of(fp32)) > _EXTERNAL_DATA_BYTES
-    with _quiet_quantizer():
+    with quiet_logger(None):  # ONNX Runtime notes each 1-D weight on the root logger
         quant_pre_process(str(fp32), str(out), save_as_external_data=large)
 
 
@@ -151,7 +138,7 @@ def quantize_qdq(
     pre = fp32 if preprocessed else out.with_name(".pre-" + out.name)
     if not preprocessed:
         preprocess(fp32, pre)
-    with _quiet_quantizer():
+    with quiet_logger(None):  # ONNX Runtime notes each 1-D weight on the root logger
         quantize_static(
             str(pre),
             str(out),

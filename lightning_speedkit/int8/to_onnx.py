@@ -79,9 +79,13 @@ def describe_failure(error: BaseException, model: nn.Module, program: Any = None
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """Silence the exporter's "torchvision is not installed" warnings while it runs."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+def quiet_logger(name: str | None) -> Iterator[None]:
+    """Raise the logger ``name`` (None: the root logger) to ERROR while the block runs.
+
+    The exporter warns that torchvision is not installed (``torch.onnx._internal.exporter._registration``); ONNX
+    Runtime's quantizer notes every 1-D weight (LayerNorm) on the root logger.
+    """
+    logger = logging.getLogger(name)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -139,7 +143,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor | Mapping[str, torch.Ten
         ) from error
     layers: dict[str, str] = {}
     try:
-        with _quiet_exporter():
+        with quiet_logger("torch.onnx._internal.exporter._registration"):
             onnx_program = torch.onnx.export(program, (), kwargs=named, dynamo=True, verbose=False)
         if onnx_program is None:  # only the TorchScript exporter returns None
             raise RuntimeError("torch.onnx.export returned no ONNX program")
