@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import statistics
 import time
@@ -259,6 +260,7 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         "rollbacks": reports.get("TrainingGuard", {}).get("rollbacks", 0),
         "callbacks": [type(c).__name__ for c in ours if type(c).__name__ not in _EVERY_RUN],
         "probe_s": sum(float(r.get("probe_s") or 0.0) for r in reports.values()),
+        "probes": {name: float(r["probe_s"]) for name, r in reports.items() if r.get("probe_s")},
     }
 
 
@@ -326,10 +328,12 @@ def run_seeds(
     0.00x. With ``out_dir`` the report is written to ``demo.json`` there.
 
     Returns:
-        ``{"config", "seeds": [{"seed", "order", "baseline", "speedkit", "speedup"}], "summary"}``, where
-        ``summary`` holds ``median``, ``worst``, ``reached`` and ``total``.
+        ``{"config", "seeds": [{"seed", "order", "baseline", "speedkit", "speedup"}], "summary", "load_average"}``,
+        where ``summary`` holds ``median``, ``worst``, ``reached`` and ``total``, and ``load_average`` the machine's
+        1/5/15-minute load before and after (a busy machine makes every figure noisy).
     """
     rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     for position, seed in enumerate(seeds):
         seeded = dataclasses.replace(config, seed=seed)
         order = VARIANTS if position % 2 == 0 else tuple(reversed(VARIANTS))
@@ -346,6 +350,7 @@ def run_seeds(
         "total": len(rows),
     }
     report = {"config": dataclasses.asdict(config), "seeds": rows, "summary": summary}
+    report["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}  # how quiet the machine was
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")
     return report
