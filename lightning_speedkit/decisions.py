@@ -76,6 +76,24 @@ def choose_setting(step_s: Mapping[str, float | None], current: str, margin: flo
     return current, f"{best} only {100 * gain:.1f}% faster than {current} (margin {100 * margin:.0f}%): kept {current}"
 
 
+def clearly_slower(step_s: Mapping[str, float | None], current: str, margin: float, factor: float = 3.0) -> list[str]:
+    """The candidates so much slower than ``current`` after one round that they are not timed again.
+
+    A candidate whose median step is more than ``factor`` times the margin (and at least 10%) slower than the setting
+    in place cannot plausibly win by ``margin`` in a second round; dropping it halves what it costs. On the demo the
+    loader tuner's two worker settings lost their first round by about 30% and each still ran a second one.
+
+    Example:
+        >>> clearly_slower({"as is": 0.010, "2 workers": 0.013, "1 worker": 0.0105, "failed": None}, "as is", 0.05)
+        ['2 workers']
+    """
+    base = step_s.get(current)
+    if base is None:
+        return []
+    bound = base * (1.0 + max(factor * margin, 0.1))
+    return [name for name, s in step_s.items() if name != current and s is not None and s > bound]
+
+
 def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | None], tolerance: float = 0.1) -> str:
     """An empty string when a trial's losses are finite and not clearly worse than the reference's; else why not.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,37 @@ def test_measure_skips_a_probe_that_cannot_pay_back(tmp_path: Path) -> None:
     assert lever.report["reason"] == (
         "skipped: the probe (12 steps) cannot pay back in 8 steps left (at best 4 saved, 48 needed)"
     )
+
+
+class _Sleep(L.Callback):
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(0.05)  # far slower than a step of this net, on any machine
+
+
+class _SlowSteps(Setting):
+    """A setting whose every step sleeps 50 ms: clearly slower than the setting in place."""
+
+    name = "slow"
+
+    @override
+    def callbacks(self) -> list[L.Callback]:
+        return [_Sleep()]
+
+
+def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_path: Path) -> None:
+    """A candidate that loses the first round by far runs one round only; the others run both; it is not chosen."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.report = measure(trainer, AsIs(), [_SlowSteps(), AsIs("again")], 3, margin=0.05, max_gain=0.5)
+
+    lever = Lever()
+    tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
+    assert lever.report["probed"]
+    assert lever.report["dropped"] == ["slow"]
+    assert [t["setting"] for t in lever.report["trials"]] == ["as is", "slow", "again", "as is", "again"]
+    assert lever.report["decision"] != "slow"  # "as is" or its twin "again": two equal settings, a coin toss
+    assert lever.report["step_s"]["slow"] > lever.report["step_s"]["as is"]
 
 
 def test_a_probe_longer_than_the_loader_is_refused(tmp_path: Path) -> None:

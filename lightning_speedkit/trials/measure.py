@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lightning_speedkit.decisions import choose_setting, loss_is_sound, probe_pays_back
+from lightning_speedkit.decisions import choose_setting, clearly_slower, loss_is_sound, probe_pays_back
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials.session import TrialSession
 from lightning_speedkit.trials.settings import Setting
@@ -61,14 +61,16 @@ def measure(
     Follows the rules of `lightning_speedkit.decisions`: no probe when it cannot pay back within the run (a reason
     says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in place
     first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the median
-    of its timed steps over all rounds. The fastest candidate is chosen only if it beats the setting in place by
-    ``margin``. With ``loss_tolerance``, a candidate whose first-round losses are non-finite or clearly worse than the
-    setting in place's is rejected. Every rank returns the same report; the caller applies ``report["decision"]``.
+    of its timed steps over all rounds. A candidate that the first round shows clearly slower (`clearly_slower`: by
+    over three margins, at least 10%) is not timed again, so a lever that loses costs half. The fastest candidate is
+    chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate whose first-round
+    losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the same
+    report; the caller applies ``report["decision"]``.
 
     Returns:
         ``decision`` (a setting's name), ``reason``, ``probed``, ``probe_s`` (seconds the trials took, set-up
-        included), ``steps_left``, ``step_s`` (median seconds per step by setting), ``rejected`` (setting: why) and
-        ``trials`` (each `TrialResult` as a dict).
+        included), ``steps_left``, ``step_s`` (median seconds per step by setting), ``rejected`` (setting: why),
+        ``dropped`` (candidates timed in the first round only) and ``trials`` (each `TrialResult` as a dict).
 
     Raises:
         ValueError: If the train loader has fewer batches per epoch than ``steps``.
@@ -87,8 +89,14 @@ def measure(
                 f"`probe_steps` must not be longer than the train loader: got {steps}, the loader has {batches}"
                 " batches per epoch."
             )
-        results = [session.run(setting) for _ in range(rounds) for setting in settings]
-    first = results[: len(settings)]
+        first = [session.run(setting) for setting in settings]
+        medians = {
+            r.setting: statistics.median(r.step_s[r.warmup :]) if r.fits and r.step_s[r.warmup :] else None
+            for r in first
+        }
+        dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
+        later = [s for s in settings if s.name not in dropped]
+        results = first + [session.run(setting) for _ in range(rounds - 1) for setting in later]
     for setting, result in zip(settings, first, strict=True):
         problem = result.error if not result.fits else ""
         if not problem and loss_tolerance is not None and result is not first[0]:
@@ -99,7 +107,7 @@ def measure(
             report["rejected"][setting.name] = problem or next(r.error for r in own if not r.fits)
         report["step_s"][setting.name] = statistics.median(timed) if timed and not problem else None
     decision, reason = choose_setting(report["step_s"], current.name, margin)
-    report.update(decision=decision, reason=reason, probed=True, probe_s=session.elapsed_s)
+    report.update(decision=decision, reason=reason, probed=True, probe_s=session.elapsed_s, dropped=dropped)
     report["trials"] = [result.as_dict() for result in results]
     return report
 
