@@ -119,7 +119,9 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
         loss_tolerance: float = 0.1,
     ) -> None:
         if candidates is not None and (
-            isinstance(candidates, str) or not candidates or any(c not in AUTOCAST_PRECISIONS for c in candidates)
+            not isinstance(candidates, (list, tuple))
+            or not candidates
+            or any(c not in AUTOCAST_PRECISIONS for c in candidates)
         ):
             raise ValueError(
                 f"`candidates` must be a non-empty list from {', '.join(AUTOCAST_PRECISIONS)}, got {candidates!r}."

@@ -179,8 +179,10 @@ def default_callbacks(
     for name, value in options:
         if not isinstance(value, (bool, dict)):
             raise ValueError(f"`{name}` must be True, False or a dict of arguments, got {value!r}.")
-    if any(not isinstance(c, Callback) for c in callbacks or ()):
-        raise ValueError(f"`callbacks` must hold lightning Callbacks, got {list(callbacks or ())!r}.")
+    if callbacks is not None and (
+        not isinstance(callbacks, (list, tuple)) or any(not isinstance(c, Callback) for c in callbacks)
+    ):
+        raise ValueError(f"`callbacks` must be a list of lightning Callbacks, got {callbacks!r}.")
     ours: list[Callback] = []
     if channels_last is not False:
         ours.append(ChannelsLast(**_kwargs(channels_last)))

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_speedkit.checks import check_margin, check_probe_steps
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -23,7 +24,6 @@ from lightning_speedkit.dataloader.rebuild import (
     rebuild_dataloader,
     settings_name,
 )
-from lightning_speedkit.decisions import check_margin, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.trials import AsIs, RemembersDecision, measure
@@ -100,7 +100,7 @@ class DataLoaderTuner(RemembersDecision, Callback):
         ):
             raise ValueError(f"`max_workers` must be an int >= 0 or None, got {max_workers!r}.")
         self.margin = check_margin("margin", margin)
-        if candidates is not None and (isinstance(candidates, (str, dict)) or not candidates):
+        if candidates is not None and (not isinstance(candidates, (list, tuple)) or not candidates):
             raise ValueError(f"`candidates` must be a non-empty list of settings dicts or None, got {candidates!r}.")
         for candidate in candidates or ():
             if not _valid_candidate(candidate):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -14,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.batch import first_tensor
+from lightning_speedkit.checks import check_bool, check_int, check_number
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
@@ -90,17 +90,14 @@ class UtilizationMonitor(Callback):
         sampler: Callable[[torch.device], DeviceSampler] | None = None,
         summary: bool = True,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"`window` must be a positive int, got {window!r}.")
-        if not 0.0 < warn_util_below <= 1.0:
-            raise ValueError(f"`warn_util_below` must be in (0, 1], got {warn_util_below!r}.")
-        if not 0.0 <= warn_data_wait_above < 1.0:
-            raise ValueError(f"`warn_data_wait_above` must be in [0, 1), got {warn_data_wait_above!r}.")
+        check_int("window", window)
+        check_number("warn_util_below", warn_util_below, 0, 1, open_low=True)
+        check_number("warn_data_wait_above", warn_data_wait_above, 0, 1, open_high=True)
         for name, value in (("peak_flops", peak_flops), ("flops_per_batch", flops_per_batch)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"`{name}` must be a positive number or None, got {value!r}.")
-        if not (isinstance(sample_interval, (int, float)) and sample_interval > 0):
-            raise ValueError(f"`sample_interval` must be a positive number of seconds, got {sample_interval!r}.")
+            if value is not None:
+                check_number(name, value, 0, open_low=True)
+        check_number("sample_interval", sample_interval, 0, open_low=True)
+        check_bool("summary", summary)
         self.window = window
         self.warn_util_below = warn_util_below
         self.warn_data_wait_above = warn_data_wait_above
