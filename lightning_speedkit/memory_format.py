@@ -20,7 +20,8 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
-from lightning_speedkit.decisions import check_margin, check_probe_steps, probe_pays_back
+from lightning_speedkit.checks import check_margin, check_probe_steps
+from lightning_speedkit.decisions import probe_pays_back
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,

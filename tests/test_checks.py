@@ -119,9 +119,3 @@ def test_decisions_reexports_the_same_checks() -> None:
 
     assert decisions.check_margin is checks.check_margin
     assert decisions.check_probe_steps is checks.check_probe_steps
-
-
-def test_no_private_copy_of_the_int_check_is_left() -> None:
-    """No module of the package defines its own ``_is_int``: they all use `lightning_speedkit.checks.is_int`."""
-    copies = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "def _is_int(" in p.read_text()]
-    assert copies == []

@@ -186,6 +186,19 @@ def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_pa
     assert lever.report["step_s"]["slow"] > lever.report["step_s"]["as is"]
 
 
+def test_when_every_candidate_is_clearly_slower_no_second_round_runs(tmp_path: Path) -> None:
+    """With its only candidate dropped after the first round, the setting in place is not timed alone again."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.report = measure(trainer, AsIs(), [_SlowSteps()], 3, margin=0.05, max_gain=0.5)
+
+    lever = Lever()
+    tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
+    assert [t["setting"] for t in lever.report["trials"]] == ["as is", "slow"]
+    assert (lever.report["decision"], lever.report["dropped"]) == ("as is", ["slow"])
+
+
 def test_a_probe_longer_than_the_loader_is_refused(tmp_path: Path) -> None:
     """More probe steps than the train loader has batches: a ValueError naming `probe_steps` and both numbers."""
 

@@ -21,7 +21,7 @@ from lightning_speedkit.checks import check_int, check_number
 from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
-from lightning_speedkit.report import write_json_atomic
+from lightning_speedkit.report import collect_reports, write_json_atomic
 
 __all__ = [
     "ABLATION",
@@ -239,10 +239,7 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     from lightning_speedkit.warmup import WarmupScheduler
 
     ours = [c for c in trainer.callbacks if type(c).__module__.startswith("lightning_speedkit")]  # type: ignore[attr-defined]
-    reports: dict[str, dict[str, Any]] = {}
-    for callback in ours:
-        if callable(getattr(callback, "report", None)):
-            reports[type(callback).__name__] = dict(callback.report())
+    reports, _ = collect_reports(ours)
     finder = reports.get("LRFinder", {})
     warmup = next((c for c in ours if isinstance(c, WarmupScheduler)), None)
     schedule = "constant"

@@ -62,10 +62,10 @@ def measure(
     says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in place
     first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the median
     of its timed steps over all rounds. A candidate that the first round shows clearly slower (`clearly_slower`: by
-    over three margins, at least 10%) is not timed again, so a lever that loses costs half. The fastest candidate is
-    chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate whose first-round
-    losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the same
-    report; the caller applies ``report["decision"]``.
+    over three margins, at least 10%) is not timed again, and when all are, no second round runs. The fastest
+    candidate is chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate whose
+    first-round losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the
+    same report; the caller applies ``report["decision"]``.
 
     Returns:
         ``decision`` (a setting's name), ``reason``, ``probed``, ``probe_s`` (seconds the trials took, set-up
@@ -79,7 +79,7 @@ def measure(
     left = steps_left(trainer)
     pays, why = probe_pays_back(steps * rounds * len(settings), left, max_gain)
     report: dict[str, Any] = {"decision": current.name, "reason": why, "probed": False, "probe_s": 0.0}
-    report.update(steps_left=None if math.isinf(left) else left, step_s={}, rejected={}, trials=[])
+    report.update(steps_left=None if math.isinf(left) else left, step_s={}, rejected={}, dropped=[], trials=[])
     if not pays:
         return report
     with TrialSession(trainer, steps, warmup) as session:
@@ -96,6 +96,7 @@ def measure(
         }
         dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
         later = [s for s in settings if s.name not in dropped]
+        later = later if len(later) > 1 else []  # every candidate dropped: the decision is made
         results = first + [session.run(setting) for _ in range(rounds - 1) for setting in later]
     for setting, result in zip(settings, first, strict=True):
         problem = result.error if not result.fits else ""

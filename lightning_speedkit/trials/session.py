@@ -22,7 +22,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
-from lightning_speedkit.decisions import check_probe_steps
+from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.timing import StepTimer
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
