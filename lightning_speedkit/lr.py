@@ -270,8 +270,9 @@ def curve_signal(losses: Sequence[float], beta: float = 0.9) -> float:
     The fall is from the mean of the first tenth-to-quarter of the steps (at most 10) to the lowest smoothed loss
     after them. The noise of one loss is estimated from the median step-to-step difference (robust to the trend and
     to one spike; ``0.954 s`` for Gaussian noise of sd ``s``), and the fall's own spread from that. A net that sits at
-    its chance loss for hundreds of steps (the demo's ResNet does) gives a curve whose "valley" is noise: measured
-    0.3-1.7 on seeds 0-4, against 5-29 on small nets that learn within the test (``tests/test_lr_finder.py``).
+    its chance loss for hundreds of steps (the demo's ResNet does) gives a curve whose "valley" is noise: 0.3-2.0 on
+    seeds 0-4 (``benchmarks/results/demo.json``); the small nets of ``tests/test_lr_finder.py``, which learn within the
+    test, score well above `MIN_SIGNAL` and get their suggestion.
 
     Example:
         >>> curve_signal([2.3, 2.3, 2.2, 1.9, 1.4, 1.0, 0.9, 3.0, 20.0], beta=0.0) > MIN_SIGNAL
