@@ -180,8 +180,13 @@ def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_pa
     lever = Lever()
     tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
     assert lever.report["probed"]
-    assert lever.report["dropped"] == ["slow"]
-    assert [t["setting"] for t in lever.report["trials"]] == ["as is", "slow", "again", "as is", "again"]
+    assert "slow" in lever.report["dropped"]
+    names = [t["setting"] for t in lever.report["trials"]]
+    assert names[:3] == ["as is", "slow", "again"]  # the first round times every setting
+    if "again" in lever.report["dropped"]:  # its twin can lose a round of ~1 ms steps by chance on a busy machine
+        assert names[3:] == []
+    else:
+        assert names[3:] == ["as is", "again"]
     assert lever.report["decision"] != "slow"  # "as is" or its twin "again": two equal settings, a coin toss
     assert lever.report["step_s"]["slow"] > lever.report["step_s"]["as is"]
 
