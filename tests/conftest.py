@@ -5,9 +5,11 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -70,14 +73,45 @@ class TinyClassifier(L.LightningModule):
         return DataLoader(self._data(1), batch_size=self.batch_size)
 
 
-class EndProcessGroup(L.Callback):
-    """At the end of a spawned DDP rank's fit, wait for the other ranks, then tear the gloo group down.
+class KeyLogger(Logger):
+    """A logger that remembers which metric keys reached it (on whatever rank it was called)."""
 
-    A ``ddp_spawn`` rank leaves through a full interpreter shutdown. If a gloo or autograd C++ thread still holds
-    Python objects then, it aborts the rank in CPython's thread exit ("terminate called without an active
-    exception", ``std::terminate`` under ``PyThread_exit_thread`` in a core dump of a failed run), about one run in
-    six here, after the fit itself ended well. Ending the group while Python is alive lets those threads finish.
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[str] = set()
+
+    @property
+    @override
+    def name(self) -> str:
+        return "keys"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.keys.update(metrics)
+
+
+class SpawnedRank(L.Callback):
+    """Start and end a ``ddp_spawn`` rank of the tests as a ``strategy="ddp"`` rank would, so it cannot abort at exit.
+
+    A spawned rank inherits the start method ``spawn`` and leaves through a full interpreter shutdown, and so do its
+    loader workers. A C++ thread still working then (a worker's queue feeder pickling a batch under
+    ``THPStorage_shareFd``; a gloo or autograd thread holding Python objects) is killed in ``PyThread_exit_thread``
+    and ``std::terminate`` aborts the process, after the fit itself went well: seen in core dumps of CI and local
+    runs, one run in three to six. So the rank forks its loader workers (a forked worker leaves by ``os._exit``), and
+    at the end waits for the other ranks and tears the gloo group down while Python is alive.
     """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        multiprocessing.set_start_method("fork", force=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -87,7 +121,7 @@ class EndProcessGroup(L.Callback):
 
 
 def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
-    """A quiet CPU Trainer for tests; keyword arguments override the defaults (``ddp_spawn`` ends its group)."""
+    """A quiet CPU Trainer for tests; keyword arguments override the defaults (``ddp_spawn`` adds `SpawnedRank`)."""
     defaults: dict[str, object] = {
         "default_root_dir": tmp_path,
         "accelerator": "cpu",
@@ -101,7 +135,7 @@ def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
     defaults.update(kwargs)
     strategy = defaults.get("strategy", "")
     if "spawn" in str(getattr(strategy, "_start_method", strategy)):
-        defaults["callbacks"] = [*(defaults.get("callbacks") or []), EndProcessGroup()]  # type: ignore[misc]
+        defaults["callbacks"] = [*(defaults.get("callbacks") or []), SpawnedRank()]  # type: ignore[misc]
     return L.Trainer(**defaults)  # type: ignore[arg-type]
 
 
@@ -137,6 +171,18 @@ def tiny_model() -> TinyClassifier:
     """A fresh, seeded TinyClassifier."""
     L.seed_everything(0, verbose=False)
     return TinyClassifier()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while steps are timed, as gpu_check's rehearsal runs; put back afterwards.
+
+    On a shared 2-core machine two threads stall for whole time slices.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import KeyLogger, TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -143,32 +142,6 @@ class _StopAfter(L.Callback):
             trainer.should_stop = True
 
 
-class _KeyLogger(Logger):
-    """Remembers the metric keys that reached it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: set[str] = set()
-
-    @property
-    @override
-    def name(self) -> str:
-        return "keys"
-
-    @property
-    @override
-    def version(self) -> int:
-        return 0
-
-    @override
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.keys.update(metrics)
-
-    @override
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 def _ours(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("Compile:")]
 
@@ -190,7 +163,7 @@ def test_a_short_budget_stays_eager_and_a_long_one_compiles(
 ) -> None:
     """Eager 100 ms, compiled 80 ms, compile 10 s (injected): 200 steps cannot repay it, 800 can; the module follows."""
     L.seed_everything(0, verbose=False)
-    model, logger = TinyClassifier(), _KeyLogger()
+    model, logger = TinyClassifier(), KeyLogger()
     callback = _Injected(eager_ms=100.0, compiled_ms=80.0, compile_s=10.0)
     trainer = tiny_trainer(
         tmp_path, max_epochs=-1, max_steps=max_steps, callbacks=[callback, _StopAfter(10)], logger=logger

@@ -5,10 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import multiprocessing
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +93,6 @@ def epochs_to_probe(settings: int, probe_steps: int, batches_per_epoch: int) -> 
     probe = probe_steps * PROBE_ROUNDS * settings
     steps = next(n for n in itertools.count(1) if probe_pays_back(probe, n, DataLoaderTuner.MAX_GAIN)[0])
     return math.ceil(steps / batches_per_epoch)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread while steps are timed: on a shared 2-core machine two threads stall for whole time slices."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -340,19 +329,6 @@ class _RecordLoaders(L.Callback):
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-class _ForkWorkers(L.Callback):
-    """Start the loader's workers by fork in each rank, as the ranks of ``strategy="ddp"`` do.
-
-    A ``ddp_spawn`` rank inherits the start method ``spawn``, so its workers are whole interpreters that finalize on
-    exit; a worker told to stop while its queue's feeder thread still pickles a batch then aborts in CPython's
-    thread exit (``std::terminate`` under ``THPStorage_shareFd``, seen in a core dump of this test on CI), and the
-    trial's worker shutdown raises "killed by signal: Aborted". A forked worker leaves by ``os._exit`` and cannot.
-    """
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        multiprocessing.set_start_method("fork", force=True)
-
-
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_ddp_ranks_agree(tmp_path: Path) -> None:
@@ -363,7 +339,7 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
         strategy="ddp_spawn",
         devices=2,
         max_epochs=epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=40),  # 160 samples a rank
-        callbacks=[_ForkWorkers(), tuner, _RecordLoaders(tmp_path)],
+        callbacks=[tuner, _RecordLoaders(tmp_path)],
         limit_val_batches=2,
     )
     trainer.fit(Model(), SlowData(delay=0.005, n=320))

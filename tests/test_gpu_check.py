@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,15 +37,6 @@ def nvmlShutdown():
 def gpu_check() -> ModuleType:
     """The script, imported as a module."""
     return load_benchmark("gpu_check")
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Torch on one thread, as the rehearsal runs it, put back afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _env(tmp_path: Path, demo_cache: Path) -> dict[str, str]:

@@ -22,12 +22,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import TinyClassifier
+from conftest import KeyLogger, TinyClassifier
 
 from lightning_speedkit import (
     BatchSizeFinder,
@@ -68,32 +67,6 @@ class LrRecorder(Callback):
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.lrs[trainer.global_step] = float(optimizer.param_groups[0]["lr"])
-
-
-class KeyLogger(Logger):
-    """A logger that remembers which metric keys reached it (on whatever rank it was called)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: set[str] = set()
-
-    @property
-    @override
-    def name(self) -> str:
-        return "keys"
-
-    @property
-    @override
-    def version(self) -> int:
-        return 0
-
-    @override
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.keys.update(metrics)
 
 
 def combined_callbacks(export_dir: Path | None) -> list[Callback]:
