@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from lightning_speedkit.checks import check_int, is_int
 from lightning_speedkit.hardware import CpuInfo, GpuInfo
 
 __all__ = [
@@ -106,7 +107,7 @@ def placement(
     chosen: tuple[GpuInfo, ...] = ()
     if devices == "auto" or (on_gpu and devices == -1):
         count = available if on_gpu else 1
-    elif isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+    elif is_int(devices, 1):
         count = devices
     elif on_gpu and isinstance(devices, (list, tuple)) and _distinct_ints(devices):
         chosen = tuple(gpu for gpu in gpus if gpu.index in devices)
@@ -183,9 +184,8 @@ def strategy_choice(processes: int, num_nodes: int = 1, accelerator: str = "cpu"
         >>> strategy_choice(2)["reason"]
         '2 processes (devices=2): one per CPU process, DDP over gloo, gradient_as_bucket_view'
     """
-    for name, value in (("processes", processes), ("num_nodes", num_nodes)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    check_int("processes", processes)
+    check_int("num_nodes", num_nodes)
     gpu = accelerator in ("gpu", "cuda")
     world = processes * num_nodes
     if world == 1:
@@ -283,5 +283,5 @@ def _describe(gpus: Sequence[GpuInfo]) -> str:
 
 
 def _distinct_ints(values: Sequence[Any]) -> bool:
-    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    ints = [v for v in values if is_int(v, 0)]
     return bool(values) and len(ints) == len(values) == len(set(ints))

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_speedkit.checks import check_int
+
 __all__ = ["StepTime", "StepTimer", "WindowStats", "median_fractions", "median_ms", "summarize"]
 
 
@@ -152,10 +154,8 @@ class StepTimer:
     """
 
     def __init__(self, window: int = 20, device: torch.device | str | None = None, max_pending: int = 64) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"`window` must be a positive int, got {window!r}.")
-        if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
-            raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}.")
+        check_int("window", window)
+        check_int("max_pending", max_pending)
         self.window = window
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"

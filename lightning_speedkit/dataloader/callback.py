@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_speedkit.checks import check_margin, check_probe_steps
+from lightning_speedkit.checks import check_int, check_margin, check_probe_steps
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -95,10 +95,7 @@ class DataLoaderTuner(RemembersDecision, Callback):
         margin: float = 0.05,
     ) -> None:
         check_probe_steps("probe_steps", probe_steps)
-        if max_workers is not None and (
-            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 0
-        ):
-            raise ValueError(f"`max_workers` must be an int >= 0 or None, got {max_workers!r}.")
+        check_int("max_workers", max_workers, low=0, optional=True)
         self.margin = check_margin("margin", margin)
         if candidates is not None and (not isinstance(candidates, (list, tuple)) or not candidates):
             raise ValueError(f"`candidates` must be a non-empty list of settings dicts or None, got {candidates!r}.")

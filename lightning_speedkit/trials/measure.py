@@ -90,10 +90,7 @@ def measure(
                 " batches per epoch."
             )
         first = [session.run(setting) for setting in settings]
-        medians = {
-            r.setting: statistics.median(r.step_s[r.warmup :]) if r.fits and r.step_s[r.warmup :] else None
-            for r in first
-        }
+        medians = {r.setting: r.median_step_s for r in first}
         dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
         later = [s for s in settings if s.name not in dropped]
         later = later if len(later) > 1 else []  # every candidate dropped: the decision is made
