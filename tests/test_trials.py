@@ -126,6 +126,29 @@ def test_every_trial_starts_from_the_same_state_and_batches(tmp_path: Path) -> N
     assert twice.losses[0] == twice.losses[1]
 
 
+def test_a_session_on_the_cpu_leaves_garbage_to_python_and_counts_its_clean_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a successful session runs no ``gc.collect()`` on exit, and ``elapsed_s`` includes the clean-up.
+
+    A full collection costs ~0.2 s in the demo's process; ``probe_s`` of every lever is ``elapsed_s``.
+    """
+    collected: list[int] = []
+    monkeypatch.setattr("gc.collect", lambda *args: collected.append(1) or 0)
+
+    class Timed(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            started = time.perf_counter()
+            with TrialSession(trainer, steps=3) as session:
+                session.run(AsIs())
+            self.outside, self.inside = time.perf_counter() - started, session.elapsed_s
+
+    timed = Timed()
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[timed]).fit(_Dropout())
+    assert collected == []
+    assert 0 < timed.inside <= timed.outside
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_under_ddp_trials_leave_both_ranks_as_without_them(tmp_path: Path) -> None:

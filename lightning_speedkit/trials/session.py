@@ -355,8 +355,10 @@ class TrialSession:
         else:
             fit_loop._combined_loader = None
         fit_loop.epoch_loop.val_loop._combined_loader = None
-        self.elapsed_s = time.perf_counter() - self._started
-        release_memory()
+        # A failed trial was collected in `run`; on an accelerator, cycles may still pin device memory that the
+        # run needs (a batch-size trial's activations). On the CPU the collector frees them in its own time.
+        release_memory(collect=trainer.strategy.root_device.type != "cpu")
+        self.elapsed_s = time.perf_counter() - self._started  # all of the session's cost, clean-up included
 
 
 def _reset_grad_scaler(plugin: Any) -> None:
