@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_speedkit.checks import is_int, is_number
+from lightning_speedkit.checks import check_number, is_int, is_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -292,11 +292,14 @@ def curve_signal(losses: Sequence[float], beta: float = 0.9) -> float:
     return math.inf if spread == 0 else fall / spread
 
 
-def suggest_lr(lrs: Sequence[float], losses: Sequence[float], beta: float = 0.9) -> tuple[float | None, str]:
+def suggest_lr(
+    lrs: Sequence[float], losses: Sequence[float], beta: float = 0.9, min_signal: float = MIN_SIGNAL
+) -> tuple[float | None, str]:
     """The LR an LR range test suggests (None if none), and why: the valley of the smoothed curve.
 
-    No LR is suggested when the loss never falls, or falls by less than `MIN_SIGNAL` times its noise
-    (`curve_signal`): the valley of a flat, noisy curve is noise, and following it moved the demo's LR by x0.17.
+    No LR is suggested when the loss never falls, or falls by less than ``min_signal`` times its noise
+    (`curve_signal`; default `MIN_SIGNAL`): the valley of a flat, noisy curve is noise, and following it moved the
+    demo's LR by x0.17. ``min_signal=0`` follows any valley, as fastai's rule does.
 
     Example:
         >>> lrs = [1e-4 * 10 ** (k / 2) for k in range(9)]
@@ -312,10 +315,11 @@ def suggest_lr(lrs: Sequence[float], losses: Sequence[float], beta: float = 0.9)
     index = valley_index(smoothed)
     if index is None:
         return None, f"the loss never fell over {usable} steps"
+    min_signal = check_number("min_signal", min_signal, 0)
     signal = curve_signal(losses[:usable], beta)
-    if signal < MIN_SIGNAL:
+    if signal < min_signal:
         return None, (
-            f"the loss fell only {signal:.1f}x its noise over {usable} steps ({MIN_SIGNAL:g}x needed): a plateau, no"
+            f"the loss fell only {signal:.1f}x its noise over {usable} steps ({min_signal:g}x needed): a plateau, no"
             " signal to follow"
         )
     drops = [k for k in range(1, len(smoothed)) if smoothed[k] < smoothed[k - 1]]

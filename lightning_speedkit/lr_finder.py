@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_number, check_probe_steps
 from lightning_speedkit.lr import (
+    MIN_SIGNAL,
     diverged,
     param_group_lrs,
     range_test_factors,
@@ -95,11 +96,13 @@ class LRFinder(trials.RemembersDecision, Callback):
         divergence: The test stops when the smoothed loss exceeds this multiple of its minimum.
         smoothing: The loss's exponential smoothing factor, in [0, 1).
         max_fraction: Skip the test when it would take more than this fraction of the steps left, in (0, 1].
+        min_signal: Suggest nothing (keep the user's LR) unless the loss fell by at least this many times its noise
+            during the test (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
 
     Raises:
         ValueError: For ``steps`` below 5, non-positive factors or scales, ``end_factor <= start_factor``,
-            ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1) or ``max_fraction`` outside
-            (0, 1].
+            ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1), ``max_fraction`` outside
+            (0, 1] or a negative ``min_signal``.
 
     Logged metrics: ``speedkit/lr_finder/scale``, ``speedkit/lr_finder/suggested_lr``, ``speedkit/lr_finder/probe_s``.
 
@@ -118,6 +121,7 @@ class LRFinder(trials.RemembersDecision, Callback):
         divergence: float = 4.0,
         smoothing: float = 0.9,
         max_fraction: float = 0.15,
+        min_signal: float = MIN_SIGNAL,
     ) -> None:
         self.steps = check_probe_steps("steps", steps, low=5)
         start = check_number("start_factor", start_factor, 0, open_low=True)
@@ -129,6 +133,7 @@ class LRFinder(trials.RemembersDecision, Callback):
         check_number("divergence", divergence, 1, open_low=True)
         check_number("smoothing", smoothing, 0, 1, open_high=True)
         check_number("max_fraction", max_fraction, 0, 1, open_low=True)
+        self.min_signal = check_number("min_signal", min_signal, 0)
         self.divergence, self.smoothing, self.max_fraction = float(divergence), float(smoothing), float(max_fraction)
         self._decision: dict[str, Any] = {}
 
@@ -185,7 +190,7 @@ class LRFinder(trials.RemembersDecision, Callback):
         if not result.fits:
             report.update(suggested_lr=None, chosen_lr=user_lr, scale=1.0, reason=f"the test failed: {result.error}")
             return report
-        suggested, why = suggest_lr(lrs, losses, self.smoothing)
+        suggested, why = suggest_lr(lrs, losses, self.smoothing, self.min_signal)
         if suggested is None:
             report.update(suggested_lr=None, chosen_lr=user_lr, scale=1.0, reason=f"no suggestion: {why}")
             rank_zero_warn(f"LRFinder: no LR suggested ({why}); the LR is left as it is.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ __all__ = [
     "collect_reports",
     "flatten_reports",
     "log_rank_zero",
+    "quiet_logger",
     "write_json_atomic",
     "write_text_atomic",
 ]
@@ -199,3 +201,25 @@ def log_rank_zero(trainer: pl.Trainer, metrics: dict[str, float], step: int | No
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str | None, level: int = logging.ERROR) -> Iterator[None]:
+    """Raise the logger ``name`` (None: the root logger) to ``level`` while the block runs, then put it back.
+
+    For messages that say nothing to the user here: the ONNX exporter's "torchvision is not installed"
+    (``torch.onnx._internal.exporter._registration``), ONNX Runtime's quantizer noting every 1-D weight on the root
+    logger, and Lightning's "`Trainer.fit` stopped: `max_steps=4` reached." after every trial's steps.
+
+    Example:
+        >>> with quiet_logger("lightning.pytorch.utilities.rank_zero", logging.WARNING):
+        ...     logging.getLogger("lightning.pytorch.utilities.rank_zero").isEnabledFor(logging.INFO)
+        False
+    """
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

@@ -67,6 +67,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.LRFinder, {"max_scale": "big"}, "max_scale", "'big'"),
     (speedkit.LRFinder, {"steps": 2}, "steps", "2"),
     (speedkit.LRFinder, {"divergence": 1.0}, "divergence", "1.0"),
+    (speedkit.LRFinder, {"min_signal": -1.0}, "min_signal", "-1.0"),
     (speedkit.TrainingGuard, {"backoff": 1.0}, "backoff", "1.0"),
     (speedkit.TrainingGuard, {"backoff": 0}, "backoff", "0"),
     (speedkit.TrainingGuard, {"max_rollbacks": -1}, "max_rollbacks", "-1"),

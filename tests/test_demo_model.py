@@ -119,3 +119,19 @@ def test_demo_model_learns(demo_cache: Path) -> None:
     assert run["final_val_acc"] >= 0.5
     accuracies = [point["val_acc"] for point in run["timeline"]]
     assert max(accuracies) > accuracies[0]
+
+
+def test_demo_rules_benchmark_runs_every_way_and_restores_the_drop(tmp_path: Path, demo_cache: Path) -> None:
+    """benchmarks/demo_rules.py runs the three ways on a seed, writes the JSON, and puts the first-round drop back."""
+    from conftest import load_benchmark
+
+    from lightning_speedkit.decisions import clearly_slower
+    from lightning_speedkit.trials import measure as measure_function
+
+    bench = load_benchmark("demo_rules")
+    config = DemoConfig.quick(num_images=100, max_epochs=1, cache_dir=str(demo_cache))
+    result = bench.run([0], config, out=tmp_path / "rules.json")
+    assert [row["way"] for row in result["rows"]] == list(bench.WAYS)
+    assert set(result["summary"]) == set(bench.WAYS)
+    assert json.loads((tmp_path / "rules.json").read_text())["summary"] == result["summary"]
+    assert measure_function.__globals__["clearly_slower"] is clearly_slower

@@ -118,6 +118,18 @@ def test_a_plateau_curve_suggests_no_lr(seed: int) -> None:
     assert "no signal" in why
 
 
+def test_min_signal_zero_follows_the_valley_of_a_plateau() -> None:
+    """``min_signal=0`` (fastai's behaviour) suggests the plateau's noisy valley; a negative one is refused."""
+    g = torch.Generator().manual_seed(0)
+    losses = (2.35 + 0.07 * torch.randn(60, generator=g)).tolist()
+    lrs = range_test_factors(60, 0.01, 100.0)
+    lr, why = suggest_lr(lrs, losses, min_signal=0.0)
+    assert lr is not None
+    assert why.startswith("valley")
+    with pytest.raises(ValueError, match=r"`min_signal` must be a number >= 0, got -0\.5"):
+        suggest_lr(lrs, losses, min_signal=-0.5)
+
+
 def test_a_falling_curve_suggests_an_lr_in_its_valley() -> None:
     """The same noise on a loss that falls as the LR grows, then blows up, gives a suggestion inside the fall."""
     g = torch.Generator().manual_seed(0)

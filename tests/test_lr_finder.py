@@ -136,6 +136,7 @@ def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
         ({"divergence": 1.0}, "`divergence`"),
         ({"smoothing": 1.0}, "`smoothing`"),
         ({"max_fraction": 0.0}, "`max_fraction`"),
+        ({"min_signal": -1.0}, "`min_signal`"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_speedkit.trials import AsIs, BatchSize, Setting, TrialSession, measure
+from lightning_speedkit.trials.session import LIGHTNING_INFO
 
 
 class _Dropout(TinyClassifier):
@@ -147,6 +149,23 @@ def test_a_session_on_the_cpu_leaves_garbage_to_python_and_counts_its_clean_up(
     tiny_trainer(tmp_path, max_epochs=1, callbacks=[timed]).fit(_Dropout())
     assert collected == []
     assert 0 < timed.inside <= timed.outside
+
+
+def test_trials_hold_back_lightning_info_lines_about_their_own_loops(tmp_path: Path) -> None:
+    """No "`Trainer.fit` stopped: `max_steps=3` reached." per trial; the run's own lines and the level come back."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(LIGHTNING_INFO)
+    logger.addHandler(handler)
+    level = logger.level
+    try:
+        _fit(tmp_path, "quiet", trials=True, max_steps=12)
+    finally:
+        logger.removeHandler(handler)
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." not in records
+    assert "`Trainer.fit` stopped: `max_steps=12` reached." in records  # the run's own line still shows
+    assert logger.level == level
 
 
 @pytest.mark.slow

@@ -137,12 +137,18 @@ class Timeline(L.Callback):
 
 
 def train_variant(
-    config: DemoConfig, variant: str, out_dir: str | Path | None = None, progress: bool = True
+    config: DemoConfig,
+    variant: str,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    callbacks: Sequence[L.Callback] = (),
 ) -> dict[str, Any]:
     """Train one variant until ``val_acc >= config.target_acc`` (or ``max_epochs``) and measure it.
 
     The clock starts just before ``trainer.fit``: dataset caching, loader probing and everything else speedkit
-    does is counted. Both variants carry a `UtilizationMonitor` so each gets a diagnosis.
+    does is counted. Both variants carry a `UtilizationMonitor` so each gets a diagnosis. ``callbacks`` are added to
+    the run (for benchmarks that change one lever, e.g. ``LRFinder(min_signal=0)``; under ``preset`` one of a type
+    preset adds replaces preset's); ``speedkit demo`` passes none.
 
     Returns:
         ``time_to_target_s`` (None when not reached), ``total_s``, ``epochs``, ``final_val_acc``, ``samples_per_s``
@@ -189,7 +195,12 @@ def train_variant(
     monitor = UtilizationMonitor(window=50)
     if use_preset:
         trainer = preset(
-            devices=1, logger=False, verbose=progress, lr="auto", callbacks=[monitor, timeline, stop], **common
+            devices=1,
+            logger=False,
+            verbose=progress,
+            lr="auto",
+            callbacks=[*callbacks, monitor, timeline, stop],
+            **common,
         )
     else:
         extra = [ChannelsLast()] if "channels_last" in levers else []
@@ -197,7 +208,7 @@ def train_variant(
             accelerator="gpu" if torch.cuda.is_available() else "cpu",  # the device preset would choose
             devices=1,
             precision=config.precision,  # type: ignore[arg-type]
-            callbacks=[*extra, monitor, timeline, stop],
+            callbacks=[*extra, *callbacks, monitor, timeline, stop],
             logger=False,
             **common,
         )

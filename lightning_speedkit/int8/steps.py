@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lightning_speedkit.int8.to_onnx import describe_failure, export_onnx, quiet_logger
+from lightning_speedkit.int8.to_onnx import describe_failure, export_onnx
+from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import median_ms
 
 if TYPE_CHECKING:

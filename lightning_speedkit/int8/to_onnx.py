@@ -6,10 +6,9 @@ failure names the operator and the layer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_speedkit.int8.inputs import dynamic_shapes, named_inputs, with_batch_of_two
+from lightning_speedkit.report import quiet_logger
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +76,6 @@ def describe_failure(error: BaseException, model: nn.Module, program: Any = None
         root = root.__cause__
     lines = str(root).strip().splitlines()
     return f"{where or 'somewhere in the model'}: {type(root).__name__}: {lines[0] if lines else ''}"
-
-
-@contextlib.contextmanager
-def quiet_logger(name: str | None) -> Iterator[None]:
-    """Raise the logger ``name`` (None: the root logger) to ERROR while the block runs.
-
-    The exporter warns that torchvision is not installed (``torch.onnx._internal.exporter._registration``); ONNX
-    Runtime's quantizer notes every 1-D weight (LayerNorm) on the root logger.
-    """
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _name_dimensions(graph: Any) -> None:

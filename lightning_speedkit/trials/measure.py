@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -11,8 +12,8 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.decisions import choose_setting, clearly_slower, loss_is_sound, probe_pays_back
-from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.trials.session import TrialSession
+from lightning_speedkit.report import log_rank_zero, quiet_logger
+from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
 from lightning_speedkit.trials.settings import Setting
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def steps_left(trainer: pl.Trainer) -> float:
     """
     fit_loop = trainer.fit_loop
     built = fit_loop._combined_loader is not None
-    with isolate_rng(include_cuda=torch.cuda.is_available()):
+    with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
         estimated = trainer.estimated_stepping_batches
     if not built and fit_loop._combined_loader is not None:
         if fit_loop._data_fetcher is not None:

@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_speedkit.batch import batch_size_of
 from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
+from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
 
@@ -32,7 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrialSession"]
+__all__ = ["LIGHTNING_INFO", "TrialSession"]
+
+LIGHTNING_INFO = "lightning.pytorch.utilities.rank_zero"
+"""Lightning's ``rank_zero_info`` logger: quiet (WARNING) during trials, whose every run would otherwise end with
+"`Trainer.fit` stopped: `max_steps=4` reached." and "Loading `train_dataloader` to estimate ..." lines."""
 
 
 class _PeerOutOfMemory(Exception):
@@ -117,7 +122,8 @@ class TrialSession:
     and loop limits too, and the dataloaders are rebuilt at their next use. So every trial trains on the same batches
     from the same weights, and the run that follows is exactly the run without trials. Trials run with gradient
     all-reduce blocked (``strategy.block_backward_sync``): memory is the same (DDP's buckets exist from its
-    construction), and a rank that runs out of memory cannot leave the others waiting inside backward.
+    construction), and a rank that runs out of memory cannot leave the others waiting inside backward. Lightning's
+    info lines about the trials' own loops ("`Trainer.fit` stopped: `max_steps=4` reached.") are held back.
 
     Args:
         trainer: The Trainer, in ``on_fit_start`` (optimizers set up, strategy wrapped).
@@ -139,11 +145,13 @@ class TrialSession:
         self.elapsed_s = 0.0
         self._started = 0.0
         self._saved: dict[str, Any] = {}
+        self._quiet = contextlib.ExitStack()
 
     def __enter__(self) -> TrialSession:
         trainer, module, fit_loop = self.trainer, self.trainer.lightning_module, self.trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
         self._started = time.perf_counter()
+        self._quiet.enter_context(quiet_logger(LIGHTNING_INFO, logging.WARNING))
         self._saved = {
             "model": _cpu_copy(module.state_dict()),
             "optimizers": [_cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
@@ -331,6 +339,14 @@ class TrialSession:
         self._restore_rng()
 
     def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._put_back()
+        finally:
+            self._quiet.close()
+            self.elapsed_s = time.perf_counter() - self._started  # all of the session's cost, clean-up included
+
+    def _put_back(self) -> None:
+        """The run as on entry: state, callbacks, loggers, limits, modes, metrics, loaders; memory released."""
         trainer, module, fit_loop = self.trainer, self.trainer.lightning_module, self.trainer.fit_loop
         saved = self._saved
         self._restore_state()
@@ -358,7 +374,6 @@ class TrialSession:
         # A failed trial was collected in `run`; on an accelerator, cycles may still pin device memory that the
         # run needs (a batch-size trial's activations). On the CPU the collector frees them in its own time.
         release_memory(collect=trainer.strategy.root_device.type != "cpu")
-        self.elapsed_s = time.perf_counter() - self._started  # all of the session's cost, clean-up included
 
 
 def _reset_grad_scaler(plugin: Any) -> None:

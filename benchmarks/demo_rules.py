@@ -1,0 +1,132 @@
+"""Two of the LR finder's and the trials' rules, each against the demo without it, end to end, on every seed.
+
+``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
+three ways on each seed, in an order that rotates from seed to seed:
+
+- ``library``: as every user gets it.
+- ``no_signal_rule``: ``LRFinder(min_signal=0)``, which follows the valley of any range-test curve (fastai's rule),
+  however flat and noisy, instead of keeping the user's LR when the loss fell by less than 3x its noise.
+- ``no_first_round_drop``: `lightning_speedkit.trials.measure` times every candidate in both rounds, also the ones
+  the first round showed clearly slower (`lightning_speedkit.decisions.clearly_slower` switched off for this run
+  only; the benchmark's one patch, since no lever exposes it).
+
+For each run: time to the target ``val_acc``, epochs, the LR chosen and why, each lever's probe seconds. The summary
+gives each way's median time to target (a seed that missed it counts as slower than any that reached it), how many
+seeds reached it, and the median probe seconds.
+
+    python benchmarks/demo_rules.py                 # seeds 0-4, about 4 minutes on 2 CPU cores
+    python benchmarks/demo_rules.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import math
+import os
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_speedkit import LRFinder
+from lightning_speedkit.demo import DemoConfig
+from lightning_speedkit.demo.run import parse_seeds, train_variant
+from lightning_speedkit.report import write_json_atomic
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
+WAYS = ("library", "no_signal_rule", "no_first_round_drop")
+
+
+@contextlib.contextmanager
+def _without_first_round_drop() -> Iterator[None]:
+    """`trials.measure` sees no candidate as clearly slower, so every candidate is timed in every round."""
+    module = importlib.import_module("lightning_speedkit.trials.measure")
+    original = vars(module)["clearly_slower"]
+    setattr(module, "clearly_slower", lambda *args, **kwargs: [])  # noqa: B010 (a module attribute, named)
+    try:
+        yield
+    finally:
+        setattr(module, "clearly_slower", original)  # noqa: B010
+
+
+def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
+    """One speedkit-side demo run of ``way``; the figures this benchmark compares."""
+    callbacks: list[L.Callback] = [LRFinder(min_signal=0.0)] if way == "no_signal_rule" else []
+    patch = _without_first_round_drop() if way == "no_first_round_drop" else contextlib.nullcontext()
+    with patch:
+        result = train_variant(config, "speedkit", progress=False, callbacks=callbacks)
+    choices = result["choices"]
+    return {
+        "way": way,
+        "time_to_target_s": result["time_to_target_s"],
+        "epochs": result["epochs"],
+        "final_val_acc": result["final_val_acc"],
+        "lr": choices["lr"],
+        "lr_reason": choices["lr_reason"],
+        "probe_s": choices["probe_s"],
+        "probes": choices["probes"],
+    }
+
+
+def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
+    """Every way on every seed, in rotating order; print a table and the summary; write the JSON."""
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    for position, seed in enumerate(seeds):
+        order = WAYS[position % len(WAYS) :] + WAYS[: position % len(WAYS)]
+        seeded = dataclasses.replace(config, seed=seed)
+        for way in order:
+            row = {"seed": seed, **run_way(seeded, way)}
+            rows.append(row)
+            reached = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] else "missed"
+            print(
+                f"seed {seed}  {way:<20} {reached:>7} ({row['epochs']} ep)  LR {row['lr']:.3g}"
+                f"  probes {row['probe_s']:.2f} s",
+                flush=True,
+            )
+    summary: dict[str, Any] = {}
+    for way in WAYS:
+        mine = [r for r in rows if r["way"] == way]
+        times = [r["time_to_target_s"] or math.inf for r in mine]  # a miss is slower than any time
+        median = statistics.median(times)
+        summary[way] = {
+            "median_time_to_target_s": None if math.isinf(median) else median,
+            "reached": sum(1 for t in times if not math.isinf(t)),
+            "total": len(mine),
+            "median_probe_s": statistics.median(r["probe_s"] for r in mine),
+        }
+        shown = summary[way]["median_time_to_target_s"]
+        print(
+            f"{way:<20} reached {summary[way]['reached']}/{len(mine)}, median time to target"
+            f" {'-' if shown is None else f'{shown:.1f} s'}, median probes {summary[way]['median_probe_s']:.2f} s"
+        )
+    result = {
+        "config": dataclasses.asdict(config),
+        "seeds": seeds,
+        "rows": rows,
+        "summary": summary,
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+    }
+    write_json_atomic(result, out)
+    print(f"wrote {out}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0-4", help="seeds, as for `speedkit demo --seeds` (default 0-4)")
+    parser.add_argument("--quick", action="store_true", help="one epoch of 200 images on one seed, a smoke run")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the JSON results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        return run([0], DemoConfig.quick(num_images=200, max_epochs=1), out=args.out)
+    return run(parse_seeds(args.seeds), DemoConfig(), out=args.out)
+
+
+if __name__ == "__main__":
+    main()
