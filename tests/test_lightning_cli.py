@@ -66,6 +66,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "divergence": 3.0,
         "smoothing": 0.8,
         "max_fraction": 0.5,
+        "min_signal": 2.0,
     },
     "PrecisionTuner": {"candidates": ["32-true", "bf16-mixed"], "probe_steps": 3, "margin": 0.1, "loss_tolerance": 0.2},
     "DataLoaderTuner": {
