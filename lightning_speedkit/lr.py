@@ -309,13 +309,13 @@ def suggest_lr(
     """
     if len(lrs) != len(losses):
         raise ValueError(f"`lrs` and `losses` must have the same length, got {len(lrs)} and {len(losses)}.")
+    min_signal = check_number("min_signal", min_signal, 0)
     finite = [k for k, loss in enumerate(losses) if math.isfinite(loss)]
     usable = finite[-1] + 1 if finite and finite == list(range(len(finite))) else len(finite)
     smoothed = smooth_losses(list(losses[:usable]), beta)
     index = valley_index(smoothed)
     if index is None:
         return None, f"the loss never fell over {usable} steps"
-    min_signal = check_number("min_signal", min_signal, 0)
     signal = curve_signal(losses[:usable], beta)
     if signal < min_signal:
         return None, (
