@@ -1,7 +1,7 @@
-"""Two of the LR finder's and the trials' rules, each against the demo without it, end to end, on every seed.
+"""Two of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
 
 ``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
-three ways on each seed, in an order that rotates from seed to seed:
+five ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
 
 - ``library``: as every user gets it.
 - ``no_signal_rule``: ``LRFinder(min_signal=0)``, which follows the valley of any range-test curve (fastai's rule),
@@ -9,12 +9,18 @@ three ways on each seed, in an order that rotates from seed to seed:
 - ``no_first_round_drop``: `lightning_speedkit.trials.measure` times every candidate in both rounds, also the ones
   the first round showed clearly slower (`lightning_speedkit.decisions.clearly_slower` switched off for this run
   only; the benchmark's one patch, since no lever exposes it).
+- ``no_probes``: the choices the library makes on this 2-core CPU (``benchmarks/results/demo.json``: bf16-mixed,
+  channels-last, the loader as built, the user's LR) given up front, so nothing is probed: what the probes cost, and
+  the most that cheaper probes could win. Not a library setting: it knows the answers.
+- ``lr_x2``: ``no_probes`` at twice the user's LR, hand-picked: whether a higher peak LR, which no range test found
+  here, would shorten the run on every seed. Not a library setting either.
 
-For each run: time to the target ``val_acc``, epochs, the LR chosen and why, each lever's probe seconds. The summary
-gives each way's median time to target (a seed that missed it counts as slower than any that reached it), how many
-seeds reached it, and the median probe seconds.
+For each run: time to the target ``val_acc``, epochs, the LR chosen and why, each lever's probe seconds, and the
+speed-up over the baseline of the same seed (0.0 for a miss, as ``speedkit demo --seeds`` counts it). The summary
+gives each way's median speed-up and time to target (a seed that missed it counts as slower than any that reached
+it), how many seeds reached it, and the median probe seconds.
 
-    python benchmarks/demo_rules.py                 # seeds 0-4, about 4 minutes on 2 CPU cores
+    python benchmarks/demo_rules.py                 # seeds 0-4, about 5 minutes on 2 CPU cores
     python benchmarks/demo_rules.py --quick         # a smoke run
 """
 
@@ -33,13 +39,15 @@ from typing import Any
 
 import lightning as L
 
-from lightning_speedkit import LRFinder
+from lightning_speedkit import ChannelsLast, LRFinder
 from lightning_speedkit.demo import DemoConfig
 from lightning_speedkit.demo.run import parse_seeds, train_variant
 from lightning_speedkit.report import write_json_atomic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
-WAYS = ("library", "no_signal_rule", "no_first_round_drop")
+WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "no_probes", "lr_x2")
+GIVEN = {"precision": "bf16-mixed", "lr": None, "tune_data": False}
+"""``no_probes``' preset options: the precision and the loader as the library chose them here, and no LR finder."""
 
 
 @contextlib.contextmanager
@@ -55,14 +63,23 @@ def _without_first_round_drop() -> Iterator[None]:
 
 
 def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
-    """One speedkit-side demo run of ``way``; the figures this benchmark compares."""
+    """One demo run of ``way`` (the baseline, or the speedkit side changed one way); the figures compared."""
+    if way == "baseline":
+        return {"way": way, **_figures(train_variant(config, "baseline", progress=False))}
     callbacks: list[L.Callback] = [LRFinder(min_signal=0.0)] if way == "no_signal_rule" else []
+    options: dict[str, Any] = {}
+    if way in ("no_probes", "lr_x2"):
+        callbacks, options = [ChannelsLast(measure=False)], GIVEN  # NHWC, as measured faster here, without a probe
+        config = dataclasses.replace(config, lr=2 * config.lr) if way == "lr_x2" else config
     patch = _without_first_round_drop() if way == "no_first_round_drop" else contextlib.nullcontext()
     with patch:
-        result = train_variant(config, "speedkit", progress=False, callbacks=callbacks)
+        result = train_variant(config, "speedkit", progress=False, callbacks=callbacks, preset_options=options)
+    return {"way": way, **_figures(result)}
+
+
+def _figures(result: dict[str, Any]) -> dict[str, Any]:
     choices = result["choices"]
     return {
-        "way": way,
         "time_to_target_s": result["time_to_target_s"],
         "epochs": result["epochs"],
         "final_val_acc": result["final_val_acc"],
@@ -80,13 +97,14 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
     for position, seed in enumerate(seeds):
         order = WAYS[position % len(WAYS) :] + WAYS[: position % len(WAYS)]
         seeded = dataclasses.replace(config, seed=seed)
-        for way in order:
-            row = {"seed": seed, **run_way(seeded, way)}
-            rows.append(row)
+        rows.extend({"seed": seed, **run_way(seeded, way)} for way in order)
+        base = next(r["time_to_target_s"] for r in rows[-len(WAYS) :] if r["way"] == "baseline")
+        for row in rows[-len(WAYS) :]:
+            row["speedup"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else 0.0
             reached = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] else "missed"
             print(
-                f"seed {seed}  {way:<20} {reached:>7} ({row['epochs']} ep)  LR {row['lr']:.3g}"
-                f"  probes {row['probe_s']:.2f} s",
+                f"seed {seed}  {row['way']:<20} {reached:>7} ({row['epochs']} ep)  {row['speedup']:.2f}x"
+                f"  LR {row['lr']:.3g}  probes {row['probe_s']:.2f} s",
                 flush=True,
             )
     summary: dict[str, Any] = {}
@@ -99,10 +117,12 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
             "reached": sum(1 for t in times if not math.isinf(t)),
             "total": len(mine),
             "median_probe_s": statistics.median(r["probe_s"] for r in mine),
+            "median_speedup": statistics.median(r["speedup"] for r in mine),
         }
         shown = summary[way]["median_time_to_target_s"]
         print(
-            f"{way:<20} reached {summary[way]['reached']}/{len(mine)}, median time to target"
+            f"{way:<20} reached {summary[way]['reached']}/{len(mine)}, median speed-up"
+            f" {summary[way]['median_speedup']:.2f}x, median time to target"
             f" {'-' if shown is None else f'{shown:.1f} s'}, median probes {summary[way]['median_probe_s']:.2f} s"
         )
     result = {

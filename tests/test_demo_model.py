@@ -129,9 +129,13 @@ def test_demo_rules_benchmark_runs_every_way_and_restores_the_drop(tmp_path: Pat
     from lightning_speedkit.trials import measure as measure_function
 
     bench = load_benchmark("demo_rules")
-    config = DemoConfig.quick(num_images=100, max_epochs=1, cache_dir=str(demo_cache))
+    config = DemoConfig.quick(num_images=100, max_epochs=1, target_acc=0.01, cache_dir=str(demo_cache))
     result = bench.run([0], config, out=tmp_path / "rules.json")
     assert [row["way"] for row in result["rows"]] == list(bench.WAYS)
+    assert next(row["speedup"] for row in result["rows"] if row["way"] == "baseline") == 1.0
+    no_probes = next(row for row in result["rows"] if row["way"] == "no_probes")
+    assert (no_probes["probe_s"], no_probes["lr_reason"]) == (0.0, "as set")
+    assert next(row["lr"] for row in result["rows"] if row["way"] == "lr_x2") == 2 * config.lr
     assert set(result["summary"]) == set(bench.WAYS)
     assert json.loads((tmp_path / "rules.json").read_text())["summary"] == result["summary"]
     assert measure_function.__globals__["clearly_slower"] is clearly_slower

@@ -7,7 +7,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,13 +142,15 @@ def train_variant(
     out_dir: str | Path | None = None,
     progress: bool = True,
     callbacks: Sequence[L.Callback] = (),
+    preset_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train one variant until ``val_acc >= config.target_acc`` (or ``max_epochs``) and measure it.
 
     The clock starts just before ``trainer.fit``: dataset caching, loader probing and everything else speedkit
     does is counted. Both variants carry a `UtilizationMonitor` so each gets a diagnosis. ``callbacks`` are added to
-    the run (for benchmarks that change one lever, e.g. ``LRFinder(min_signal=0)``; under ``preset`` one of a type
-    preset adds replaces preset's); ``speedkit demo`` passes none.
+    the run and ``preset_options`` override ``preset``'s arguments (for benchmarks that change one lever, e.g.
+    ``LRFinder(min_signal=0)``, which replaces preset's of the same type, or ``{"lr": None}``); ``speedkit demo``
+    passes neither.
 
     Returns:
         ``time_to_target_s`` (None when not reached), ``total_s``, ``epochs``, ``final_val_acc``, ``samples_per_s``
@@ -194,14 +196,8 @@ def train_variant(
     }
     monitor = UtilizationMonitor(window=50)
     if use_preset:
-        trainer = preset(
-            devices=1,
-            logger=False,
-            verbose=progress,
-            lr="auto",
-            callbacks=[*callbacks, monitor, timeline, stop],
-            **common,
-        )
+        options: dict[str, Any] = {"devices": 1, "logger": False, "verbose": progress, "lr": "auto", **common}
+        trainer = preset(callbacks=[*callbacks, monitor, timeline, stop], **{**options, **(preset_options or {})})
     else:
         extra = [ChannelsLast()] if "channels_last" in levers else []
         trainer = L.Trainer(
