@@ -1,14 +1,17 @@
-"""Two of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
+"""Three of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
 
 ``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
-five ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
+six ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
 
 - ``library``: as every user gets it.
 - ``no_signal_rule``: ``LRFinder(min_signal=0)``, which follows the valley of any range-test curve (fastai's rule),
   however flat and noisy, instead of keeping the user's LR when the loss fell by less than 3x its noise.
 - ``no_first_round_drop``: `lightning_speedkit.trials.measure` times every candidate in both rounds, also the ones
   the first round showed clearly slower (`lightning_speedkit.decisions.clearly_slower` switched off for this run
-  only; the benchmark's one patch, since no lever exposes it).
+  only: a patch, since no lever exposes it).
+- ``collect_at_exit``: every `~lightning_speedkit.trials.TrialSession` ends with a full ``gc.collect()`` on the CPU
+  too, as before the sessions left that to Python (`lightning_speedkit.oom.release_memory` always collecting, for
+  this run only: the other patch).
 - ``no_probes``: the choices the library makes on this 2-core CPU (``benchmarks/results/demo.json``: bf16-mixed,
   channels-last, the loader as built, the user's LR) given up front, so nothing is probed: what the probes cost, and
   the most that cheaper probes could win. Not a library setting: it knows the answers.
@@ -20,7 +23,7 @@ speed-up over the baseline of the same seed (0.0 for a miss, as ``speedkit demo 
 gives each way's median speed-up and time to target (a seed that missed it counts as slower than any that reached
 it), how many seeds reached it, and the median probe seconds.
 
-    python benchmarks/demo_rules.py                 # seeds 0-4, about 5 minutes on 2 CPU cores
+    python benchmarks/demo_rules.py                 # seeds 0-4, about 7 minutes on 2 CPU cores
     python benchmarks/demo_rules.py --quick         # a smoke run
 """
 
@@ -42,24 +45,36 @@ import lightning as L
 from lightning_speedkit import ChannelsLast, LRFinder
 from lightning_speedkit.demo import DemoConfig
 from lightning_speedkit.demo.run import parse_seeds, train_variant
+from lightning_speedkit.oom import release_memory
 from lightning_speedkit.report import write_json_atomic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
-WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "no_probes", "lr_x2")
+WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
 GIVEN = {"precision": "bf16-mixed", "lr": None, "tune_data": False}
 """``no_probes``' preset options: the precision and the loader as the library chose them here, and no LR finder."""
 
 
 @contextlib.contextmanager
-def _without_first_round_drop() -> Iterator[None]:
-    """`trials.measure` sees no candidate as clearly slower, so every candidate is timed in every round."""
-    module = importlib.import_module("lightning_speedkit.trials.measure")
-    original = vars(module)["clearly_slower"]
-    setattr(module, "clearly_slower", lambda *args, **kwargs: [])  # noqa: B010 (a module attribute, named)
+def _patched(module_name: str, name: str, value: Any) -> Iterator[None]:
+    """``module_name.name`` is ``value`` while the block runs (the one run of a way that switches a rule off)."""
+    module = importlib.import_module(module_name)
+    original = vars(module)[name]
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(module, "clearly_slower", original)  # noqa: B010
+        setattr(module, name, original)
+
+
+def _always_collect(collect: bool = True) -> None:
+    release_memory(collect=True)
+
+
+PATCHES = {
+    "no_first_round_drop": ("lightning_speedkit.trials.measure", "clearly_slower", lambda *args, **kwargs: []),
+    "collect_at_exit": ("lightning_speedkit.trials.session", "release_memory", _always_collect),
+}
+"""The ways that switch off a rule no lever exposes: module, name, stand-in."""
 
 
 def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
@@ -71,8 +86,7 @@ def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
     if way in ("no_probes", "lr_x2"):
         callbacks, options = [ChannelsLast(measure=False)], GIVEN  # NHWC, as measured faster here, without a probe
         config = dataclasses.replace(config, lr=2 * config.lr) if way == "lr_x2" else config
-    patch = _without_first_round_drop() if way == "no_first_round_drop" else contextlib.nullcontext()
-    with patch:
+    with _patched(*PATCHES[way]) if way in PATCHES else contextlib.nullcontext():
         result = train_variant(config, "speedkit", progress=False, callbacks=callbacks, preset_options=options)
     return {"way": way, **_figures(result)}
 

@@ -121,12 +121,14 @@ def test_demo_model_learns(demo_cache: Path) -> None:
     assert max(accuracies) > accuracies[0]
 
 
-def test_demo_rules_benchmark_runs_every_way_and_restores_the_drop(tmp_path: Path, demo_cache: Path) -> None:
-    """benchmarks/demo_rules.py runs the three ways on a seed, writes the JSON, and puts the first-round drop back."""
+def test_demo_rules_benchmark_runs_every_way_and_restores_the_patched_rules(tmp_path: Path, demo_cache: Path) -> None:
+    """benchmarks/demo_rules.py runs every way on a seed, writes the JSON, and puts the rules it switched off back."""
     from conftest import load_benchmark
 
     from lightning_speedkit.decisions import clearly_slower
+    from lightning_speedkit.oom import release_memory
     from lightning_speedkit.trials import measure as measure_function
+    from lightning_speedkit.trials import session as session_module
 
     bench = load_benchmark("demo_rules")
     config = DemoConfig.quick(num_images=100, max_epochs=1, target_acc=0.01, cache_dir=str(demo_cache))
@@ -139,3 +141,4 @@ def test_demo_rules_benchmark_runs_every_way_and_restores_the_drop(tmp_path: Pat
     assert set(result["summary"]) == set(bench.WAYS)
     assert json.loads((tmp_path / "rules.json").read_text())["summary"] == result["summary"]
     assert measure_function.__globals__["clearly_slower"] is clearly_slower
+    assert session_module.release_memory is release_memory
