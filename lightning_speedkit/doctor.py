@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_speedkit.__about__ import __version__
-from lightning_speedkit.hardware import BF16_CPU_FLAGS, cpu_info, gpu_infos, nvml_status
+from lightning_speedkit.hardware import CPU_FLAGS, cpu_info, gpu_infos, nvml_status
 from lightning_speedkit.machine import recommend
 
 __all__ = ["collect", "format_text", "main"]
@@ -63,7 +63,7 @@ def format_text(report: dict[str, Any]) -> str:
     """
     versions = report["versions"]
     cpu = report["cpu"]
-    missing = [flag for flag in BF16_CPU_FLAGS if flag not in cpu["flags"]]
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu["flags"]]
     lines = ["versions"]
     lines += _rows([(name.replace("_", "-"), _version_text(name, v)) for name, v in versions.items()])
     lines += ["", "cpu"]
@@ -72,8 +72,9 @@ def format_text(report: dict[str, Any]) -> str:
             ("model", cpu["model"] or "unknown"),
             ("cores", f"{cpu['logical_cores']} logical, {cpu['available_cores']} available to this process"),
             ("torch ISA", cpu["torch_capability"]),
-            ("bf16 flags", " ".join(cpu["flags"]) or "none"),
+            ("ISA flags", " ".join(cpu["flags"]) or "none"),
             ("missing", " ".join(missing) or "none"),
+            ("forced ISA", cpu.get("isa_limit") or "none (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA unset)"),
         ]
     )
     lines += ["", "gpus"]

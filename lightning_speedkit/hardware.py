@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +21,11 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BF16_CPU_FLAGS",
+    "CPU_FLAGS",
     "CpuInfo",
     "GpuInfo",
     "cpu_info",
+    "forced_isa",
     "gpu_infos",
     "has_tensor_cores",
     "nvml_status",
@@ -31,8 +33,28 @@ __all__ = [
     "supports_bf16",
 ]
 
-BF16_CPU_FLAGS: tuple[str, ...] = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-"""The ``/proc/cpuinfo`` flags that decide whether bf16 is worth using on a CPU, weakest first."""
+# The x86 ISA levels that torch's kernel dispatch (ATEN_CPU_CAPABILITY) and oneDNN (ONEDNN_MAX_CPU_ISA) can be capped
+# at, weakest first; each flag below needs at least its level. oneDNN's names, from its documentation.
+_ISA_LEVELS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")  # fmt: skip
+_ISA_ALIASES = {"AVX10_1_512": "AVX512_CORE_FP16", "AVX10_1_512_AMX": "AVX512_CORE_AMX",
+                "AVX10_1_512_AMX_FP16": "AVX512_CORE_AMX_FP16"}  # fmt: skip
+_FLAG_LEVEL: dict[str, str] = {
+    "avx2": "AVX2",
+    "avx512f": "AVX512_CORE",
+    "avx_vnni": "AVX2_VNNI",
+    "avx512_vnni": "AVX512_CORE_VNNI",
+    "avx512_bf16": "AVX512_CORE_BF16",
+    "amx_tile": "AVX512_CORE_AMX",
+    "amx_int8": "AVX512_CORE_AMX",
+    "amx_bf16": "AVX512_CORE_AMX",
+}
+# ATEN_CPU_CAPABILITY's values as caps: "default" means below AVX2; "avx512" is torch's top, so no cap.
+_ATEN_CAPS = {"default": "AVX", "avx2": "AVX2"}
+
+CPU_FLAGS: tuple[str, ...] = tuple(_FLAG_LEVEL)
+"""The ``/proc/cpuinfo`` flags that decide what is worth using on a CPU: AVX2 and AVX-512, the int8 dot-product
+instructions (VNNI, AMX-INT8: `lightning_speedkit.int8`) and bf16 (AVX-512 BF16, AMX-BF16: `PrecisionTuner`)."""
 
 _PROC_CPUINFO = Path("/proc/cpuinfo")
 
@@ -101,8 +123,11 @@ class CpuInfo:
         available_cores: cores this process may run on (its affinity mask where the OS has one), at most
             ``logical_cores`` on a plain machine; containers can lower it further.
         model: the CPU model name, or ``""`` when the OS does not say.
-        flags: which of :data:`BF16_CPU_FLAGS` the CPU has, in that order.
+        flags: which of :data:`CPU_FLAGS` the CPU has and this process may use, in that order: a flag above a
+            forced ISA (`forced_isa`) is left out.
         torch_capability: ``torch.backends.cpu.get_cpu_capability()``, the kernel set torch dispatches to.
+        isa_limit: what forces the ISA below the CPU's (``"ONEDNN_MAX_CPU_ISA=AVX2"``) and the flags it hides,
+            e.g. ``"ONEDNN_MAX_CPU_ISA=AVX2 (hides avx512f avx512_bf16)"``; ``""`` when nothing does.
     """
 
     logical_cores: int
@@ -110,6 +135,7 @@ class CpuInfo:
     model: str
     flags: tuple[str, ...]
     torch_capability: str
+    isa_limit: str = ""
 
     @property
     def has_amx_bf16(self) -> bool:
@@ -125,6 +151,16 @@ class CpuInfo:
             ['avx512_bf16']
         """
         return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in self.flags]
+
+    @property
+    def int8_dot_instructions(self) -> list[str]:
+        """The CPU's int8 dot-product instructions (VNNI, AMX-INT8); without them u8 x s8 products can saturate.
+
+        Example:
+            >>> CpuInfo(2, 2, "EPYC", ("avx2",), "AVX2").int8_dot_instructions
+            []
+        """
+        return [flag for flag in ("avx_vnni", "avx512_vnni", "amx_int8") if flag in self.flags]
 
 
 @dataclass(frozen=True)
@@ -154,8 +190,52 @@ class GpuInfo:
         object.__setattr__(self, "tensor_cores", has_tensor_cores(self.capability))
 
 
+def forced_isa(environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """The ISA level this process is forced down to, if anything forces it, and what does.
+
+    ``ATEN_CPU_CAPABILITY=avx2`` makes torch dispatch its AVX2 kernels and ``ONEDNN_MAX_CPU_ISA=AVX2`` stops oneDNN's
+    matmuls and convolutions above AVX2: together they make an AVX-512 machine behave like an AVX2-only one, while
+    ``/proc/cpuinfo`` still lists every flag. The lower cap wins. ONNX Runtime has no such switch; speedkit follows
+    the forced ISA there too (its INT8 format), so a run under it decides as the AVX2-only machine would.
+
+    Args:
+        environ: the environment to read ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` (or its old name
+            ``DNNL_MAX_CPU_ISA``) from; default ``os.environ``.
+
+    Returns:
+        ``(level, why)``: one of oneDNN's ISA names (``"AVX2"``), or None with ``""`` when nothing forces one.
+
+    Example:
+        >>> forced_isa({"ONEDNN_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"})
+        ('AVX2', 'ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2')
+        >>> forced_isa({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2"})
+        ('AVX2', 'ATEN_CPU_CAPABILITY=avx2')
+        >>> forced_isa({"ONEDNN_MAX_CPU_ISA": "ALL"})
+        (None, '')
+    """
+    env = os.environ if environ is None else environ
+    caps: list[tuple[str, str]] = []
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in _ATEN_CAPS:
+        caps.append((_ATEN_CAPS[aten], f"ATEN_CPU_CAPABILITY={aten}"))
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = env.get(name, "").strip().upper()
+        level = _ISA_ALIASES.get(value, value)
+        if level in _ISA_LEVELS:
+            caps.append((level, f"{name}={value}"))
+            break
+    if not caps:
+        return None, ""
+    lowest = min(_ISA_LEVELS.index(level) for level, _ in caps)
+    return _ISA_LEVELS[lowest], ", ".join(why for level, why in caps if _ISA_LEVELS.index(level) == lowest)
+
+
 def cpu_info(proc_cpuinfo: str | os.PathLike[str] = _PROC_CPUINFO) -> CpuInfo:
-    """Read this machine's CPU facts.
+    """Read this machine's CPU facts, as this process may use them.
+
+    A forced ISA (`forced_isa`: ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``) hides the flags above it, so that
+    on an AVX-512 bf16 machine ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` gives the facts, the precision
+    candidates and the doctor report of an AVX2-only machine.
 
     Args:
         proc_cpuinfo: where to read the CPU description; when it cannot be read (not Linux), the flags fall back to
@@ -175,15 +255,25 @@ def cpu_info(proc_cpuinfo: str | os.PathLike[str] = _PROC_CPUINFO) -> CpuInfo:
     except OSError:
         text = ""
     found = parse_cpu_flags(text) or _FLAGS_FROM_TORCH_CAPABILITY.get(capability, frozenset())
+    present = [flag for flag in CPU_FLAGS if flag in found]
+    level, why = forced_isa()
+    allowed = present if level is None else [f for f in present if _allows(level, f)]
+    hidden = [flag for flag in present if flag not in allowed]
     logical = os.cpu_count() or 1
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
     return CpuInfo(
         logical_cores=logical,
         available_cores=available,
         model=_cpu_model(text) or platform.processor(),
-        flags=tuple(flag for flag in BF16_CPU_FLAGS if flag in found),
+        flags=tuple(allowed),
         torch_capability=capability,
+        isa_limit=f"{why} (hides {' '.join(hidden)})" if hidden else "",
     )
+
+
+def _allows(level: str, flag: str) -> bool:
+    """Whether an ISA capped at ``level`` may use ``flag``."""
+    return _ISA_LEVELS.index(_FLAG_LEVEL[flag]) <= _ISA_LEVELS.index(level)
 
 
 def gpu_infos() -> list[GpuInfo]:

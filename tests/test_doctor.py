@@ -40,7 +40,16 @@ def test_main_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     """`main()` prints a readable report with versions, CPU facts and the recommended settings, and returns 0."""
     assert doctor.main() == 0
     out = capsys.readouterr().out
-    for fragment in ("recommended", "precision", "num_workers", "torch", "lightning", "bf16 flags", "nvml"):
+    for fragment in (
+        "recommended",
+        "precision",
+        "num_workers",
+        "torch",
+        "lightning",
+        "ISA flags",
+        "forced ISA",
+        "nvml",
+    ):
         assert fragment in out
 
 

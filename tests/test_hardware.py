@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_speedkit.hardware import (
-    BF16_CPU_FLAGS,
+    CPU_FLAGS,
     GpuInfo,
     cpu_info,
+    forced_isa,
     gpu_infos,
     has_tensor_cores,
     nvml_status,
@@ -91,10 +95,17 @@ def test_gpu_capability_rules(capability: tuple[int, int], bf16: bool, tensor_co
 
 @pytest.mark.parametrize(
     ("text", "flags", "has_amx"),
-    [(SAPPHIRE_RAPIDS, BF16_CPU_FLAGS, True), (EPYC, ("avx2", "avx512f", "avx512_bf16"), False)],
+    [
+        (SAPPHIRE_RAPIDS, ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"), True),
+        (EPYC, ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"), False),
+    ],
 )
-def test_cpu_info_reads_given_cpuinfo(tmp_path: Path, text: str, flags: tuple[str, ...], has_amx: bool) -> None:
-    """`cpu_info` keeps only the bf16-relevant flags, in BF16_CPU_FLAGS order, and reads the model name."""
+def test_cpu_info_reads_given_cpuinfo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, flags: tuple[str, ...], has_amx: bool
+) -> None:
+    """`cpu_info` keeps only the flags that matter, in CPU_FLAGS order, and reads the model name."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
     path = tmp_path / "cpuinfo"
     path.write_text(text)
     info = cpu_info(path)
@@ -117,7 +128,77 @@ def test_cpu_info_on_this_machine() -> None:
     assert info.logical_cores == os.cpu_count()
     assert 1 <= info.available_cores <= info.logical_cores
     assert info.torch_capability == torch.backends.cpu.get_cpu_capability()
-    assert set(info.flags) <= set(BF16_CPU_FLAGS)
+    assert set(info.flags) <= set(CPU_FLAGS)
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "limit"),
+    [
+        ({}, ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"), ""),
+        (
+            {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+            ("avx2",),
+            "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 (hides avx512f avx512_vnni avx512_bf16)",
+        ),
+        ({"ONEDNN_MAX_CPU_ISA": "avx2"}, ("avx2",), "ONEDNN_MAX_CPU_ISA=AVX2 (hides avx512f avx512_vnni avx512_bf16)"),
+        (
+            {"ATEN_CPU_CAPABILITY": "avx2"},
+            ("avx2",),
+            "ATEN_CPU_CAPABILITY=avx2 (hides avx512f avx512_vnni avx512_bf16)",
+        ),
+        (
+            {"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+            ("avx2", "avx512f", "avx512_vnni"),
+            "DNNL_MAX_CPU_ISA=AVX512_CORE_VNNI",
+        ),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"), ""),
+        (
+            {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"},
+            ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"),
+            "",
+        ),
+    ],
+)
+def test_a_forced_isa_hides_the_flags_above_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], flags: tuple[str, ...], limit: str
+) -> None:
+    """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA make an AVX-512 bf16 CPU's facts those of the CPU they force."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "cpuinfo"
+    path.write_text(EPYC)
+    info = cpu_info(path)
+    assert info.flags == flags
+    assert info.isa_limit.startswith(limit) if limit else info.isa_limit == ""
+    assert bool(info.bf16_instructions) is ("avx512_bf16" in flags)
+    assert bool(info.int8_dot_instructions) is ("avx512_vnni" in flags)
+
+
+def test_forced_isa_takes_the_lower_cap_and_ignores_unknown_values() -> None:
+    """The lower of the two caps wins; an unknown value caps nothing."""
+    assert forced_isa({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}) == (
+        "AVX",
+        "ATEN_CPU_CAPABILITY=default",
+    )
+    assert forced_isa({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX"})[0] == "AVX512_CORE_AMX"
+    assert forced_isa({"ONEDNN_MAX_CPU_ISA": "bogus", "ATEN_CPU_CAPABILITY": "zvector"}) == (None, "")
+
+
+def test_the_forced_isa_reaches_precision_and_doctor_in_a_fresh_process() -> None:
+    """Under the forced AVX2 ISA a fresh process reports no bf16 instructions, and doctor names the cap."""
+    code = (
+        "import json; from lightning_speedkit import doctor; from lightning_speedkit.hardware import cpu_info;"
+        "r = doctor.collect(); print(json.dumps([cpu_info().bf16_instructions, r['cpu']['torch_capability'],"
+        " r['recommendation']['precision']['reason']]))"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+    bf16, capability, reason = json.loads(out.strip().splitlines()[-1])
+    assert bf16 == []
+    assert capability == "AVX2"
+    assert reason.startswith("no bf16 instructions")
 
 
 def test_nvml_status_never_raises() -> None:
