@@ -10,7 +10,16 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["align_optimizer_state", "has_convolutions", "is_channels_last", "to_channels_last", "to_default_layout"]
+from lightning_speedkit.hardware import CpuInfo
+
+__all__ = [
+    "align_optimizer_state",
+    "has_convolutions",
+    "is_channels_last",
+    "nhwc_unsafe_convs",
+    "to_channels_last",
+    "to_default_layout",
+]
 
 _CONVS = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -60,6 +69,44 @@ def has_convolutions(module: nn.Module) -> bool:
         (True, False)
     """
     return any(isinstance(m, _CONVS) for m in module.modules())
+
+
+def nhwc_unsafe_convs(module: nn.Module, cpu: CpuInfo) -> list[str]:
+    """The convolutions that oneDNN cannot train channels-last on this x86 CPU without corrupting memory.
+
+    oneDNN's 1x1 convolution computes its weight gradient for a strided (``stride > 1``) NHWC input through a copy
+    into a per-thread workspace, and for fewer input channels per group than its channel block (8 on AVX2, 16 on
+    AVX-512) it writes past that workspace (oneDNN issue #6035, open; torch 2.13 ships it): wrong gradients, then a
+    corrupted heap (``munmap_chunk(): invalid pointer``, ``double free or corruption``, SIGABRT or SIGSEGV, often only
+    at a later ``free``). Measured here on an AVX2-only EPYC: a 1x1 stride-2 convolution with 1-6 input channels
+    aborted, with 7-20 it trained alike in both layouts. The default layout takes another path and is safe. A model
+    holding such a layer is therefore not moved to NHWC on a CPU; on a GPU (cuDNN) this does not apply.
+
+    Args:
+        module: The model.
+        cpu: The CPU facts (`lightning_speedkit.hardware.cpu_info`, a forced ISA included): the block is 16 with
+            ``avx512f``, 8 with ``avx2``; without either (not x86, or older) nothing is known to fail.
+
+    Returns:
+        The names of the unsafe convolutions (``""`` for ``module`` itself), in module order.
+
+    Example:
+        >>> from lightning_speedkit.hardware import CpuInfo
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 8, 1, stride=2), nn.Conv2d(8, 8, 1, stride=2))
+        >>> nhwc_unsafe_convs(net, CpuInfo(2, 2, "EPYC", ("avx2",), "AVX2"))
+        ['1']
+        >>> nhwc_unsafe_convs(net, CpuInfo(2, 2, "EPYC", ("avx2", "avx512f"), "AVX512"))
+        ['1', '2']
+    """
+    block = 16 if "avx512f" in cpu.flags else 8 if "avx2" in cpu.flags else 0
+    unsafe = []
+    for name, conv in module.named_modules():
+        if not isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+            continue
+        one_by_one = all(k == 1 for k in conv.kernel_size)
+        if one_by_one and any(s > 1 for s in conv.stride) and conv.in_channels // conv.groups < block:
+            unsafe.append(name)
+    return unsafe
 
 
 def is_channels_last(module: nn.Module) -> bool:

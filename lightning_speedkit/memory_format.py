@@ -22,10 +22,12 @@ from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
 from lightning_speedkit.checks import check_margin, check_probe_steps
 from lightning_speedkit.decisions import probe_pays_back
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,
     is_channels_last,
+    nhwc_unsafe_convs,
     to_channels_last,
     to_default_layout,
 )
@@ -132,6 +134,14 @@ class ChannelsLast(trials.RemembersDecision, Callback):
             self._status = "no convolutions at setup"
             rank_zero_info("ChannelsLast: no convolutions at setup; the layout is left as it is.")
             return
+        unsafe = nhwc_unsafe_convs(pl_module, cpu_info()) if trainer.strategy.root_device.type == "cpu" else []
+        if unsafe:
+            self._status = (
+                f"default layout: oneDNN cannot train {_named(unsafe)} channels-last on this CPU (a strided 1x1"
+                " convolution with few input channels; its weight gradient writes past its buffer, oneDNN #6035)"
+            )
+            rank_zero_warn(f"ChannelsLast: {self._status}; layout unchanged.")
+            return
         example = pl_module.example_input_array
         if self.verify and example is None:
             self._status = "unverified: no example_input_array"
@@ -235,6 +245,12 @@ class ChannelsLast(trials.RemembersDecision, Callback):
         except (AssertionError, TypeError, ValueError):
             return "its output differs from the default layout's"
         return None
+
+
+def _named(layers: list[str]) -> str:
+    """``"`a`, `b` and 3 more"``: the first layers named, the rest counted."""
+    shown = ", ".join(f"`{name or 'the module'}`" for name in layers[:2])
+    return shown + (f" and {len(layers) - 2} more" if len(layers) > 2 else "")
 
 
 def _parameter_device(module: torch.nn.Module) -> torch.device:

@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from lightning_speedkit.demo import DemoResNet
+from lightning_speedkit.hardware import CpuInfo, cpu_info
 from lightning_speedkit.layout import (
     align_optimizer_state,
     has_convolutions,
     is_channels_last,
+    nhwc_unsafe_convs,
     to_channels_last,
     to_default_layout,
 )
@@ -19,7 +21,7 @@ from lightning_speedkit.pruning.surgery import apply_pruning_history, plan_pruni
 
 def test_conversion_keeps_values_and_parameter_objects() -> None:
     """Only strides change: same values, same Parameter objects (an optimizer built earlier still works)."""
-    net = DemoResNet(width=4)
+    net = DemoResNet(width=16)  # width 4 has a strided 1x1 conv oneDNN cannot train NHWC
     params = list(net.parameters())
     before = {k: v.clone() for k, v in net.state_dict().items()}
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -78,7 +80,7 @@ def test_other_convolutions_are_converted(module: nn.Module) -> None:
 def test_optimizer_state_and_gradients_follow_the_parameters() -> None:
     """State an optimizer already holds, and existing gradients, get the parameters' new strides; steps still work."""
     torch.manual_seed(0)
-    net = DemoResNet(width=4)
+    net = DemoResNet(width=16)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     x = torch.randn(2, 3, 16, 16)
     net(x).sum().backward()
@@ -104,3 +106,45 @@ def test_only_convolution_weights_change_and_the_change_can_be_undone() -> None:
     assert to_default_layout(net) == 1
     assert net.conv.weight.is_contiguous()
     assert not is_channels_last(net)
+
+
+AVX2 = CpuInfo(2, 2, "AMD EPYC (AVX2 only)", ("avx2",), "AVX2")
+AVX512 = CpuInfo(2, 2, "AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), "AVX512")
+ARM = CpuInfo(2, 2, "Neoverse", (), "DEFAULT")
+
+
+@pytest.mark.parametrize(
+    ("conv", "cpu", "unsafe"),
+    [
+        (nn.Conv2d(4, 8, 1, stride=2), AVX2, True),
+        (nn.Conv2d(7, 8, 1, stride=(1, 2)), AVX2, True),
+        (nn.Conv2d(8, 16, 1, stride=2), AVX2, False),  # a whole channel block
+        (nn.Conv2d(8, 16, 1, stride=2), AVX512, True),  # AVX-512's block is 16
+        (nn.Conv2d(16, 32, 1, stride=2), AVX512, False),
+        (nn.Conv2d(4, 8, 1, stride=1), AVX2, False),  # unit stride: no workspace copy
+        (nn.Conv2d(4, 8, 3, stride=2), AVX2, False),  # not 1x1
+        (nn.Conv2d(16, 16, 1, stride=2, groups=4), AVX2, True),  # 4 input channels per group
+        (nn.Conv3d(4, 8, 1, stride=2), AVX2, True),
+        (nn.Conv2d(4, 8, 1, stride=2), ARM, False),  # not oneDNN's x86 kernels
+    ],
+)
+def test_nhwc_unsafe_convs_names_strided_1x1_convs_narrower_than_a_block(
+    conv: nn.Module, cpu: CpuInfo, unsafe: bool
+) -> None:
+    """Only a strided 1x1 conv with fewer input channels per group than the CPU's oneDNN block is unsafe NHWC."""
+    net = nn.Sequential(nn.Conv2d(3, 3, 3), conv)
+    assert nhwc_unsafe_convs(net, cpu) == (["1"] if unsafe else [])
+
+
+def test_pruning_to_a_narrow_strided_1x1_conv_leaves_the_default_layout(recwarn: pytest.WarningsRecorder) -> None:
+    """A channels-last model that pruning leaves with a layer oneDNN cannot train NHWC goes back to NCHW, warned."""
+    torch.manual_seed(0)
+    net = DemoResNet(width=16)
+    to_channels_last(net)
+    example = torch.randn(1, 3, 16, 16)
+    apply_pruning_history(net, example, plan_pruning(net, example, 0.75, ignored_layers=["classifier"]))
+    narrow = nhwc_unsafe_convs(net, cpu_info())
+    assert is_channels_last(net) == (not narrow)
+    if narrow:
+        assert any("back in the default layout" in str(w.message) for w in recwarn)
+    net(example).sum().backward()  # trains in the layout it was left in

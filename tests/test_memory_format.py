@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from lightning_speedkit import ChannelsLast, trials
 from lightning_speedkit.demo import DemoClassifier
-from lightning_speedkit.layout import has_convolutions, is_channels_last
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.layout import has_convolutions, is_channels_last, nhwc_unsafe_convs
 
 
 def _images(n: int = 32, size: int = 16, batch_size: int = 8) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -27,9 +28,11 @@ def _images(n: int = 32, size: int = 16, batch_size: int = 8) -> DataLoader[tupl
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def _fit(tmp_path: Path, callbacks: list[L.Callback], **kwargs: object) -> tuple[DemoClassifier, L.Trainer]:
+def _fit(
+    tmp_path: Path, callbacks: list[L.Callback], model: DemoClassifier | None = None, **kwargs: object
+) -> tuple[DemoClassifier, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    model = DemoClassifier(width=4, crop_size=16)
+    model = model or DemoClassifier(width=16, crop_size=16)
     trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=callbacks, **kwargs)
     trainer.fit(model, _images(), _images(16))
     return model, trainer
@@ -51,11 +54,11 @@ def test_checkpoint_loads_into_either_layout_and_resume_stays_channels_last(tmp_
     model, trainer = _fit(tmp_path, [ChannelsLast(measure=False)])
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
-    fresh = DemoClassifier(width=4, crop_size=16)
+    fresh = DemoClassifier(width=16, crop_size=16)
     fresh.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
     assert not is_channels_last(fresh)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
-    resumed = DemoClassifier(width=4, crop_size=16)
+    resumed = DemoClassifier(width=16, crop_size=16)
     tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast(measure=False)]).fit(
         resumed, _images(), _images(16), ckpt_path=path
     )
@@ -87,7 +90,7 @@ class _ViewNet(DemoClassifier):
 def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) -> None:
     """``view`` on an activation fails NHWC: the check on ``example_input_array`` reverts, warns, and fit runs."""
     L.seed_everything(0, verbose=False)
-    model = _ViewNet(width=4, crop_size=16)
+    model = _ViewNet(width=16, crop_size=16)
     callback = ChannelsLast(measure=False)
     with pytest.warns(UserWarning, match="does not run channels-last"):
         tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model, _images(), _images(16))
@@ -98,7 +101,7 @@ def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) 
 
 def test_the_check_keeps_each_submodules_train_or_eval_mode(tmp_path: Path) -> None:
     """Running the example in eval mode for the check leaves a submodule the user froze (eval) frozen."""
-    model = DemoClassifier(width=4, crop_size=16)
+    model = DemoClassifier(width=16, crop_size=16)
     model.model.stem[1].eval()  # a frozen BatchNorm
     ChannelsLast(measure=False).setup(tiny_trainer(tmp_path), model, "fit")
     assert is_channels_last(model)
@@ -110,7 +113,7 @@ def test_without_an_example_input_only_verify_false_converts(tmp_path: Path) -> 
     """No ``example_input_array`` means no check: left alone by default, converted with ``verify=False``."""
     for verify, expected in ((True, False), (False, True)):
         L.seed_everything(0, verbose=False)
-        model = DemoClassifier(width=4, crop_size=16)
+        model = DemoClassifier(width=16, crop_size=16)
         model.example_input_array = None
         tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(verify=verify, measure=False)]).fit(
             model, _images()
@@ -151,7 +154,7 @@ def test_resuming_a_default_layout_checkpoint_aligns_the_optimizer_state(tmp_pat
     _, trainer = _fit(tmp_path, [])
     path = tmp_path / "nchw.ckpt"
     trainer.save_checkpoint(path)
-    resumed = DemoClassifier(width=4, crop_size=16)
+    resumed = DemoClassifier(width=16, crop_size=16)
     resumer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[ChannelsLast(measure=False)])
     resumer.fit(resumed, _images(), _images(16), ckpt_path=path)
     optimizer = resumer.optimizers[0]
@@ -238,7 +241,7 @@ def _measured_fit(
     if architecture == "slower_nhwc":
         model: DemoClassifier = _SlowerChannelsLast()
     else:
-        model = DemoClassifier(width=8, crop_size=32, architecture=architecture)
+        model = DemoClassifier(width=16 if architecture == "resnet" else 8, crop_size=32, architecture=architecture)
     callbacks = [callback, *kwargs.pop("extra", [])]  # type: ignore[misc]
     trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=callbacks, limit_val_batches=0, **kwargs)
     trainer.fit(model, _images(32 * steps, size=32, batch_size=32))
@@ -341,3 +344,23 @@ def test_the_check_runs_where_the_weights_are_not_where_lightning_says(tmp_path:
     model, _ = _fit(tmp_path, [CudaAlready(), callback := ChannelsLast(measure=False)])
     assert callback.report()["status"] == "channels_last"
     assert is_channels_last(model)
+
+
+class _NarrowShortcut(DemoClassifier):
+    """A stem of 4 channels feeding a strided 1x1 convolution: the layer oneDNN's NHWC weight gradient overruns."""
+
+    def __init__(self) -> None:
+        super().__init__(width=4, crop_size=16)
+
+
+@pytest.mark.skipif(not nhwc_unsafe_convs(_NarrowShortcut(), cpu_info()), reason="no x86 AVX2/AVX-512 CPU")
+def test_a_model_onednn_cannot_train_channels_last_stays_in_the_default_layout(tmp_path: Path) -> None:
+    """A strided 1x1 conv with 4 input channels is never moved to NHWC on a CPU: the report and a warning say why."""
+    callback = ChannelsLast(measure=False)
+    with pytest.warns(UserWarning, match="oneDNN cannot train"):
+        model, _ = _fit(tmp_path, [callback], model=_NarrowShortcut())
+    assert not is_channels_last(model)
+    report = callback.report()
+    assert report["converted"] == 0
+    assert "#6035" in report["status"]
+    assert "`model.stages.1.shortcut.0`" in report["status"]

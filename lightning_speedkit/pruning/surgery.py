@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_speedkit.batch import forward_example, modes_kept
-from lightning_speedkit.layout import is_channels_last, to_channels_last
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.layout import is_channels_last, nhwc_unsafe_convs, to_channels_last, to_default_layout
 from lightning_speedkit.pruning.attention import (
     find_attention,
     pruner_arguments,
@@ -264,9 +266,29 @@ def pruned_copy(
         update_head_counts(twin, attention)
         twin.eval()
         forward_example(twin, x)
-    if is_channels_last(model):
-        to_channels_last(twin)
+    _keep_layout(twin, is_channels_last(model))
     return normalised_history(pruner.pruning_history()), twin
+
+
+def _keep_layout(model: nn.Module, channels_last: bool) -> None:
+    """Put a pruned ``model`` back in NHWC when it was, unless pruning left a layer oneDNN cannot train that way.
+
+    Pruning can leave a strided 1x1 convolution with fewer input channels than oneDNN's block on a CPU
+    (`lightning_speedkit.layout.nhwc_unsafe_convs`); the model then stays in the default layout, with a warning.
+    """
+    if not channels_last:
+        return
+    weight = next(model.parameters(), None)
+    on_cpu = weight is not None and weight.device.type == "cpu"
+    unsafe = nhwc_unsafe_convs(model, cpu_info()) if on_cpu else []
+    if unsafe:
+        to_default_layout(model)
+        rank_zero_warn(
+            f"StructuredPruning: the pruned model is back in the default layout: oneDNN cannot train {unsafe[0]!r}"
+            f" ({len(unsafe)} such layer(s)) channels-last on this CPU (lightning_speedkit.layout.nhwc_unsafe_convs)."
+        )
+        return
+    to_channels_last(model)
 
 
 def apply_pruning_history(model: nn.Module, example_input: Any, history: History) -> None:
@@ -290,8 +312,7 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
     with torch.no_grad():
         graph.load_pruning_history([list(record) for record in history])
     update_head_counts(model, attention)
-    if channels_last:
-        to_channels_last(model)
+    _keep_layout(model, channels_last)
     setattr(model, _HISTORY_ATTR, [*pruning_history(model), *history])
 
 
