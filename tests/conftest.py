@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_speedkit.hardware import cpu_info
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -118,6 +120,17 @@ class SpawnedRank(L.Callback):
             torch.distributed.barrier()
             gc.collect()
             torch.distributed.destroy_process_group()
+
+
+def short_job_reason(lever: str) -> str:
+    """How a lever's reason starts on a job too short for any probe to pay back, on this CPU.
+
+    PrecisionTuner has nothing to time where the CPU lacks bf16 instructions (`hardware.cpu_info`, the facts it reads
+    itself, a forced ISA included); elsewhere, and for every other lever, the payback rule skips the probe.
+    """
+    if lever == "PrecisionTuner" and not cpu_info().bf16_instructions:
+        return "no other autocast precision to try"
+    return "skipped: the probe"
 
 
 def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:

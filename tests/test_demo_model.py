@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import short_job_reason
 
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoResNet, format_report, run_demo
 from lightning_speedkit.demo.run import ABLATION, format_seeds, parse_seeds, run_seeds
@@ -53,7 +54,7 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
         assert run["diagnosis"] in {"data_bound", "h2d_bound", "compute_bound", "underutilized", "memory_thrash"}
     choices = report["runs"]["speedkit"]["choices"]
     assert choices["precision"] == "32-true"  # one short epoch: no probe can pay back, the reason says so
-    assert choices["precision_reason"].startswith("skipped: the probe")
+    assert choices["precision_reason"].startswith(short_job_reason("PrecisionTuner"))
     assert {"DataLoaderTuner", "LRFinder", "TrainingGuard"} <= set(choices["callbacks"])
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["runs"]["baseline"]["timeline"] == report["runs"]["baseline"]["timeline"]
