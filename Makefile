@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck pytest clean
+.PHONY: install demo test test-avx2 lint typecheck pytest clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -45,6 +45,16 @@ pytest: install
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test: lint typecheck pytest
+
+# The hardware-sensitive tests again as an AVX2-only CPU (no AVX-512, no bf16, no VNNI) would run them: torch's kernel
+# dispatch and oneDNN are forced down to AVX2 and speedkit's hardware facts follow (hardware.forced_isa). On an
+# AVX-512 machine this catches what an AVX2 user would hit. DDP tests are left out: the ISA does not change them.
+HW_TESTS := tests/test_hardware.py tests/test_doctor.py tests/test_machine.py tests/test_precision.py \
+	tests/test_layout.py tests/test_memory_format.py tests/test_preset.py tests/test_demo_model.py \
+	tests/test_int8.py tests/test_int8_multi_input.py tests/test_monitor.py
+test-avx2: install
+	@ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory pytest \
+		PYTEST_ARGS="-m 'not ddp' $(HW_TESTS) $(PYTEST_ARGS)"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
