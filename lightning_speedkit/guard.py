@@ -184,11 +184,14 @@ class TrainingGuard(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if pl_module.automatic_optimization and (outputs is None or outputs == {}):
+            return  # `training_step` returned None: Lightning skipped the batch, and so does the guard
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, Tensor) or loss.numel() != 1:
+            got = "None" if outputs is None or outputs == {} else repr(outputs)[:80]
             raise ValueError(
                 "TrainingGuard: `training_step` must return a scalar loss tensor (or a dict with one under 'loss'),"
-                f" got {type(outputs).__name__}; remove the guard for manual optimization without a returned loss."
+                f" got {got}; remove the guard for manual optimization without a returned loss."
             )
         value = float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean"))
         trigger = self._judge(value, trainer.global_step)
@@ -271,19 +274,16 @@ class TrainingGuard(Callback):
         step = trainer.global_step
         if self._rollbacks >= self.max_rollbacks or self._snapshot is None:
             why = self._watch_only or f"{self._rollbacks} rollbacks already (max_rollbacks={self.max_rollbacks})"
+            kept = "no snapshot to put back: the weights are those of the failed step"
+            if self._snapshot is not None:  # leave the model as it was last good, not with the failed step's weights
+                self._restore(trainer, self._snapshot)
+                kept = f"the weights, optimizer and scheduler states of step {self._snapshot['step']} were put back"
             raise RuntimeError(
-                f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}) and no rollback left: {why}. Lower the"
-                " learning rate, or check the data and the model for the cause."
+                f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}) and no rollback left: {why}; {kept}."
+                " Lower the learning rate, or check the data and the model for the cause."
             )
         snapshot = self._first if trigger == "stalled" and self._first is not None else self._snapshot
-        module = trainer.lightning_module
-        module.load_state_dict(snapshot["model"])
-        for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
-            optimizer.zero_grad(set_to_none=True)
-        for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"], strict=True):
-            config.scheduler.load_state_dict(state)
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot["precision"]))
+        self._restore(trainer, snapshot)
         self._rollbacks += 1
         new_scale = self._lr_scale * self.backoff
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
@@ -307,3 +307,14 @@ class TrainingGuard(Callback):
         )
         metrics = {"speedkit/guard/rollbacks": float(self._rollbacks), "speedkit/guard/lr_scale": new_scale}
         log_rank_zero(trainer, metrics, step=step)
+
+    @staticmethod
+    def _restore(trainer: pl.Trainer, snapshot: dict[str, Any]) -> None:
+        """Put a snapshot's weights, optimizer, scheduler and precision-plugin states back."""
+        trainer.lightning_module.load_state_dict(snapshot["model"])
+        for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+            optimizer.zero_grad(set_to_none=True)
+        for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"], strict=True):
+            config.scheduler.load_state_dict(state)
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot["precision"]))

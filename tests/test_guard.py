@@ -105,6 +105,28 @@ def test_past_max_rollbacks_the_run_stops_with_a_clear_error(tmp_path: Path) -> 
         _fit(tmp_path, _Faulty(nan_at=(20, 30)), guard)
 
 
+class _NanData(TinyClassifier):
+    """Every batch from step 12 on holds a NaN, as bad data would: no rollback can get past it."""
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step >= 12:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return super().training_step((x, y), batch_idx)
+
+
+def test_giving_up_leaves_the_last_good_weights_in_place(tmp_path: Path) -> None:
+    """When no rollback is left, the last good snapshot is put back before the error: no NaN weights remain."""
+    model = _NanData(lr=0.05, num_samples=256)
+    guard = TrainingGuard(every_n_steps=5, window=10, max_rollbacks=2)
+    with pytest.raises(RuntimeError, match=r"no rollback left.*step 10 were put back"):
+        _fit(tmp_path, model, guard)
+    assert guard.report()["rollbacks"] == 2
+    assert _finite(model)
+
+
 def test_over_the_memory_budget_it_only_watches(tmp_path: Path) -> None:
     """A snapshot larger than max_snapshot_bytes is not taken; the report says so and a NaN then stops the run."""
     guard = TrainingGuard(max_snapshot_bytes=10)
@@ -126,15 +148,37 @@ def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
 
 
 def test_a_step_without_a_scalar_loss_is_a_clear_error(tmp_path: Path) -> None:
-    """A training_step returning a dict without a loss tensor gets an error naming what the guard needs."""
+    """A manually optimized training_step that returns no loss gets an error naming what it returned."""
 
     class NoLoss(TinyClassifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
         @override
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return {"loss": super().training_step(batch, batch_idx), "extra": 1} if batch_idx < 0 else None
+            optimizer = self.optimizers()
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()  # type: ignore[union-attr]
 
-    with pytest.raises(ValueError, match="must return a scalar loss"):
+    with pytest.raises(ValueError, match=r"must return a scalar loss.*got None"):
         _fit(tmp_path, NoLoss(), TrainingGuard())
+
+
+def test_a_skipped_batch_is_skipped_and_not_a_fault(tmp_path: Path) -> None:
+    """A training_step returning None (Lightning's way to skip a batch) is skipped: no error, no rollback."""
+
+    class SkipsOdd(TinyClassifier):
+        @override
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx % 2 else loss
+
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    trainer = _fit(tmp_path, SkipsOdd(lr=0.05, num_samples=256), guard)
+    assert guard.report()["rollbacks"] == 0
+    assert trainer.global_step == 64  # the fit ran to its end
 
 
 class _RankWeights(L.Callback):
