@@ -12,7 +12,7 @@ import os
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_speedkit.checks import check_int, check_number
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
 
 __all__ = ["TrainingGuard", "robust_z", "snapshot_bytes"]
 
@@ -166,6 +167,20 @@ class TrainingGuard(Callback):
         self._watch_only = ""
         self._snapshot_size = 0
         self._stall_at: int | None = stall_steps if isinstance(stall_steps, int) else None
+
+    state_spec: ClassVar[StateSpec] = {
+        "losses": ListOf(float),
+        "start_losses": ListOf(float),
+        "stall_from": int,
+        "rollbacks": int,
+        "lr_scale": float,
+        "events": ListOf(dict),
+    }
+    """What a checkpoint may hold for the guard (checked before anything is restored: `lightning_speedkit.restore`)."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -31,6 +31,7 @@ from lightning_speedkit.layout import (
     to_channels_last,
     to_default_layout,
 )
+from lightning_speedkit.restore import check_checkpoints
 
 __all__ = ["ChannelsLast"]
 
@@ -124,6 +125,7 @@ class ChannelsLast(trials.RemembersDecision, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
         if not self.enabled:
             self._status = "disabled"
             return

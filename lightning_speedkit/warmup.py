@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_speedkit.checks import check_choice, is_int, is_number
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import StateSpec, check_checkpoints
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -193,8 +194,16 @@ class WarmupScheduler(Callback):
             start_factor=self.start_factor,
         )
 
+    state_spec: ClassVar[StateSpec] = {
+        "warmup": (int, float),
+        "total_steps": (int, None),
+        "schedule": (None, {"warmup_steps": int, "total_steps": (int, None), "start_step": int}),
+    }
+    """What a checkpoint may hold for the warmup (checked before anything is restored: `lightning_speedkit.restore`)."""
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
         if stage == "fit":  # a checkpoint's state, if any, is loaded after this
             self._warmup_spec, self._total_spec, self._schedule = self.warmup, self.total_steps, None
             self._warned_overwrite = False

@@ -15,7 +15,7 @@ MAX_LINES = 400
 # floors; a concern never imports another concern (the foundation holds what two concerns share).
 FOUNDATION = {
     "__about__", "batch", "checks", "data", "decisions", "hardware", "layout", "lr", "machine", "oom", "report",
-    "sampling", "timing", "trials",
+    "restore", "sampling", "timing", "trials",
 }  # fmt: skip
 CONCERNS = {
     "batch_size", "bench", "compile", "dataloader", "doctor", "guard", "int8", "lr_finder", "memory_format",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -25,6 +25,7 @@ from lightning_speedkit.batch_size.search import (
 from lightning_speedkit.checks import check_bool, check_choice, check_int, check_margin, check_number, is_int
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
 from lightning_speedkit.trials import BatchSize, TrialResult, TrialSession
 
 if TYPE_CHECKING:
@@ -140,8 +141,22 @@ class BatchSizeFinder(Callback):
         """The applied decision: ``batch_size``, ``lr_scale``, ``accumulate_grad_batches``, ``reason``, ``trials``..."""
         return self._decision
 
+    state_spec: ClassVar[StateSpec] = {
+        "batch_size": int,
+        "accumulate_grad_batches": int,
+        "lr_scale": float,
+        "configured_batch_size": int,
+        "world_size": int,
+        "global_batch": int,
+        "reason": str,
+        "search_s": float,
+        "trials": ListOf(dict),
+    }
+    """What a checkpoint may hold for the finder (checked before anything is restored: `lightning_speedkit.restore`)."""
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
         if stage != "fit":
             return
         self._decision, self._applied = None, False  # a checkpoint's decision, if any, is loaded after this

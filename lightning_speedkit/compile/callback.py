@@ -6,7 +6,7 @@ import logging
 import math
 import statistics
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +20,7 @@ from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back, compile_worth_probing
 from lightning_speedkit.decisions import loss_is_sound, probe_pays_back
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import StateSpec, check_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,13 @@ class Compile(Callback):
         self._mark = 0
         self._call: CompiledCall | None = None
         self._failure: Exception | None = None
+
+    state_spec: ClassVar[StateSpec] = {"decision": (dict, None)}
+    """What a checkpoint may hold for Compile (checked before anything is restored: `lightning_speedkit.restore`)."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -19,6 +19,7 @@ from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, fir
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
 from lightning_speedkit.monitor.readings import DeviceReadings
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import StateSpec, check_checkpoints
 from lightning_speedkit.sampling import DeviceSampler, open_sampler
 from lightning_speedkit.timing import StepTimer, WindowStats, median_fractions
 
@@ -140,8 +141,21 @@ class UtilizationMonitor(Callback):
             self._state_key = (settings, key)
         return self._state_key[1]
 
+    state_spec: ClassVar[StateSpec] = {
+        "batches": int,
+        "totals": {"steps": int, "samples": int, "data_wait_s": float, "h2d_s": float, "compute_s": float},
+        "label": (str, None),
+        "advice": (str, None),
+        "label_counts": dict,
+        "windows": int,
+        "flops_per_batch": (float, None),
+        "last": dict,
+    }
+    """What a checkpoint may hold for the monitor (checked before any restore: `lightning_speedkit.restore`)."""
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
         if stage != "fit":
             return
         self._stop()

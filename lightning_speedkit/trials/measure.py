@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.decisions import choose_setting, clearly_slower, loss_is_sound, probe_pays_back
 from lightning_speedkit.report import log_rank_zero, quiet_logger
+from lightning_speedkit.restore import StateSpec, check_checkpoints
 from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
 from lightning_speedkit.trials.settings import Setting
 
@@ -138,11 +139,22 @@ class RemembersDecision:
     """Mixin for a lever Callback whose decision, once made, is checkpointed, so a resumed fit does not probe again.
 
     List it before ``Callback`` in the bases. The decision is the plain dict in ``self._decision``; it is saved under
-    ``state_name`` (``"report"`` for levers whose checkpoints already used that key).
+    ``state_name`` (``"report"`` for levers whose checkpoints already used that key). A checkpoint's state is checked
+    before anything is restored (`lightning_speedkit.restore`); a lever that overrides ``setup`` calls
+    `~lightning_speedkit.restore.check_checkpoints` itself.
     """
 
     state_name = "decision"
     _decision: dict[str, Any]
+
+    @property
+    def state_spec(self) -> StateSpec:
+        """What a checkpoint may hold for this lever: its decision, a dict."""
+        return {self.state_name: (dict, None)}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check every checkpoint the fit loads before anything is restored from it."""
+        check_checkpoints(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         """The decision, for the checkpoint."""
