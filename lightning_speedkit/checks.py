@@ -6,12 +6,14 @@ us) and raises ``ValueError`` of the form "`name` must be ..., got <repr of the 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Collection
 from typing import Literal, TypeGuard, TypeVar, overload
 
 __all__ = [
     "check_bool",
+    "check_callable",
     "check_choice",
     "check_int",
     "check_margin",
@@ -161,6 +163,32 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}.")
     return value
+
+
+def check_callable(name: str, value: object, what: str, arguments: int = 1) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` can be called with ``arguments`` positional arguments.
+
+    Args:
+        name: The argument's name.
+        value: What was passed.
+        what: What it must be, for the message (``"a function of a torch.device"``).
+        arguments: How many positional arguments it is called with.
+
+    Example:
+        >>> check_callable("sampler", lambda device: None, "a function of a torch.device")
+        >>> check_callable("sampler", lambda: None, "a function of a torch.device")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `sampler` must be a function of a torch.device, got <function <lambda> at ...>, which takes ...
+    """
+    if not callable(value) or isinstance(value, (str, bytes, type(None))):
+        raise ValueError(f"`{name}` must be {what}, got {value!r}.")
+    try:
+        inspect.signature(value).bind(*([None] * arguments))
+    except TypeError as err:
+        raise ValueError(f"`{name}` must be {what}, got {value!r}, which takes other arguments ({err}).") from None
+    except ValueError:  # a builtin without a signature: it is called as given
+        return
 
 
 def check_margin(name: str, value: object) -> float:

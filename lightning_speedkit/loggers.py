@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -17,7 +17,7 @@ from lightning_speedkit.report import collect_reports, flatten_reports, write_js
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunSummary", "speedkit_wandb_logger", "wandb_is_offline"]
+__all__ = ["RunSummary", "choose_logger", "speedkit_wandb_logger", "wandb_is_offline"]
 
 
 def wandb_is_offline(environ: dict[str, str] | None = None) -> bool:
@@ -45,6 +45,45 @@ def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str =
 
     kwargs.setdefault("offline", wandb_is_offline())
     return WandbLogger(project=project, save_dir=str(save_dir), **kwargs)
+
+
+def choose_logger(logger: Logger | bool | str, root: Any) -> tuple[Logger | bool, str]:
+    """The logger `~lightning_speedkit.preset` gives the Trainer, and a one-line reason.
+
+    ``"auto"`` or True: W&B when wandb is installed (`speedkit_wandb_logger`), else CSV; ``"wandb"``: W&B or an
+    ImportError; ``"csv"``: CSV; False: none; a Logger: yours. Files go under ``root`` (the Trainer's
+    ``default_root_dir``), else the working directory.
+
+    Raises:
+        ValueError: For any other ``logger`` (``1`` is not True).
+        ImportError: For ``"wandb"`` without wandb installed.
+
+    Example:
+        >>> choose_logger(False, None)
+        (False, 'none, as asked')
+        >>> choose_logger(1, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: `logger` must be 'auto', 'wandb', 'csv', True, False or a Logger, got 1.
+    """
+    if isinstance(logger, Logger):
+        return logger, "as asked: yours"
+    if logger is False:
+        return False, "none, as asked"
+    if not (logger is True or (isinstance(logger, str) and logger in ("auto", "wandb", "csv"))):  # 1 is not True
+        raise ValueError(f"`logger` must be 'auto', 'wandb', 'csv', True, False or a Logger, got {logger!r}.")
+    save_dir = str(root) if root is not None else os.getcwd()
+    if logger == "csv":
+        return CSVLogger(save_dir=save_dir, name="speedkit"), "CSV, as asked: metrics.csv"
+    try:
+        chosen = speedkit_wandb_logger(save_dir=save_dir)
+    except ImportError:
+        if logger == "wandb":
+            raise
+        return CSVLogger(save_dir=save_dir, name="speedkit"), "wandb not installed: metrics.csv"
+    mode = "offline (no WANDB_API_KEY)" if getattr(chosen, "_offline", False) else "online"
+    source = "W&B, as asked" if logger == "wandb" else "wandb installed"
+    return chosen, f"{source}: {mode}, speedkit/* grouped on trainer/global_step"
 
 
 class RunSummary(Callback):

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_margin, check_number, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.restore import check_checkpoints
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -134,6 +135,16 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
         self._decision: dict[str, Any] = {}
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
+        device = trainer.strategy.root_device.type
+        if self.candidates is not None and device != "cuda" and "16-mixed" in self.candidates:
+            raise ValueError(
+                f"`candidates` must not hold '16-mixed' on {device.upper()}: fp16 autocast runs on CUDA only (Lightning"
+                f" turns it into 'bf16-mixed' elsewhere); use '32-true' and 'bf16-mixed', got {self.candidates!r}."
+            )
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.strategy.precision_plugin
         if type(plugin) not in (Precision, MixedPrecision) or plugin.precision not in AUTOCAST_PRECISIONS:
@@ -165,8 +176,6 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
         cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
         wanted = self.candidates or precision_candidates(device, bool(cpu_info().bf16_instructions), cuda_bf16)
         others = [_Autocast(p) for p in wanted if p != current]
-        if device != "cuda":
-            others = [c for c in others if c.name != "16-mixed"]  # fp16 autocast on CPU: Lightning makes it bf16
         if not others:
             reason = f"no other autocast precision to try on this {device.upper()} (candidates: {', '.join(wanted)})"
             return {"decision": current, "reason": reason, "probed": False, "probe_s": 0.0}

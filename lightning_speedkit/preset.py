@@ -10,16 +10,17 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_speedkit.checks import check_bool
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
-from lightning_speedkit.loggers import RunSummary
+from lightning_speedkit.loggers import RunSummary, choose_logger
 from lightning_speedkit.lr_finder import LRFinder
 from lightning_speedkit.machine import placement, recommend, unified_precision
 from lightning_speedkit.memory_format import ChannelsLast
@@ -286,6 +287,7 @@ def preset(
     """
     if lr not in (None, "auto"):
         raise ValueError(f"`lr` must be None (keep yours) or 'auto' (an LRFinder range test), got {lr!r}.")
+    check_bool("verbose", verbose)
     if not (compile == "auto" or isinstance(compile, (bool, dict))):
         raise ValueError(f"`compile` must be 'auto', True, False or a dict of Compile arguments, got {compile!r}.")
     compile_arg: Any = True if compile == "auto" else {"measure": False} if compile is True else compile
@@ -318,9 +320,8 @@ def preset(
     if strategy == "auto" and choices["strategy"] == "ddp":
         backend = "nccl" if choices["accelerator"] in ("gpu", "cuda") else "gloo"
         strategy_obj = DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
-    chosen_logger = _logger(logger, trainer_kwargs.get("default_root_dir"))
+    chosen_logger, choices["reasons"]["logger"] = choose_logger(logger, trainer_kwargs.get("default_root_dir"))
     choices["logger"] = type(chosen_logger).__name__ if isinstance(chosen_logger, Logger) else str(chosen_logger)
-    choices["reasons"]["logger"] = _logger_reason(chosen_logger, asked=logger)
     if not (logger == "auto" or logger is True):
         choices["overridden"]["logger"] = logger if isinstance(logger, (str, bool)) else choices["logger"]
     choices["callbacks"] = [type(c).__name__ for c in chosen_callbacks]
@@ -363,37 +364,7 @@ def _export(export: str | os.PathLike[str] | dict[str, Any] | Callback) -> Callb
     if isinstance(export, dict):
         return Int8Export(**export)
     if isinstance(export, (str, os.PathLike)):
+        if not os.fspath(export):
+            raise ValueError(f"`export` must be a directory for the INT8 model, not an empty path, got {export!r}.")
         return Int8Export(dirpath=Path(export))
     raise ValueError(f"`export` must be a directory, a dict or an Int8Export, got {export!r}.")
-
-
-def _logger(logger: Logger | bool | str, root: Any) -> Logger | bool:
-    if isinstance(logger, Logger) or logger is False:
-        return logger
-    if logger not in ("auto", True, "wandb", "csv"):
-        raise ValueError(f"`logger` must be 'auto', 'wandb', 'csv', False or a Logger, got {logger!r}.")
-    save_dir = str(root) if root is not None else os.getcwd()
-    if logger in ("auto", True, "wandb"):
-        try:
-            from lightning_speedkit.loggers import speedkit_wandb_logger
-        except ImportError:
-            if logger == "wandb":
-                raise
-        else:
-            return speedkit_wandb_logger(save_dir=save_dir)
-    return CSVLogger(save_dir=save_dir, name="speedkit")
-
-
-def _logger_reason(logger: Logger | bool, asked: Logger | bool | str) -> str:
-    if logger is False:
-        return "none, as asked"
-    if isinstance(asked, Logger):
-        return "as asked: yours"
-    if asked == "csv":
-        return "CSV, as asked: metrics.csv"
-    name = type(logger).__name__
-    if name == "WandbLogger":
-        mode = "offline (no WANDB_API_KEY)" if getattr(logger, "_offline", False) else "online"
-        source = "W&B, as asked" if asked == "wandb" else "wandb installed"
-        return f"{source}: {mode}, speedkit/* grouped on trainer/global_step"
-    return "wandb not installed: metrics.csv"

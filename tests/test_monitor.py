@@ -442,3 +442,13 @@ def test_benchmark_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     assert result["diagnosis"]["data_bound"]["correct"]
     assert result["diagnosis"]["compute_bound"]["correct"]
     assert "num_workers=0" in result["diagnosis"]["data_bound"]["advice"]
+
+
+def test_a_sampler_that_returns_no_sampler_is_refused_at_fit_start(tmp_path: Path) -> None:
+    """A `sampler` function returning something without `sample()`/`close()` fails naming `sampler`, not a warning."""
+    monitor = UtilizationMonitor(window=4, sampler=lambda device: None)
+    model = TinyClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"`sampler` must return a DeviceSampler .* got None"):
+        tiny_trainer(tmp_path, callbacks=[monitor]).fit(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -147,3 +147,12 @@ def test_benchmark_quick_mode_records_the_cpu_and_both_precisions(tmp_path: Path
     assert all(row["fp32_ms"] > 0 and row["bf16_ms"] > 0 for row in result["per_step"])
     assert {row["run"] for row in result["end_to_end"]} == {"32-true", "bf16-mixed", "PrecisionTuner"}
     assert "bf16_instructions" in result["cpu"]
+
+
+def test_fp16_asked_for_on_a_cpu_is_refused_before_any_step(tmp_path: Path) -> None:
+    """``candidates=["16-mixed"]`` on a CPU (Lightning would quietly run bf16) is a ValueError naming `candidates`."""
+    model = TinyClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"`candidates` must not hold '16-mixed' on CPU.*got \['16-mixed'\]"):
+        tiny_trainer(tmp_path, callbacks=[PrecisionTuner(candidates=["16-mixed"])]).fit(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

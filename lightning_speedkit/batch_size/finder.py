@@ -106,6 +106,8 @@ class BatchSizeFinder(Callback):
         check_choice("objective", objective, OBJECTIVES)
         check_int("init_val", init_val, optional=True)
         check_int("max_val", max_val, optional=True)
+        if init_val is not None and max_val is not None and init_val > max_val:
+            raise ValueError(f"`init_val` must not exceed `max_val` ({max_val}), got {init_val}.")
         check_int("reference_batch_size", reference_batch_size, optional=True)
         check_margin("margin", margin)
         if steps_per_trial is None:

@@ -141,6 +141,13 @@ class Compile(Callback):
             raise ValueError(f"`options` must be a dict or None, got {options!r}.")
         if options is not None and mode is not None:
             raise ValueError(f"`options` cannot be combined with `mode`; pass one of them, got mode={mode!r}.")
+        if options and backend == "inductor":  # other backends take options of their own
+            unknown = sorted(str(key) for key in options if key not in torch._inductor.list_options())
+            if unknown:
+                raise ValueError(
+                    f"`options` must name inductor options (torch._inductor.list_options()), got {options!r}: unknown"
+                    f" {', '.join(map(repr, unknown))}."
+                )
         check_int("max_graph_breaks", max_graph_breaks, low=0)
         check_number("min_compile_s", min_compile_s, 0)
         self.compile_kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.batch import first_tensor
-from lightning_speedkit.checks import check_bool, check_int, check_number
+from lightning_speedkit.checks import check_bool, check_callable, check_int, check_number
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
@@ -99,6 +99,8 @@ class UtilizationMonitor(Callback):
                 check_number(name, value, 0, open_low=True)
         check_number("sample_interval", sample_interval, 0, open_low=True)
         check_bool("summary", summary)
+        if sampler is not None:
+            check_callable("sampler", sampler, "a function of a torch.device that returns a DeviceSampler, or None")
         self.window = window
         self.warn_util_below = warn_util_below
         self.warn_data_wait_above = warn_data_wait_above

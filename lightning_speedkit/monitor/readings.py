@@ -72,13 +72,19 @@ class DeviceReadings:
     def start(self, factory: Callable[[torch.device], DeviceSampler], device: torch.device) -> None:
         """Open the sampler for ``device`` and read it in the background."""
         try:
-            self._thread = SamplerThread(sampler := factory(device), self.interval_s)
-            self.error = self.error or getattr(sampler, "fallback_reason", None)
-            self._thread.start()
-        except Exception as err:  # no readings is no reason to stop training
+            sampler = factory(device)
+        except Exception as err:  # no readings is no reason to stop training (a driver that fails, say)
             self.error = f"{type(err).__name__}: {err}"
             rank_zero_warn(f"UtilizationMonitor: device sampling unavailable ({self.error}).")
             self._thread = None
+            return
+        if not all(callable(getattr(sampler, method, None)) for method in ("sample", "close")):
+            raise ValueError(
+                f"`sampler` must return a DeviceSampler (with `sample()` and `close()`) for {device}, got {sampler!r}."
+            )
+        self._thread = SamplerThread(sampler, self.interval_s)
+        self.error = self.error or getattr(sampler, "fallback_reason", None)
+        self._thread.start()
 
     def take(self) -> dict[str, float]:
         """The readings since the last call, aggregated (`aggregate_readings`); switches to the process if failed."""
