@@ -3,20 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from lightning_speedkit.__about__ import __version__
 
-__all__ = ["build_parser", "main"]
+__all__ = ["MAX_SEEDS", "build_parser", "main"]
 
 _DESCRIPTION = "lightning_speedkit: make PyTorch Lightning training fast without rewriting the model."
+
+MAX_SEEDS = 64
+"""The most seeds one ``speedkit demo --seeds`` call runs (each trains the model twice)."""
+
+# DemoConfig's fields, by the flag that sets each: a config error names the flag the user typed.
+_FLAGS = {"num_images": "--num-images", "max_epochs": "--max-epochs", "target_acc": "--target-acc",
+          "batch_size": "--batch-size", "num_workers": "--num-workers", "width": "--width", "seed": "--seed",
+          "lr": "--lr", "cache_dir": "--cache-dir", "seeds": "--seeds"}  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2 (argparse's own status), no usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one sub-parser per subcommand."""
-    parser = argparse.ArgumentParser(prog="speedkit", description=_DESCRIPTION)
+    parser = _Parser(prog="speedkit", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     doctor = commands.add_parser(
         "doctor",
@@ -74,8 +94,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from lightning_speedkit.demo.run import DemoConfig, format_report, run_demo
+def _flagged(error: ValueError) -> str:
+    """A config error with each backticked field named by its flag (`max_epochs` -> --max-epochs)."""
+    return re.sub(r"`(\w+)`", lambda m: _FLAGS.get(m.group(1), f"`{m.group(1)}`"), str(error)).rstrip(".")
+
+
+def _writable_dir(flag: str, value: str) -> str | None:
+    """Why ``value`` cannot be (made) a directory to write in, naming ``flag``; None when it can."""
+    if not value.strip():
+        return f"{flag} must be a directory, got {value!r}"
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return f"{flag} must be a directory this user can write to, got {value!r} ({err.strerror or err})"
+    return None
+
+
+def _demo_plan(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
+    """Check every demo flag before any work: the config and the seeds, or a ValueError naming the flag."""
+    from lightning_speedkit.demo.run import DemoConfig, parse_seeds
 
     overrides = {
         key: value
@@ -93,10 +133,28 @@ def _demo(args: argparse.Namespace) -> int:
         if value is not None
     }
     config = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
-    from lightning_speedkit.demo.run import ABLATION, VARIANTS, format_seeds, parse_seeds, run_seeds
-
-    if args.seeds:
+    seeds = None
+    if args.seeds is not None:
         seeds = parse_seeds(args.seeds)
+        if len(seeds) > MAX_SEEDS:
+            raise ValueError(f"`seeds` names {len(seeds)} seeds, at most {MAX_SEEDS} in one call, got {args.seeds!r}.")
+        if args.only or args.ablation:
+            raise ValueError("`seeds` runs baseline and speedkit on every seed; it takes no --only or --ablation.")
+    return config, seeds
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lightning_speedkit.demo.run import ABLATION, VARIANTS, format_report, format_seeds, run_demo, run_seeds
+
+    try:
+        config, seeds = _demo_plan(args)
+    except ValueError as err:
+        return _fail(_flagged(err))
+    for flag, value in (("--out", args.out), ("--cache-dir", args.cache_dir)):
+        problem = None if value is None else _writable_dir(flag, value)
+        if problem:
+            return _fail(problem)
+    if seeds is not None:
         print(f"speedkit demo: baseline and speedkit on seeds {args.seeds} to val_acc {config.target_acc:.2f} ...")
         report = run_seeds(config, seeds, out_dir=args.out)
         print(format_seeds(report))
@@ -110,6 +168,12 @@ def _demo(args: argparse.Namespace) -> int:
     written = [f"{args.out}/demo.json", *([report["plot"]] if report.get("plot") else [])]
     print(f"wrote {', '.join(written)}")
     return 0
+
+
+def _fail(message: str) -> int:
+    """One line on stderr, exit status 2: what argparse does for a bad flag, for a bad value found after parsing."""
+    print(f"speedkit demo: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

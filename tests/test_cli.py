@@ -128,3 +128,58 @@ def test_demo_seeds_prints_the_summary_line(
     assert (int(match[3]), int(match[4])) == (sum(bool(r["speedkit"]["time_to_target_s"]) for r in seeds), 2)
     assert (summary["reached"], summary["total"]) == (int(match[3]), int(match[4]))
     assert speedups == [0.0, 0.0]  # target 1.0 is out of reach in one epoch: every seed is a miss, counted as 0.00x
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seed", "-5"], "--seed must be an int in [0, 4294967295]"),
+        (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["--max-epochs", "0"], "--max-epochs must be a positive int, got 0"),
+        (["--target-acc", "2"], "--target-acc must be a number in (0, 1], got 2.0"),
+        (["--num-workers", "-1"], "--num-workers must be an int >= 0, got -1"),
+        (["--seeds", ""], "--seeds must be a range like 0-4 or a list like 0,2,5"),
+        (["--quick", "--seeds", "0-999999"], "--seeds names 1000000 seeds, at most 64"),
+        (["--seeds", "0-1", "--only", "baseline"], "--seeds runs baseline and speedkit on every seed"),
+        (["--cache-dir", ""], "--cache-dir must be a directory or None, got ''"),
+        (["--only", "fast"], "argument --only: invalid choice: 'fast'"),
+    ],
+)
+def test_a_bad_demo_flag_is_one_line_and_status_2_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """Every demo flag is checked before any work: exit status 2, one stderr line naming the flag, nothing written."""
+    out = tmp_path / "out"
+    try:
+        status = main(["demo", *argv, "--out", str(out)])
+    except SystemExit as exit_info:  # argparse's own checks (types, choices)
+        status = exit_info.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1, err
+    assert err.startswith("speedkit demo: error: ")
+    assert message in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_an_out_directory_that_cannot_be_written_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` under a file fails at once, status 2, naming the flag: not after training, with the results lost."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert main(["demo", "--quick", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speedkit demo: error: --out must be a directory this user can write to")
+    assert err.count("\n") == 1
+
+
+def test_a_bad_demo_flag_exits_2_from_the_console_script(tmp_path: Path) -> None:
+    """The installed command itself exits 2 with one line and no traceback for a value a config check refuses."""
+    script = Path(sys.executable).parent / "speedkit"
+    result = subprocess.run(
+        [str(script), "demo", "--seed", "-5", "--out", str(tmp_path / "o")], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr == "speedkit demo: error: --seed must be an int in [0, 4294967295] (a numpy seed), got -5\n"

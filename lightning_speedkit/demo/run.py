@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
-from lightning_speedkit.checks import check_int, check_number
+from lightning_speedkit.checks import check_int, check_number, is_int
 from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
@@ -54,6 +54,9 @@ _LEVERS = {
 }
 
 
+_MAX_SEED = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Sizes and settings of one demo run; both variants get all of them, the epoch budget included.
@@ -86,6 +89,10 @@ class DemoConfig:
             check_int(name, getattr(self, name))
         check_int("num_workers", self.num_workers, low=0)
         check_number("target_acc", self.target_acc, 0, 1, open_low=True)
+        if not is_int(self.seed, 0) or self.seed > _MAX_SEED:
+            raise ValueError(f"`seed` must be an int in [0, {_MAX_SEED}] (a numpy seed), got {self.seed!r}.")
+        if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir.strip()):
+            raise ValueError(f"`cache_dir` must be a directory or None, got {self.cache_dir!r}.")
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
