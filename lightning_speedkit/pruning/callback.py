@@ -10,15 +10,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_speedkit.pruning.arguments import check_pruning_args
-from lightning_speedkit.pruning.checkpoint import RestoreHook, rebuild_before_load
 from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
 from lightning_speedkit.pruning.report import final_metrics
-from lightning_speedkit.pruning.search import cpu_latency_ms, search_target
+from lightning_speedkit.pruning.restore import RestoreHook, rebuild_before_load
+from lightning_speedkit.pruning.search import cpu_latency_ms
 from lightning_speedkit.pruning.surgery import (
     History,
     apply_pruning_history,
@@ -29,6 +29,7 @@ from lightning_speedkit.pruning.surgery import (
     pruning_history,
     unsupported_layer_names,
 )
+from lightning_speedkit.pruning.targets import PlanArgs, Target, check_reachable, plan_toward, speedup_target
 from lightning_speedkit.report import log_rank_zero
 
 if TYPE_CHECKING:
@@ -215,7 +216,8 @@ class StructuredPruning(Callback):
                 raise ValueError(f"`ignored_layers` names {layer!r}, which is not a submodule of the LightningModule.")
         self._trainer = trainer
         if self._hook is None:
-            self._hook = pl_module.register_load_state_dict_pre_hook(RestoreHook(self))  # type: ignore[no-untyped-call]
+            hook = RestoreHook(self._before_weights_load)
+            self._hook = pl_module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
 
     @override
     def on_train_batch_start(
@@ -223,7 +225,8 @@ class StructuredPruning(Callback):
     ) -> None:
         if not self._target_checked and self._steps_done == 0 and self.amount is None:
             self._target_checked = True
-            self._check_target(trainer, pl_module, self._resolve_example(pl_module, batch))
+            example = self._resolve_example(pl_module, batch)
+            check_reachable(trainer, pl_module, example, self._target(pl_module), self._plan_args(pl_module, example))
         if self._steps_done < self.iterative_steps and trainer.current_epoch >= self.start_epoch + self._steps_done:
             self._prune_step(trainer, pl_module, batch)
 
@@ -313,46 +316,19 @@ class StructuredPruning(Callback):
             }
         )
 
-    def _search(self, pl_module: pl.LightningModule, example: Any, target: float, iterations: int = 6) -> Any:
-        """``(ratio, plan, speedup)``: the smallest ratio that makes the current model ``target`` times cheaper."""
-        kind = "macs" if self.target_speedup is not None else "latency"
-        device = "cpu" if self.latency_device == "cpu" else pl_module.device
-        return search_target(pl_module, example, target, kind, *self._plan_args(pl_module, example), device, iterations)
-
-    def _target_words(self, pl_module: pl.LightningModule) -> tuple[str, float, str]:
-        if self.target_speedup is not None:
-            return "target_speedup", self.target_speedup, "fewer MACs"
-        device = "cpu" if self.latency_device == "cpu" else pl_module.device.type
-        return "target_latency", float(self.target_latency or 0.0), f"faster on {device}"
-
-    def _check_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any) -> None:
-        """Fail before training if no ratio reaches the whole target (a scan of pruned copies; the model is kept)."""
-        name, goal, what = self._target_words(pl_module)
-        found = self._search(pl_module, example, goal, iterations=0) if trainer.is_global_zero else (0, [], 0)
-        ratio, speedup = trainer.strategy.broadcast((found[0], found[2]), src=0)
-        if speedup < goal:
-            raise ValueError(
-                f"`{name}` must be reachable, got {goal}: the best pruning ratio tried ({ratio:.2f}) reaches only"
-                f" {speedup:.2f}x {what}. Lower the target, ignore fewer layers or lower `round_to` ({self.round_to})."
-            )
-
     def _plan_step(self, pl_module: pl.LightningModule, example: Any, step: int) -> tuple[float, History, float | None]:
+        args = self._plan_args(pl_module, example)
         if self.amount is not None:
             ratio = channel_step_ratio(self.amount, step, self.iterative_steps)
-            return ratio, plan_pruning(pl_module, example, ratio, *self._plan_args(pl_module, example)), None
-        _, goal, what = self._target_words(pl_module)
+            return ratio, plan_pruning(pl_module, example, ratio, *args), None
         steps = self._report.get("steps", [])
         done = float(steps[-1].get("speedup") or 1.0) if steps else 1.0
-        share = goal ** ((step + 1) / self.iterative_steps)
-        ratio, plan, speedup = self._search(pl_module, example, share / done)
-        if speedup * done < share * 0.999:
-            rank_zero_warn(
-                f"StructuredPruning: step {step + 1} reaches {speedup * done:.2f}x {what}, short of its {share:.2f}x;"
-                f" lower `round_to` ({self.round_to}) or ignore fewer layers."
-            )
-        return ratio, plan, speedup * done
+        return plan_toward(pl_module, example, self._target(pl_module), step, self.iterative_steps, done, args)
 
-    def _plan_args(self, pl_module: pl.LightningModule, example: Any) -> tuple[list[str], str, int | None]:
+    def _target(self, pl_module: pl.LightningModule) -> Target:
+        return speedup_target(self.target_speedup, self.target_latency, self.latency_device, pl_module.device)
+
+    def _plan_args(self, pl_module: pl.LightningModule, example: Any) -> PlanArgs:
         return self._ignored_names(pl_module, example), self.importance, self.round_to
 
     def _prune_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
