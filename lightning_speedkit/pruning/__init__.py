@@ -6,12 +6,11 @@ in `lightning_speedkit.pruning.surgery` (plan, apply, replay), `lightning_speedk
 ratio search) and `lightning_speedkit.pruning.attention` (heads) work on plain ``nn.Module`` objects.
 """
 
-from lightning_speedkit.pruning.arguments import LATENCY_DEVICES
+from lightning_speedkit.pruning.arguments import IMPORTANCES, LATENCY_DEVICES, TARGET_KINDS
 from lightning_speedkit.pruning.attention import AttentionLayer, find_attention, update_head_counts
 from lightning_speedkit.pruning.callback import StructuredPruning
 from lightning_speedkit.pruning.checkpoint import load_pruned_checkpoint
 from lightning_speedkit.pruning.search import (
-    TARGET_KINDS,
     cpu_latency_ms,
     device_latency_ms,
     latency_speedup,
@@ -20,7 +19,6 @@ from lightning_speedkit.pruning.search import (
     search_target,
 )
 from lightning_speedkit.pruning.surgery import (
-    IMPORTANCES,
     History,
     apply_pruning_history,
     channel_step_ratio,

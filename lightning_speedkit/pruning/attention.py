@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from lightning_speedkit.checks import is_int
+from lightning_speedkit.pruning.arguments import check_module
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def find_attention(model: nn.Module) -> list[AttentionLayer]:
         [('0', 'fused', 4, 8)]
     """
     found = []
-    for name, module in model.named_modules():
+    for name, module in check_module("model", model).named_modules():
         if isinstance(module, nn.MultiheadAttention):
             if module._qkv_same_embed_dim:
                 found.append(AttentionLayer(name, "multihead", (), "num_heads", module.num_heads, module.head_dim))
@@ -191,6 +192,9 @@ def update_head_counts(model: nn.Module, layers: list[AttentionLayer]) -> None:
         >>> attention.num_heads
         2
     """
+    check_module("model", model)
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(layer, AttentionLayer) for layer in layers):
+        raise ValueError(f"`layers` must be a list of AttentionLayer (from find_attention), got {layers!r}.")
     for layer in layers:
         if layer.kind == "multihead":
             continue  # torch-pruning sets embed_dim and head_dim; the head count does not change

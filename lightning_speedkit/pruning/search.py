@@ -19,13 +19,14 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_speedkit.batch import forward_example
+from lightning_speedkit.checks import check_choice, check_int, check_number
+from lightning_speedkit.pruning.arguments import TARGET_KINDS, check_device, check_example_input, check_module
 from lightning_speedkit.pruning.surgery import History, count_macs_params, pruned_copy
 from lightning_speedkit.timing import median_ms
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "TARGET_KINDS",
     "cpu_latency_ms",
     "device_latency_ms",
     "latency_speedup",
@@ -34,9 +35,6 @@ __all__ = [
     "search_ratio",
     "search_target",
 ]
-
-TARGET_KINDS = ("macs", "latency")
-"""What a speedup target counts: ``"macs"`` (MACs before / after) or ``"latency"`` (timed latency before / after)."""
 
 Trial = tuple[float, History, float]
 """One point of a search: ``(ratio, plan, speedup)``."""
@@ -56,6 +54,7 @@ def _repeat_batch(example_input: Any, batch_size: int | None) -> Any:
 
 def _runner(model: nn.Module, example_input: Any, device: torch.device, batch_size: int | None) -> Callable[[], None]:
     """A call of one eval forward pass of a copy of ``model`` on ``device`` (synchronised on CUDA)."""
+    check_example_input("example_input", example_input)
     twin = copy.deepcopy(model).to(device).eval()
     x = _repeat_batch(move_data_to_device(example_input, device), batch_size)
 
@@ -84,8 +83,10 @@ def device_latency_ms(
         >>> device_latency_ms(nn.Linear(4, 2), torch.zeros(1, 4), "cpu", batch_size=8, repeats=3) > 0
         True
     """
-    run = _runner(model, example_input, torch.device(device), batch_size)
-    return median_ms(run, repeats, warmup=3)  # the first calls warm up allocators and kernels
+    check_module("model", model)
+    batch_size = check_int("batch_size", batch_size, optional=True)
+    run = _runner(model, example_input, check_device("device", device), batch_size)
+    return median_ms(run, check_int("repeats", repeats), warmup=3)  # the first calls warm up allocators and kernels
 
 
 def cpu_latency_ms(model: nn.Module, example_input: Any, batch_size: int = 1, repeats: int = 20) -> float:
@@ -97,7 +98,7 @@ def cpu_latency_ms(model: nn.Module, example_input: Any, batch_size: int = 1, re
         >>> cpu_latency_ms(nn.Linear(4, 2), torch.zeros(1, 4), batch_size=8, repeats=3) > 0
         True
     """
-    return device_latency_ms(model, example_input, "cpu", batch_size, repeats)
+    return device_latency_ms(model, example_input, "cpu", check_int("batch_size", batch_size), repeats)
 
 
 def _fastest_ms(run: Callable[[], None], repeats: int) -> float:
@@ -130,8 +131,10 @@ def latency_speedup(
         >>> latency_speedup(net, net, torch.zeros(8, 64), rounds=2, repeats=2) > 0
         True
     """
-    device = torch.device(device)
-    runs = [_runner(model, example_input, device, None) for model in (reference, candidate)]
+    device = check_device("device", device)
+    rounds, repeats = check_int("rounds", rounds), check_int("repeats", repeats)
+    models = (check_module("reference", reference), check_module("candidate", candidate))
+    runs = [_runner(model, example_input, device, None) for model in models]
     for run in runs:
         median_ms(run, 1, warmup=3)  # warm-up, not counted
     ratios = []
@@ -156,6 +159,8 @@ def search_ratio(
         >>> round(ratio, 2), speedup >= 2.0, len(trials)
         (0.5, True, 11)
     """
+    check_number("max_ratio", max_ratio, 0, 1, open_low=True, open_high=True)
+    iterations = check_int("iterations", iterations, low=0)
     tried: list[Trial] = []
     low, high = 0.0, None
     for k in range(1, 9):
@@ -195,6 +200,7 @@ def search_pruning_ratio(
         >>> macs <= 600, 0.0 < ratio < 1.0
         (True, True)
     """
+    check_number("target_macs", target_macs, 0, open_low=True)
 
     def evaluate(ratio: float) -> tuple[History, float]:
         plan, twin = pruned_copy(model, example_input, ratio, ignored_layers, importance, round_to)
@@ -233,6 +239,10 @@ def search_latency_ratio(
         >>> speedup >= 1.5, 0.0 < ratio < 1.0
         (True, True)
     """
+    check_number("target_speedup", target_speedup, 0, open_low=True)
+    device = check_device("device", device)
+    if measure is not None and not callable(measure):
+        raise ValueError(f"`measure` must be a function (reference, candidate) -> speedup, or None, got {measure!r}.")
 
     def timed(reference: nn.Module, candidate: nn.Module) -> float:
         return latency_speedup(reference, candidate, example_input, device)
@@ -270,6 +280,9 @@ def search_target(
         >>> speedup >= 1.5
         True
     """
+    check_number("target", target, 0, open_low=True)  # a later step's share can be <= 1: nothing more to gain
+    check_choice("kind", kind, TARGET_KINDS)
+    device = check_device("device", device)
     args = (ignored_layers, importance, round_to)
     if kind == "macs":
         macs = count_macs_params(model, example_input)[0]

@@ -16,8 +16,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_speedkit.batch import forward_example, modes_kept
+from lightning_speedkit.checks import check_choice, check_int, check_number, is_int
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import is_channels_last, nhwc_unsafe_convs, to_channels_last, to_default_layout
+from lightning_speedkit.pruning.arguments import (
+    IMPORTANCES,
+    check_example_input,
+    check_history,
+    check_layer_names,
+    check_module,
+    check_ratio,
+)
 from lightning_speedkit.pruning.attention import (
     find_attention,
     pruner_arguments,
@@ -28,7 +37,6 @@ from lightning_speedkit.pruning.attention import (
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "IMPORTANCES",
     "History",
     "apply_pruning_history",
     "channel_step_ratio",
@@ -41,9 +49,6 @@ __all__ = [
     "replay_pruning_history",
     "unsupported_layer_names",
 ]
-
-IMPORTANCES = ("l1", "magnitude")
-"""Channel importance criteria: ``"magnitude"`` (group L2 norm of the weights) or ``"l1"`` (group L1 norm)."""
 
 History = list[tuple[str, bool, list[int]]]
 """torch-pruning's pruning history: ``(module name, out-channel pruning?, removed indices)`` in the order applied."""
@@ -104,7 +109,7 @@ def _naming_failures(model: nn.Module, what: str) -> Iterator[None]:
 
 def pruning_history(model: nn.Module) -> History:
     """The pruning history applied to ``model`` by this module's functions (empty for an unpruned model)."""
-    return list(getattr(model, _HISTORY_ATTR, []))
+    return list(getattr(check_module("model", model), _HISTORY_ATTR, []))
 
 
 def normalised_history(history: Any) -> History:
@@ -119,6 +124,10 @@ def channel_step_ratio(amount: float, step: int, steps: int) -> float:
         >>> [round(channel_step_ratio(0.5, k, 2), 4) for k in range(2)]
         [0.25, 0.3333]
     """
+    check_number("amount", amount, 0, 1, open_low=True, open_high=True)
+    steps = check_int("steps", steps)
+    if not is_int(step, low=0) or step >= steps:
+        raise ValueError(f"`step` must be an int in [0, {steps}) (0-based, below `steps`), got {step!r}.")
     kept_before = 1.0 - amount * step / steps
     kept_after = 1.0 - amount * (step + 1) / steps
     return 1.0 - kept_after / kept_before
@@ -133,6 +142,8 @@ def count_macs_params(model: nn.Module, example_input: Any) -> tuple[float, int]
     """
     import torch_pruning as tp
 
+    check_module("model", model)
+    check_example_input("example_input", example_input)
     x = example_input if isinstance(example_input, (tuple, list, dict)) else (example_input,)
     with _quiet_torch_pruning():
         macs, params = tp.utils.count_ops_and_params(model, move_data_to_device(x, _device(model)))
@@ -146,7 +157,7 @@ def unsupported_layer_names(model: nn.Module) -> list[str]:
         >>> unsupported_layer_names(nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2)))
         []
     """
-    return unprunable_attention(model)
+    return unprunable_attention(check_module("model", model))
 
 
 def _build_graph(model: nn.Module, example_input: Any, what: str) -> Any:
@@ -167,6 +178,8 @@ def output_layer_names(model: nn.Module, example_input: Any) -> list[str]:
         >>> output_layer_names(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.zeros(1, 4))
         ['2']
     """
+    check_module("model", model)
+    check_example_input("example_input", example_input)
     graph = _build_graph(model, example_input, "trace")
     names = {m: n for n, m in model.named_modules()}
     found = []
@@ -217,6 +230,7 @@ def plan_pruning(
         round_to: Keep channel counts a multiple of this (None: any count).
 
     Raises:
+        ValueError: For an argument of the wrong kind or out of range (the message names it).
         RuntimeError: If the model cannot be traced or fails after pruning (the message names the layer).
 
     Example:
@@ -245,6 +259,12 @@ def pruned_copy(
     """
     import torch_pruning as tp
 
+    check_module("model", model)
+    check_example_input("example_input", example_input)
+    ratio = check_ratio("ratio", ratio)
+    ignored_layers = check_layer_names("ignored_layers", ignored_layers, model)
+    check_choice("importance", importance, IMPORTANCES)
+    round_to = check_int("round_to", round_to, optional=True)
     twin = copy.deepcopy(model)
     if ratio <= 0.0:
         return [], twin.eval()
@@ -302,10 +322,16 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
         >>> apply_pruning_history(net, torch.zeros(1, 4), [("0", True, [0, 1, 2, 3])])
         >>> net[0].out_features, net[2].in_features, len(pruning_history(net))
         (12, 12, 1)
+
+    Raises:
+        ValueError: If ``history`` is malformed or names layers ``model`` lacks, or ``example_input`` is not an input.
     """
+    check_module("model", model)
+    history = check_history("history", history)
     if not history:
         return
-    history = normalised_history(history)
+    check_example_input("example_input", example_input)
+    _check_history_names(model, history)
     channels_last = is_channels_last(model)
     attention = find_attention(model)
     graph = _build_graph(model, example_input, "trace")
@@ -320,10 +346,10 @@ def replay_pruning_history(model: nn.Module, example_input: Any, history: Histor
     """Bring ``model`` to the architecture ``history`` describes, applying only what it lacks.
 
     Raises:
-        ValueError: If ``history`` is not empty and ``example_input`` is None.
+        ValueError: If ``history`` is malformed, or not empty and ``example_input`` is None or not an input.
         RuntimeError: If ``model`` was pruned along a different history (load into a fresh module instead).
     """
-    history, current = normalised_history(history), pruning_history(model)
+    history, current = check_history("history", history), pruning_history(model)
     if history == current:
         return
     if history[: len(current)] != current:
@@ -337,3 +363,13 @@ def replay_pruning_history(model: nn.Module, example_input: Any, history: Histor
             " model has no `example_input_array`."
         )
     apply_pruning_history(model, example_input, history[len(current) :])
+
+
+def _check_history_names(model: nn.Module, history: History) -> None:
+    layers = dict(model.named_modules())
+    missing = sorted({name for name, _, _ in history if name not in layers})
+    if missing:
+        raise ValueError(
+            f"`history` must name submodules of {type(model).__name__}, got records for {missing[0]!r}, which it"
+            " lacks: apply a history to the model class it was taken from."
+        )
