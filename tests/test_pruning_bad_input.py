@@ -12,14 +12,29 @@ import lightning as L
 import pytest
 import torch
 from conftest import TinyClassifier, tiny_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from typing_extensions import override
 
 import lightning_speedkit.pruning as pruning
-from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint
+from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint, pruning_history
 
 NET, X = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)), torch.zeros(1, 4)
 PACKAGE = Path(pruning.__file__).parent
+
+
+class StepCounter(Callback):
+    """Counts the training batches that started."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Count one batch."""
+        self.batches += 1
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +56,99 @@ def _raises_naming(argument: str, shown: str, call: Callable[[], Any]) -> str:
         call()
     assert re.search(r"got .*" + re.escape(shown), str(caught.value)), str(caught.value)
     return str(caught.value)
+
+
+# ---------------------------------------------------------------- StructuredPruning's constructor
+
+
+def test_one_string_for_ignored_layers_is_refused_not_split_into_characters() -> None:
+    """`ignored_layers="net.0"` is a ValueError that shows the list to write, not a complaint about layer 'n'."""
+    message = _raises_naming("ignored_layers", "'net.0'", lambda: StructuredPruning(amount=0.5, ignored_layers="net.0"))
+    assert "['net.0']" in message
+
+
+@pytest.mark.parametrize(("value", "shown"), [(nn.Linear(2, 2), "Linear(...)"), (["net.0", ""], "['net.0', '']")])
+def test_ignored_layers_of_the_wrong_kind_are_refused(value: Any, shown: str) -> None:
+    """A bare module (iterable for a Sequential) or an empty name in `ignored_layers` is refused in the constructor."""
+    _raises_naming("ignored_layers", shown, lambda: StructuredPruning(amount=0.5, ignored_layers=value))
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("x", "'x'"),
+        (torch.tensor(1.0), "a tensor of shape ()"),
+        ((), "()"),
+        ([1, 2], "[1, 2]"),
+        ({1: torch.zeros(1, 4)}, "{1: Tensor[1, 4]}"),
+    ],
+)
+def test_example_input_of_the_wrong_type_is_refused_in_the_constructor(value: Any, shown: str) -> None:
+    """An `example_input` that is not a tensor with a batch dimension (or a tuple/list/dict holding one) is refused."""
+    _raises_naming("example_input", shown, lambda: StructuredPruning(amount=0.5, example_input=value))
+
+
+@pytest.mark.parametrize(("value", "shown"), [(1, "1"), ("1", "'1'"), ({1}, "{1}")])
+def test_latency_batch_sizes_that_is_not_a_list_is_refused(value: Any, shown: str) -> None:
+    """`latency_batch_sizes=1` is a ValueError naming it (a list is documented; `[1]` is one batch size)."""
+    _raises_naming("latency_batch_sizes", shown, lambda: StructuredPruning(amount=0.5, latency_batch_sizes=value))
+
+
+def test_empty_monitor_name_is_refused() -> None:
+    """`monitor=""` is refused in the constructor (None is how to report no metric)."""
+    _raises_naming("monitor", "''", lambda: StructuredPruning(amount=0.5, monitor=""))
+
+
+# ---------------------------------------------------------------- StructuredPruning in a fit
+
+
+def test_example_input_of_the_wrong_shape_fails_at_fit_start_naming_it(tmp_path: Path) -> None:
+    """A tensor the model cannot take fails before any training step, naming `example_input` and its shape."""
+    counter = StepCounter()
+    callback = StructuredPruning(amount=0.5, example_input=torch.randn(3), latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[callback, counter])
+    with pytest.raises(ValueError, match=r"`example_input` must be an input TinyClassifier accepts, got a tensor of "):
+        trainer.fit(TinyClassifier())
+    assert counter.batches == 0
+
+
+def test_example_input_that_fits_trains_and_prunes(tmp_path: Path) -> None:
+    """A good `example_input` passes the fit-start check, and the model keeps its train mode for training."""
+    model = TinyClassifier()
+    model.example_input_array = None
+    callback = StructuredPruning(amount=0.5, round_to=None, example_input=torch.randn(2, 16), latency_batch_sizes=())
+    tiny_trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(model)
+    assert model.net[0].out_features == 16
+    assert model.training
+
+
+def test_unlogged_monitor_fails_at_the_first_validation_listing_the_logged_metrics(tmp_path: Path) -> None:
+    """A `monitor` that is not logged fails at the end of the first validation, before the first pruning step."""
+    model = TinyClassifier()
+    callback = StructuredPruning(amount=0.5, start_epoch=1, monitor="no_such_metric", latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[callback])
+    with pytest.raises(ValueError, match="`monitor` must be a metric") as caught:
+        trainer.fit(model)
+    assert "got 'no_such_metric'; logged: 'train_loss', 'val_loss'" in str(caught.value)
+    assert pruning_history(model) == []
+    assert trainer.current_epoch == 0
+
+
+def test_unlogged_monitor_without_validation_is_a_warning_at_the_report(tmp_path: Path) -> None:
+    """With no validation to check it against, an unlogged `monitor` is said once, when the report is made."""
+    callback = StructuredPruning(amount=0.5, monitor="no_such_metric", round_to=None, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=2, limit_val_batches=0, callbacks=[callback])
+    with pytest.warns(UserWarning, match="`monitor` 'no_such_metric' was never logged") as caught:
+        trainer.fit(TinyClassifier())
+    assert sum("was never logged" in str(w.message) for w in caught) == 1
+    assert callback.report()["finished"]
+
+
+def test_a_logged_training_metric_can_be_the_monitor(tmp_path: Path) -> None:
+    """The check at the first validation accepts any logged metric, a training one included."""
+    callback = StructuredPruning(amount=0.5, start_epoch=1, monitor="train_loss", round_to=None, latency_batch_sizes=())
+    tiny_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(TinyClassifier())
+    assert callback.report()["metric_after"] is not None
 
 
 # ---------------------------------------------------------------- load_pruned_checkpoint

@@ -9,7 +9,7 @@ and ratios. Each raises ``ValueError`` naming the argument and the value receive
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "check_pruning_args",
     "check_ratio",
     "describe",
+    "first_sample",
 ]
 
 IMPORTANCES = ("l1", "magnitude")
@@ -252,6 +253,23 @@ def check_history(name: str, value: Any) -> list[tuple[str, bool, list[int]]]:
     return [(str(n), bool(out), [int(i) for i in idxs]) for n, out, idxs in value]
 
 
+def first_sample(batch: Any) -> Any:
+    """The model input of a batch (a tensor, or the first item of a tuple/list), cut to one sample, on the CPU.
+
+    Example:
+        >>> first_sample((torch.zeros(8, 4), torch.zeros(8))).shape
+        torch.Size([1, 4])
+    """
+    if isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    if not isinstance(batch, torch.Tensor) or batch.dim() < 1:
+        raise ValueError(
+            f"`example_input` must be given: the model has no `example_input_array` and the first batch"
+            f" ({type(batch).__name__}) is not a tensor or a tuple starting with one."
+        )
+    return batch[:1].detach().cpu()
+
+
 def check_pruning_args(
     amount: Any,
     target_speedup: Any,
@@ -260,17 +278,18 @@ def check_pruning_args(
     iterative_steps: Any,
     finetune_epochs: Any,
     importance: Any,
-    ignored_layers: Sequence[Any] | None,
+    ignored_layers: Any,
     round_to: Any,
+    example_input: Any,
     rewarm: Any,
     monitor: Any,
-    latency_batch_sizes: Sequence[Any],
+    latency_batch_sizes: Any,
     latency_device: Any,
 ) -> None:
     """Raise ``ValueError`` naming the first argument of `StructuredPruning` that is out of range.
 
     Example:
-        >>> check_pruning_args(None, None, 1.0, 0, 1, 1, "magnitude", None, 8, 0.1, None, (1,), "cpu")
+        >>> check_pruning_args(None, None, 1.0, 0, 1, 1, "magnitude", None, 8, None, 0.1, None, (1,), "cpu")
         Traceback (most recent call last):
         ...
         ValueError: `target_latency` must be a finite number > 1, got 1.0.
@@ -291,10 +310,26 @@ def check_pruning_args(
     check_int("round_to", round_to, optional=True)
     if not is_int(rewarm, low=0) and not (isinstance(rewarm, float) and 0.0 < rewarm < 1.0):
         raise ValueError(f"`rewarm` must be an int >= 0 (steps) or a float in (0, 1), got {rewarm!r}.")
-    if any(not is_int(b, low=1) for b in latency_batch_sizes):
-        raise ValueError(f"`latency_batch_sizes` must hold positive ints, got {latency_batch_sizes!r}.")
-    if monitor is not None and not isinstance(monitor, str):
+    if not isinstance(latency_batch_sizes, (list, tuple)) or any(not is_int(b, low=1) for b in latency_batch_sizes):
+        raise ValueError(
+            f"`latency_batch_sizes` must be a list of positive ints (empty: no latency), got {latency_batch_sizes!r}."
+        )
+    if monitor is not None and (not isinstance(monitor, str) or not monitor):
         raise ValueError(f"`monitor` must be a metric name or None, got {monitor!r}.")
-    if ignored_layers is not None and any(not isinstance(x, (str, nn.Module)) for x in ignored_layers):
-        raise ValueError(f"`ignored_layers` must hold module names or modules, got {ignored_layers!r}.")
+    _check_ignored_layers(ignored_layers)
+    check_example_input("example_input", example_input, optional=True)
     check_choice("latency_device", latency_device, LATENCY_DEVICES)
+
+
+def _check_ignored_layers(value: Any) -> None:
+    """`StructuredPruning`'s ``ignored_layers``: None, or a list of submodule names and submodules."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        raise ValueError(
+            f"`ignored_layers` must be a list of submodule names or modules, got {value!r}: for one layer, write"
+            f" [{value!r}]."
+        )
+    items = value if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(x, nn.Module) or (isinstance(x, str) and x) for x in items):
+        raise ValueError(f"`ignored_layers` must be a list of submodule names or modules, got {describe(value)}.")

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
@@ -14,9 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_speedkit.pruning.arguments import check_pruning_args
+from lightning_speedkit.pruning.arguments import check_example_fits, check_pruning_args, first_sample
 from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
-from lightning_speedkit.pruning.report import final_metrics
+from lightning_speedkit.pruning.report import check_monitor_logged, final_metrics, warn_monitor_not_logged
 from lightning_speedkit.pruning.restore import RestoreHook, rebuild_before_load
 from lightning_speedkit.pruning.search import cpu_latency_ms
 from lightning_speedkit.pruning.surgery import (
@@ -39,18 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["StructuredPruning"]
-
-
-def _first_sample(batch: Any) -> Any:
-    """The model input of a batch (a tensor, or the first item of a tuple/list), cut to one sample, on the CPU."""
-    if isinstance(batch, (tuple, list)) and batch:
-        batch = batch[0]
-    if not isinstance(batch, torch.Tensor):
-        raise ValueError(
-            f"`example_input` must be given: the model has no `example_input_array` and the first batch"
-            f" ({type(batch).__name__}) is not a tensor or a tuple starting with one."
-        )
-    return batch[:1].detach().cpu()
 
 
 class StructuredPruning(Callback):
@@ -90,19 +77,24 @@ class StructuredPruning(Callback):
         iterative_steps: Pruning steps, one per epoch.
         finetune_epochs: Epochs after the last step's epoch before the report is final.
         importance: One of ``"magnitude"`` (group L2 norm) or ``"l1"``.
-        ignored_layers: Submodules (or their names in the LightningModule) to leave whole.
+        ignored_layers: A list of submodules (or their names in the LightningModule) to leave whole; one name is
+            ``["net.0"]`` (a bare string is refused, not read as its characters).
         round_to: Keep channel counts a multiple of this (None: any count).
         example_input: An input for tracing (tensor, tuple or dict); default the module's ``example_input_array``,
-            else the first sample of the first training batch.
+            else the first sample of the first training batch. Run once through the model at fit start.
         rewarm: Warmup passed to the warmup callback's ``restart`` after each step (int steps or fraction in (0, 1)).
-        monitor: Validation metric reported before pruning and after the fine-tune (None for none).
-        latency_batch_sizes: Batch sizes at which CPU latency is measured before and after (empty: none).
+        monitor: Validation metric reported before pruning and after the fine-tune (None for none). It must be
+            logged: the first validation of the fit checks it.
+        latency_batch_sizes: A list of batch sizes at which CPU latency is measured before and after (empty: none).
         latency_device: Where ``target_latency`` is timed: ``"auto"`` (the training device) or ``"cpu"``.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument; in ``setup`` for an unsupported strategy, too few
-            ``max_epochs`` or an unknown layer name; at the first training batch for a target no ratio reaches
-            (the message gives what was reached; the model is left as it was).
+            ``max_epochs`` or an unknown layer name; at fit start for an ``example_input`` the model does not
+            accept; at the first training batch for a target no ratio reaches (the message gives what was reached;
+            the model is left as it was); at the end of the first validation of the fit for a ``monitor`` that is
+            not logged (the message lists what is). With no validation at all, an unlogged ``monitor`` is a
+            warning when the report is made.
         RuntimeError: If the model cannot be traced or breaks after pruning (the message names the layer).
 
     Logged metrics (to every Trainer logger, rank zero, at ``step=trainer.global_step``):
@@ -146,6 +138,7 @@ class StructuredPruning(Callback):
             importance,
             ignored_layers,
             round_to,
+            example_input,
             rewarm,
             monitor,
             latency_batch_sizes,
@@ -166,6 +159,7 @@ class StructuredPruning(Callback):
         self._trainer: pl.Trainer | None = None
         self._hook: RemovableHandle | None = None
         self._target_checked = False
+        self._monitor_checked = False
 
     @property
     @override
@@ -205,7 +199,7 @@ class StructuredPruning(Callback):
                     f" finetune_epochs), got {trainer.max_epochs}: raise max_epochs or lower those arguments."
                 )
             self._steps_done, self._report, self._ignored = 0, {}, None  # a checkpoint's state loads after this
-            self._target_checked = False
+            self._target_checked = self._monitor_checked = False
             self._example = self.example_input
         self._history = pruning_history(pl_module)
         names = {m: n for n, m in pl_module.named_modules()}
@@ -220,6 +214,14 @@ class StructuredPruning(Callback):
             self._hook = pl_module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.example_input is not None:  # one forward before any step: a wrong input is named, not traced
+            plugin = trainer.precision_plugin
+            check_example_fits(
+                pl_module, self.example_input, "example_input", plugin.convert_input, plugin.forward_context()
+            )
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -229,6 +231,13 @@ class StructuredPruning(Callback):
             check_reachable(trainer, pl_module, example, self._target(pl_module), self._plan_args(pl_module, example))
         if self._steps_done < self.iterative_steps and trainer.current_epoch >= self.start_epoch + self._steps_done:
             self._prune_step(trainer, pl_module, batch)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None and not self._monitor_checked and not trainer.sanity_checking:
+            self._monitor_checked = trainer.state.fn == "fit"
+            if self._monitor_checked:
+                check_monitor_logged(trainer, self.monitor)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,7 +296,7 @@ class StructuredPruning(Callback):
     def _resolve_example(self, pl_module: pl.LightningModule, batch: Any) -> Any:
         if self._example is None:
             example = pl_module.example_input_array
-            self._example = example if example is not None else _first_sample(batch)
+            self._example = example if example is not None else first_sample(batch)
         return self._example
 
     def _ignored_names(self, pl_module: pl.LightningModule, example: Any) -> list[str]:
@@ -356,6 +365,8 @@ class StructuredPruning(Callback):
         )
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None and not self._monitor_checked:  # no validation ran: say so, once
+            warn_monitor_not_logged(trainer, self.monitor)
         self._measure(trainer, pl_module, "after")
         self._report["finished"] = True
         r = self._report

@@ -1,11 +1,43 @@
-"""`StructuredPruning`'s report as flat metrics: what it logs under ``speedkit/pruning/`` once the fine-tune ends."""
+"""`StructuredPruning`'s report: its monitored metric checked, the flat metrics logged under ``speedkit/pruning/``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["final_metrics"]
+from lightning.pytorch.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["check_monitor_logged", "final_metrics", "warn_monitor_not_logged"]
+
+
+def _logged(trainer: pl.Trainer) -> str:
+    names = sorted(trainer.callback_metrics)
+    return ", ".join(map(repr, names)) if names else "nothing"
+
+
+def check_monitor_logged(trainer: pl.Trainer, monitor: str) -> None:
+    """Raise a ``ValueError`` naming ``monitor`` and the logged metrics if it is not among them (all ranks agree).
+
+    Called at the end of the first validation of a fit, where a validation metric has been logged if it ever will.
+    """
+    missing = monitor not in trainer.callback_metrics
+    if trainer.strategy.reduce_boolean_decision(missing, all=False):
+        raise ValueError(
+            f"`monitor` must be a metric the LightningModule logs, got {monitor!r}; logged: {_logged(trainer)}."
+            " Log it with `self.log`, choose a logged one, or pass monitor=None."
+        )
+
+
+def warn_monitor_not_logged(trainer: pl.Trainer, monitor: str) -> None:
+    """Warn (rank zero) that ``monitor`` was never logged, where no validation ran to check it: the report lacks it."""
+    if monitor not in trainer.callback_metrics:
+        rank_zero_warn(
+            f"StructuredPruning: `monitor` {monitor!r} was never logged (no validation ran; logged:"
+            f" {_logged(trainer)}): the report has no metric before or after. Pass monitor=None to report none."
+        )
 
 
 def final_metrics(report: Mapping[str, Any], monitor: str | None) -> dict[str, float]:
