@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_speedkit.data import CacheBudgetError, CachedDataset, callable_fingerprint, dataset_fingerprint
 from lightning_speedkit.demo.data import DemoDataModule
@@ -46,12 +48,29 @@ def triple_first(sample: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) and type(x) is type(y) for x, y in zip(a, b, strict=True))
+    """Equal values of the same types: numpy scalars come back as the Python numbers ``item()`` gives."""
+
+    def plain(x: Any) -> Any:
+        return x.item() if isinstance(x, np.generic) else x
+
+    pairs = zip(map(plain, a), map(plain, b), strict=True)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) and type(x) is type(y) for x, y in pairs)
 
 
-def test_cache_returns_the_source_samples(tmp_path: Path) -> None:
+class Numbers:
+    """Samples of one number of each kind a row holds (bool, ints, floats, complex), beside a tensor and an array."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        numbers = (bool(i % 2), np.uint8(i), np.int16(-i), np.float16(i / 2), np.float32(i / 3), -i / 7, complex(i, 1))
+        return (torch.full((2,), i, dtype=torch.bfloat16).float(), *numbers, np.arange(i, i + 3, dtype=np.int32))
+
+
+@pytest.mark.parametrize("source", [Source(), Numbers()], ids=["images", "numbers"])
+def test_cache_returns_the_source_samples(tmp_path: Path, source: Any) -> None:
     """Every cached sample equals the source sample, field by field, with the same types."""
-    source = Source()
     cached = CachedDataset(source, tmp_path)
     assert len(cached) == len(source)
     assert all(_same(cached[i], source[i]) for i in range(len(source)))
@@ -193,6 +212,113 @@ def test_bad_budgets_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: 
     """Budgets that are not a positive int of bytes are refused with the argument's name and value."""
     with pytest.raises(ValueError, match=match):
         CachedDataset(Source(), tmp_path, **kwargs)
+
+
+class SizedStream(IterableDataset[int]):
+    """An IterableDataset with a length: it has ``__len__`` and Dataset's ``__getitem__`` (which raises)."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+_PATH = re.escape("`path` must be a directory path (a non-empty str or os.PathLike), got ")
+_SOURCE = re.escape("`source` must be a map-style dataset (") + ".*" + re.escape("), got ")
+_FINGERPRINT = re.escape("`fingerprint` must be a non-empty str (e.g. a data-set version) or None, got ")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"path": None}, _PATH + "None"),
+        ({"path": 123}, _PATH + "123"),
+        ({"path": ""}, _PATH + "''"),
+        ({"path": "  "}, _PATH + "'  '"),
+        ({"path": b"cache"}, _PATH + "b'cache'"),
+        ({"source": "not a dataset"}, _SOURCE + "'not a dataset'"),
+        ({"source": b"bytes"}, _SOURCE + "b'bytes'"),
+        ({"source": Source}, _SOURCE + re.escape("<class 'test_data_cache.Source'>")),
+        ({"source": SizedStream()}, _SOURCE + re.escape("<test_data_cache.SizedStream object")),
+        ({"fingerprint": 5}, _FINGERPRINT + "5"),
+        ({"fingerprint": ""}, _FINGERPRINT + "''"),
+        ({"fingerprint": " "}, _FINGERPRINT + "' '"),
+        ({"fingerprint": ["a"]}, _FINGERPRINT + re.escape("['a']")),
+    ],
+    ids=lambda value: None if isinstance(value, str) else repr(value),
+)
+def test_bad_path_source_or_fingerprint_is_refused_naming_it_and_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], match: str
+) -> None:
+    """An empty or non-path `path`, a `source` that is no dataset, a `fingerprint` that is no non-empty str: refused."""
+    monkeypatch.chdir(tmp_path)  # a cache built in the current directory would land here
+    with pytest.raises(ValueError, match=match):
+        CachedDataset(**{"source": Source(), "path": tmp_path / "cache", **kwargs})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("below", ["", "cache"])
+def test_a_path_at_or_under_a_file_is_refused(tmp_path: Path, below: str) -> None:
+    """A `path` that is a file, or lies under one, is refused in the constructor, naming `path` and the file."""
+    file = tmp_path / "a-file"
+    file.write_text("not a directory")
+    path = file / below if below else file
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"`path` must be a directory or where one can be made, got {path!r}: {file} is a file."),
+    ):
+        CachedDataset(Source(), path)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda: callable_fingerprint("not a function"),
+            "`fn` must be a function (a transform) or None, got 'not a function'.",
+        ),
+        (lambda: dataset_fingerprint("abc"), "`dataset` must be a map-style dataset"),
+        (lambda: dataset_fingerprint([]), "`dataset` must hold at least one sample, got an empty dataset."),
+    ],
+    ids=["callable_fingerprint-str", "dataset_fingerprint-str", "dataset_fingerprint-empty"],
+)
+def test_fingerprint_functions_refuse_what_they_cannot_fingerprint(call: Callable[[], str], match: str) -> None:
+    """`callable_fingerprint` of a non-callable and `dataset_fingerprint` of a str or an empty list raise ValueError."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("samples", "match"),
+    [
+        (
+            [np.zeros(4), np.zeros(4), 1.0],
+            "field 0 of sample 2 has shape () and dtype float64, sample 0's has shape (4,)",
+        ),
+        ([np.zeros(4, np.uint8), np.full(4, 0.5)], "field 0 of sample 1 has shape (4,) and dtype float64"),
+        ([(np.zeros(2), 1), (np.zeros(2),)], "sample 1 has 1 fields, sample 0 has 2"),
+        ([("cat", 1), ("horse", 2)], "field 0 of sample 0 is 'cat', of dtype <U3"),
+        ([(np.zeros(2), object())], "field 1 of sample 0 is <object object"),
+        ([torch.zeros(2, dtype=torch.bfloat16)], "field 0 of sample 0 cannot become a numpy array"),
+    ],
+    ids=["a number after arrays", "floats after bytes", "a missing field", "strings", "an object", "bfloat16"],
+)
+def test_samples_that_do_not_fit_the_first_are_refused_naming_the_sample(
+    tmp_path: Path, samples: list[Any], match: str
+) -> None:
+    """A sample whose fields differ from sample 0's (shape, lossy dtype, count) or are not numbers: a ValueError."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        CachedDataset(samples, tmp_path, fingerprint="fixed")
+    assert not list(tmp_path.glob("cache-*"))
+
+
+def test_a_fingerprint_that_did_not_change_with_the_data_is_refused(tmp_path: Path) -> None:
+    """A `fingerprint` reused for a source of another length names the cache and both lengths instead of serving it."""
+    CachedDataset(Source(n=12), tmp_path, fingerprint="v1")
+    with pytest.raises(ValueError, match="holds 12 samples but `source` has 13"):
+        CachedDataset(Source(n=13), tmp_path, fingerprint="v1")
 
 
 def test_empty_source_is_refused(tmp_path: Path) -> None:

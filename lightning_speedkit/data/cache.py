@@ -1,21 +1,24 @@
-"""Decode once, serve from a packed memory-mapped file: a cache for decoded, pre-augmentation samples.
+"""Decode once, serve from a packed file of checked rows: a cache for decoded, pre-augmentation samples.
 
-Format, chosen by measurement (``benchmarks/dataloader.py``): one ``.npy`` file per sample field, opened with
-``numpy.load(mmap_mode="r")``. A random read of a decoded 64x64 RGB sample takes ~5 us against ~140 us to open
-and decode its JPEG on a 2-core machine; the format needs no extra dependency, the OS page cache shares it between
-worker processes and DDP ranks, and opening it in each worker is free (nothing is pickled but the path).
+Format, chosen by measurement (``benchmarks/dataloader.py``): one ``.npy`` file of fixed-size rows, a sample a row
+with its checksum (`lightning_speedkit.data.packed`), read with one positional read a sample. A random read of a
+decoded 64x64 RGB sample, its checksum checked, takes a few microseconds against ~100 us to open and decode its
+JPEG on a 2-core machine; the format needs no extra dependency, the OS page cache shares it between worker
+processes and DDP ranks, and opening it in each worker is free (nothing is pickled but the path).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
-import inspect
-import json
 import logging
+import operator
 import os
 import shutil
+import struct
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,94 +29,78 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_speedkit.checks import check_bool, check_int
-from lightning_speedkit.report import atomic_directory
+from lightning_speedkit.data.fingerprint import callable_fingerprint, check_source, dataset_fingerprint
+from lightning_speedkit.data.packed import (
+    FORMAT_VERSION,
+    CacheDamagedError,
+    PackedRows,
+    check_cache,
+    mark_damaged,
+    write_packed,
+)
+from lightning_speedkit.data.rows import describe_fields, row_layout, short_repr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CacheBudgetError", "CachedDataset", "callable_fingerprint", "dataset_fingerprint"]
+__all__ = ["CacheBudgetError", "CachedDataset"]
 
-_FORMAT_VERSION = 1
-_PROBES = 8
+_STRUCT_CODES = {  # (numpy kind, bytes) -> struct's code, standard sizes
+    ("b", 1): "?",
+    ("i", 1): "b",
+    ("i", 2): "h",
+    ("i", 4): "i",
+    ("i", 8): "q",
+    ("u", 1): "B",
+    ("u", 2): "H",
+    ("u", 4): "I",
+    ("u", 8): "Q",
+    ("f", 2): "e",
+    ("f", 4): "f",
+    ("f", 8): "d",
+}
 
 
 class CacheBudgetError(RuntimeError):
     """The packed cache would not fit the disk or memory budget given."""
 
 
-def callable_fingerprint(fn: Callable[..., Any] | None) -> str:
-    """A stable identity for a transform: its qualified name plus a hash of its source code (or its ``repr``).
-
-    Example:
-        >>> callable_fingerprint(None)
-        'none'
-        >>> callable_fingerprint(len) == callable_fingerprint(len)
-        True
-    """
-    if fn is None:
-        return "none"
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    try:
-        body = inspect.getsource(fn if inspect.isroutine(fn) else type(fn))
-    except (OSError, TypeError):
-        body = repr(fn)
-    state = repr(sorted(vars(fn).items())) if hasattr(fn, "__dict__") and not inspect.isroutine(fn) else ""
-    return f"{name}:{hashlib.sha256((body + state).encode()).hexdigest()[:16]}"
-
-
-def dataset_fingerprint(dataset: Any) -> str:
-    """A fingerprint of a map-style dataset, from its ``cache_fingerprint()`` or a sample of its items.
-
-    Without a ``cache_fingerprint()`` method the fingerprint covers the type, the length and the bytes of up to
-    eight evenly spaced samples. Give your dataset a ``cache_fingerprint()`` (e.g. file names, sizes and mtimes)
-    to detect every change; the default looks at only a few items.
-    """
-    custom = getattr(dataset, "cache_fingerprint", None)
-    if callable(custom):
-        return str(custom())
-    digest = hashlib.sha256(f"{type(dataset).__qualname__}:{len(dataset)}".encode())
-    for index in sorted({round(k * (len(dataset) - 1) / max(1, _PROBES - 1)) for k in range(_PROBES)}):
-        for field in _as_tuple(dataset[index]):
-            digest.update(np.ascontiguousarray(_to_numpy(field)).tobytes())
-    return digest.hexdigest()[:32]
-
-
-def _as_tuple(sample: Any) -> tuple[Any, ...]:
-    return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
-
-
-def _to_numpy(field: Any) -> np.ndarray[Any, Any]:
-    if isinstance(field, torch.Tensor):
-        return field.detach().cpu().numpy()
-    return np.asarray(field)
-
-
 class CachedDataset(Dataset[Any]):
-    """Serve ``pre_transform(source[i])`` from a packed memory-mapped cache, then apply ``transform`` per sample.
+    """Serve ``pre_transform(source[i])`` from a packed cache of checked rows, then apply ``transform`` per sample.
 
-    The first use decodes every sample once and writes one ``.npy`` file per field into a private temporary
-    directory, which is renamed into place with its manifest, under an exclusive file lock: concurrent processes
+    The first use decodes every sample once and writes it, with its checksum, into a private temporary directory,
+    which is checked, then renamed into place with its manifest, under an exclusive file lock: concurrent processes
     (DataLoader workers, DDP ranks, a second job) build it once and share it, and a build killed half-way leaves
     only a stale temporary directory that the next build removes. The cache directory's name holds a fingerprint
     of the source (`dataset_fingerprint`) and of ``pre_transform`` (`callable_fingerprint`), so a change of either
     builds a new cache. Random augmentation belongs in ``transform``, which runs on every access.
 
+    A damaged cache is never served. Opening one checks that its manifest is intact and every file has its size;
+    every read checks its sample's checksum; `build` and `verify` check every byte. A cache found damaged on open,
+    or by an earlier read or `verify`, is rebuilt from ``source``; a read that finds a damaged sample raises
+    `CacheDamagedError` naming the cache, the file and the sample.
+
     Samples may be a single array/tensor/number or a tuple of them; every sample must have the same shapes and
     dtypes. Tensors come back as tensors, numbers as Python numbers.
 
     Args:
-        source: A map-style dataset returning decoded, deterministic samples.
-        path: Directory that holds caches (one sub-directory per fingerprint).
+        source: A map-style dataset (``__len__`` and ``__getitem__``) returning decoded, deterministic samples.
+        path: Directory that holds caches (one sub-directory per fingerprint); made if missing.
         pre_transform: Deterministic work to cache (decode, resize); part of the fingerprint.
         transform: Per-access work after the cache (random crop, flip, normalise).
         fingerprint: Overrides the source's fingerprint (e.g. a data-set version string).
         max_disk_bytes: Refuse to build a cache larger than this.
-        in_memory: Load the packed arrays into RAM instead of memory-mapping them.
-        max_memory_bytes: With ``in_memory``, refuse when the arrays exceed this (default: available RAM).
+        in_memory: Load the packed rows into RAM instead of reading them from the file.
+        max_memory_bytes: With ``in_memory``, refuse when the rows exceed this (default: available RAM).
 
     Raises:
-        ValueError: For a source that is not a non-empty map-style dataset, a budget that is not a positive int (bytes),
-            or a transform that is not callable.
+        ValueError: For a ``source`` that is not a non-empty map-style dataset (a str, a class, an IterableDataset),
+            a ``path`` that is not a non-empty path or lies under a file, a ``fingerprint`` that is not a non-empty
+            str, a budget that is not a positive int (bytes), ``in_memory`` not a bool, a transform that is not
+            callable, samples whose fields differ from the first sample's, or a cache of another length than
+            ``source`` (a ``fingerprint`` that did not change with the data).
         CacheBudgetError: When the cache would not fit the free disk space, ``max_disk_bytes`` or the memory budget.
+        CacheDamagedError: When a damaged cache cannot be rebuilt (``source`` fails), or a read finds a damaged
+            sample.
 
     Example:
         >>> import tempfile
@@ -122,6 +109,7 @@ class CachedDataset(Dataset[Any]):
         >>> cached[3]
         (tensor([[3., 3.],
                 [3., 3.]]), 3)
+        >>> cached.verify()
     """
 
     def __init__(
@@ -135,82 +123,115 @@ class CachedDataset(Dataset[Any]):
         in_memory: bool = False,
         max_memory_bytes: int | None = None,
     ) -> None:
-        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
-            raise ValueError(
-                f"`source` must be a map-style dataset (with `__len__` and `__getitem__`), got {source!r}."
-            )
-        if len(source) == 0:
-            raise ValueError("`source` must hold at least one sample, got an empty dataset.")
+        self._source_length = check_source("source", source)
+        self.root = _check_path(path)
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.strip()):
+            shown = short_repr(fingerprint)
+            raise ValueError(f"`fingerprint` must be a non-empty str (e.g. a data-set version) or None, got {shown}.")
         check_int("max_disk_bytes", max_disk_bytes, optional=True)
         check_int("max_memory_bytes", max_memory_bytes, optional=True)
         check_bool("in_memory", in_memory)
         for name, function in (("pre_transform", pre_transform), ("transform", transform)):
             if function is not None and not callable(function):
-                raise ValueError(f"`{name}` must be a function of a sample or None, got {function!r}.")
+                raise ValueError(f"`{name}` must be a function of a sample or None, got {short_repr(function)}.")
         self.source = source
         self.pre_transform = pre_transform
         self.transform = transform
         self.max_disk_bytes = max_disk_bytes
         self.in_memory = in_memory
         self.max_memory_bytes = max_memory_bytes
-        key = hashlib.sha256(
-            f"{fingerprint or dataset_fingerprint(source)}|{callable_fingerprint(pre_transform)}".encode()
-        ).hexdigest()[:20]
-        self.root = Path(path)
-        self.directory = self.root / f"cache-v{_FORMAT_VERSION}-{key}"
-        self._arrays: list[np.ndarray[Any, Any]] | None = None
-        self.build()
-        manifest = json.loads((self.directory / "manifest.json").read_text())
-        self._fields: list[dict[str, Any]] = manifest["fields"]
-        self._length: int = manifest["length"]
-        self._check_memory()
+        identity = fingerprint if fingerprint is not None else dataset_fingerprint(source)
+        key = hashlib.sha256(f"{identity}|{callable_fingerprint(pre_transform)}".encode()).hexdigest()[:20]
+        self.directory = self.root / f"cache-v{FORMAT_VERSION}-{key}"
+        self._open(self._ensure(full=False))
+        if self._length != self._source_length:
+            raise ValueError(
+                f"CachedDataset: the cache {self.directory} holds {self._length} samples but `source` has"
+                f" {self._source_length}: its fingerprint ({identity!r}) did not change with the data; give the new"
+                " data a new `fingerprint` (or `cache_fingerprint()`)."
+            )
 
     def __len__(self) -> int:
         return self._length
 
     def __getitem__(self, index: int) -> Any:
-        arrays = self._open()
+        position = operator.index(index)  # a TypeError for a non-integer, as for a list
+        if position < 0:
+            position += self._length
+        if not 0 <= position < self._length:
+            raise IndexError(f"CachedDataset index {index} is out of range for {self._length} samples.")
+        words = self._rows.row(position)  # a private copy, its checksum checked
         fields: list[Any] = []
-        for meta, array in zip(self._fields, arrays, strict=True):
-            value = np.array(array[index])  # a private copy: the memory map stays read-only
-            if meta["kind"] == "tensor":
-                fields.append(torch.from_numpy(value))
-            elif meta["kind"] == "scalar":
-                fields.append(value.item())
+        for kind, start, dtype, shape, unpack in self._layout:
+            if unpack is not None:  # a number: straight to a Python number
+                fields.append(unpack(words, start)[0])
             else:
-                fields.append(value)
-        sample = tuple(fields) if self._fields[0]["tuple"] else fields[0]
+                value = np.ndarray(shape, dtype, words, start)
+                fields.append(torch.from_numpy(value) if kind == "tensor" else value)
+        sample = tuple(fields) if self._tuple else fields[0]
         return self.transform(sample) if self.transform is not None else sample
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if not self.in_memory:
-            state["_arrays"] = None  # each worker maps the files itself
-        return state
 
     @property
     def nbytes(self) -> int:
-        """Size of the packed arrays in bytes."""
-        return sum(int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize * self._length for m in self._fields)
+        """Size of the packed rows in bytes: the data file after its header, and what ``in_memory`` loads."""
+        return self._length * self._row_bytes
 
     def build(self) -> Path:
-        """Build the cache unless a complete one exists; safe to call from many processes at once."""
-        if (self.directory / "manifest.json").is_file():
-            return self.directory
-        self.root.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(self.root / f".{self.directory.name}.lock"):
-            if (self.directory / "manifest.json").is_file():  # another process built it while we waited
-                return self.directory
-            for stale in self.root.glob(f".{self.directory.name}.tmp-*"):  # left by a killed build
-                log.warning("CachedDataset: removing the incomplete cache build %s", stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            self._write()
+        """Check every byte of the cache and rebuild it if it is damaged or missing; safe from many processes at once.
+
+        Returns:
+            The cache directory.
+        """
+        self._open(self._ensure(full=True))
         return self.directory
 
-    def _write(self) -> None:
+    def verify(self) -> None:
+        """Read the whole cache and check it: the manifest, every file's size and SHA-256, every sample's checksum.
+
+        Raises:
+            CacheDamagedError: Naming the cache directory, the file and, for a sample, its index. The cache is then
+                marked damaged: `build` or the next ``CachedDataset(...)`` rebuilds it.
+        """
+        try:
+            check_cache(self.directory, full=True, missing_ok=False)
+        except CacheDamagedError as error:
+            raise mark_damaged(error) from None
+
+    def _ensure(self, full: bool) -> dict[str, Any]:
+        """The manifest of an undamaged cache: the one there (checked), or one built now under the lock."""
+        with contextlib.suppress(CacheDamagedError):
+            manifest = check_cache(self.directory, full)
+            if manifest is not None:
+                return manifest
+        self.root.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(self.root / f".{self.directory.name}.lock"):
+            damage, manifest = None, None
+            try:
+                manifest = check_cache(self.directory, full)  # another process may have (re)built it meanwhile
+            except CacheDamagedError as error:
+                damage = error
+                log.warning("%s; rebuilding it from `source`", error)
+            if manifest is not None:
+                return manifest
+            for stale in [
+                *self.root.glob(f".{self.directory.name}.tmp-*"),
+                *self.root.glob(f".{self.directory.name}.old-*"),
+            ]:
+                log.warning("CachedDataset: removing the incomplete cache build %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                return self._write()
+            except Exception as error:
+                if damage is None or isinstance(error, (CacheBudgetError, ValueError)):
+                    raise
+                message = f"{damage}; rebuilding it from `source` failed: {error!r}"
+                raise CacheDamagedError(message, damage.directory, damage.file, damage.index, damage.problem) from error
+
+    def _write(self) -> dict[str, Any]:
         first = self._decoded(0)
-        fields = [self._describe(field, isinstance(first, (tuple, list))) for field in _as_tuple(first)]
-        total = sum(int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in fields) * len(self.source)
+        fields, is_tuple = describe_fields(first)
+        length = self._source_length
+        total = row_layout(fields)[1] * length
         free = shutil.disk_usage(self.root).free
         if self.max_disk_bytes is not None and total > self.max_disk_bytes:
             raise CacheBudgetError(
@@ -220,50 +241,95 @@ class CachedDataset(Dataset[Any]):
             raise CacheBudgetError(
                 f"CachedDataset: the cache needs {total:,} bytes, but {self.root} has {free:,} free."
             )
-        with atomic_directory(self.directory) as tmp:
-            arrays = [
-                np.lib.format.open_memmap(
-                    tmp / f"field{i}.npy", mode="w+", dtype=m["dtype"], shape=(len(self.source), *m["shape"])
-                )
-                for i, m in enumerate(fields)
-            ]
-            for index in range(len(self.source)):
-                sample = _as_tuple(first if index == 0 else self._decoded(index))
-                for array, field in zip(arrays, sample, strict=True):
-                    array[index] = _to_numpy(field)
-            for array in arrays:
-                array.flush()
-            del arrays
-            manifest = {"version": _FORMAT_VERSION, "length": len(self.source), "fields": fields}
-            (tmp / "manifest.json").write_text(json.dumps(manifest))
-        log.info("CachedDataset: packed %d samples (%s bytes) into %s", len(self.source), total, self.directory)
+        samples = (first if index == 0 else self._decoded(index) for index in range(length))
+        with _staging(self.directory) as tmp:
+            manifest = write_packed(tmp, samples, length, fields, is_tuple)
+            check_cache(tmp, full=True)  # read back: a bad write fails here, not in training
+        log.info("CachedDataset: packed %d samples (%s bytes) into %s", length, total, self.directory)
+        return manifest
 
     def _decoded(self, index: int) -> Any:
         sample = self.source[index]
         return self.pre_transform(sample) if self.pre_transform is not None else sample
 
-    @staticmethod
-    def _describe(field: Any, is_tuple: bool) -> dict[str, Any]:
-        kind = "tensor" if isinstance(field, torch.Tensor) else "scalar" if np.ndim(field) == 0 else "array"
-        array = _to_numpy(field)
-        return {"kind": kind, "dtype": array.dtype.str, "shape": list(array.shape), "tuple": is_tuple}
-
-    def _check_memory(self) -> None:
-        if not self.in_memory:
-            return
-        budget = self.max_memory_bytes if self.max_memory_bytes is not None else psutil.virtual_memory().available
-        if self.nbytes > budget:
-            raise CacheBudgetError(
-                f"CachedDataset: loading the cache into memory needs {self.nbytes:,} bytes, more than the budget of"
-                f" {budget:,} bytes (`max_memory_bytes`); use in_memory=False to memory-map it instead."
+    def _open(self, manifest: dict[str, Any]) -> None:
+        """Serve the cache of ``manifest`` (its structure is trusted: the manifest matched its own checksum)."""
+        previous: PackedRows | None = getattr(self, "_rows", None)
+        if previous is not None:  # build() after a rebuild: read the new file
+            previous.close()
+        self._length: int = manifest["length"]
+        self._row_bytes: int = manifest["row_bytes"]
+        self._tuple: bool = manifest["tuple"]
+        self._layout = [
+            (
+                field["kind"],
+                field["offset"],
+                np.dtype(field["dtype"]),
+                tuple(field["shape"]),
+                _number_reader(np.dtype(field["dtype"])) if field["kind"] == "scalar" else None,
             )
-        self._open()
+            for field in manifest["fields"]
+        ]
+        if self.in_memory:
+            budget = self.max_memory_bytes if self.max_memory_bytes is not None else psutil.virtual_memory().available
+            if self.nbytes > budget:
+                raise CacheBudgetError(
+                    f"CachedDataset: loading the cache into memory needs {self.nbytes:,} bytes, more than the budget"
+                    f" of {budget:,} bytes (`max_memory_bytes`); use in_memory=False to read it from the file instead."
+                )
+        self._rows: PackedRows = PackedRows(self.directory, manifest, self.in_memory)
 
-    def _open(self) -> list[np.ndarray[Any, Any]]:
-        if self._arrays is None:
-            files = [self.directory / f"field{i}.npy" for i in range(len(self._fields))]
-            self._arrays = [np.load(f) if self.in_memory else np.load(f, mmap_mode="r") for f in files]
-        return self._arrays
+
+def _number_reader(dtype: np.dtype[Any]) -> Callable[[Any, int], tuple[Any, ...]]:
+    """A reader of one number of ``dtype`` at an offset of a buffer: ``struct``'s, 5x faster than numpy's ``item()``.
+
+    Example:
+        >>> _number_reader(np.dtype("<i8"))(np.arange(3, dtype="<i8"), 16)
+        (2,)
+    """
+    code = _STRUCT_CODES.get((dtype.kind, dtype.itemsize))
+    if code is None:  # complex, long double
+        return functools.partial(_number, dtype)
+    return functools.partial(struct.unpack_from, ("<" if dtype.str[0] in "<|" else ">") + code)
+
+
+def _number(dtype: np.dtype[Any], buffer: Any, offset: int) -> tuple[Any]:
+    return (np.ndarray((), dtype, buffer, offset).item(),)
+
+
+def _check_path(path: object) -> Path:
+    """``path`` as a Path if it names a directory, or a place where one can be made; else a ``ValueError``."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"`path` must be a directory path (a non-empty str or os.PathLike), got {path!r}.")
+    root = Path(text)
+    for place in (root, *root.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ValueError(
+                    f"`path` must be a directory or where one can be made, got {path!r}: {place} is a file."
+                )
+            break
+    return root
+
+
+@contextlib.contextmanager
+def _staging(directory: Path) -> Iterator[Path]:
+    """A private directory beside ``directory`` that replaces it (a damaged one is moved aside) when the block succeeds.
+
+    Call under the build lock. A crash leaves only ``.<name>.tmp-*`` or ``.<name>.old-*``, which the next build removes.
+    """
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if directory.exists():  # the damaged cache: readers that have it open keep their descriptors
+            old = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(directory, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
