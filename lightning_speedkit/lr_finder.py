@@ -71,6 +71,9 @@ class _RangeTest(trials.Setting):
         return (self.steps,)
 
 
+_MAX_STEPS = 100_000
+
+
 class LRFinder(trials.RemembersDecision, Callback):
     """Choose the peak LR by an LR range test at fit start, and scale the user's LRs to it.
 
@@ -100,7 +103,7 @@ class LRFinder(trials.RemembersDecision, Callback):
             during the test (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
 
     Raises:
-        ValueError: For ``steps`` below 5, non-positive factors or scales, ``end_factor <= start_factor``,
+        ValueError: For ``steps`` below 5 or over 100,000, non-positive factors or scales, ``end_factor <= start_factor``,
             ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1), ``max_fraction`` outside
             (0, 1] or a negative ``min_signal``.
 
@@ -124,6 +127,8 @@ class LRFinder(trials.RemembersDecision, Callback):
         min_signal: float = MIN_SIGNAL,
     ) -> None:
         self.steps = check_probe_steps("steps", steps, low=5)
+        if self.steps > _MAX_STEPS:  # its LR grid is built here: a careless 10**9 would hang the constructor
+            raise ValueError(f"`steps` must be at most {_MAX_STEPS} (a range test, not a run), got {steps!r}.")
         start = check_number("start_factor", start_factor, 0, open_low=True)
         self.factors = range_test_factors(steps, start, end_factor)
         self.min_scale = check_number("min_scale", min_scale, 0, open_low=True)

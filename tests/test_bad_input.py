@@ -70,6 +70,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.LRFinder, {"min_scale": 0.0}, "min_scale", "0.0"),
     (speedkit.LRFinder, {"max_scale": "big"}, "max_scale", "'big'"),
     (speedkit.LRFinder, {"steps": 2}, "steps", "2"),
+    (speedkit.LRFinder, {"steps": 10**9}, "steps", "1000000000"),
     (speedkit.LRFinder, {"divergence": 1.0}, "divergence", "1.0"),
     (speedkit.LRFinder, {"min_signal": -1.0}, "min_signal", "-1.0"),
     (speedkit.TrainingGuard, {"backoff": 1.0}, "backoff", "1.0"),
