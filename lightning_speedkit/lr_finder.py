@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
@@ -22,7 +22,7 @@ from lightning_speedkit.lr import (
     smooth_losses,
     suggest_lr,
 )
-from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
 __all__ = ["LRFinder"]
@@ -74,7 +74,7 @@ class _RangeTest(trials.Setting):
 _MAX_STEPS = 100_000
 
 
-class LRFinder(trials.RemembersDecision, Callback):
+class LRFinder(trials.Lever):
     """Choose the peak LR by an LR range test at fit start, and scale the user's LRs to it.
 
     At ``on_fit_start`` one trial (`lightning_speedkit.trials.TrialSession`: real steps, everything restored
@@ -85,7 +85,8 @@ class LRFinder(trials.RemembersDecision, Callback):
     (clamped to [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a
     `WarmupScheduler` ramps to the new peak and a later rescale (the batch-size finder's) composes with it. Rank
     zero's losses decide (they are broadcast), so every rank applies the same scale. The result is in
-    ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state).
+    ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state); the life cycle
+    is `lightning_speedkit.trials.Lever`'s.
 
     The test is skipped, with the reason in `report`, when it would take more than ``max_fraction`` of the steps
     left in the run.
@@ -103,9 +104,9 @@ class LRFinder(trials.RemembersDecision, Callback):
             during the test (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
 
     Raises:
-        ValueError: For ``steps`` below 5 or over 100,000, non-positive factors or scales, ``end_factor <= start_factor``,
-            ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1), ``max_fraction`` outside
-            (0, 1] or a negative ``min_signal``.
+        ValueError: For ``steps`` below 5 or over 100,000, non-positive factors or scales, ``end_factor <=
+            start_factor``, ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1),
+            ``max_fraction`` outside (0, 1] or a negative ``min_signal``.
 
     Logged metrics: ``speedkit/lr_finder/scale``, ``speedkit/lr_finder/suggested_lr``, ``speedkit/lr_finder/probe_s``.
 
@@ -113,6 +114,16 @@ class LRFinder(trials.RemembersDecision, Callback):
         >>> import lightning as L
         >>> trainer = L.Trainer(logger=False, callbacks=[LRFinder(steps=50)])
     """
+
+    AREA = "lr_finder"
+    EXTRA_SPEC: ClassVar[StateSpec] = {
+        "scale": float,
+        "user_lr": float,
+        "chosen_lr": float,
+        "suggested_lr": (float, None),
+        "steps": int,
+        "curve": {"lrs": ListOf(float), "losses": ListOf(float), "smoothed": ListOf(float)},
+    }
 
     def __init__(
         self,
@@ -140,46 +151,53 @@ class LRFinder(trials.RemembersDecision, Callback):
         check_number("max_fraction", max_fraction, 0, 1, open_low=True)
         self.min_signal = check_number("min_signal", min_signal, 0)
         self.divergence, self.smoothing, self.max_fraction = float(divergence), float(smoothing), float(max_fraction)
-        self._decision: dict[str, Any] = {}
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(steps=self.steps, start_factor=self.factors[0], end_factor=self.factors[-1])
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._decision:
-            rank_zero_info(f"LRFinder: resumed with LR x{self._decision['scale']:.4g} (saved result, no search).")
-            return
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision:
+        """The range test, unless there is no optimizer, the fit resumes, or the test is too long for the run."""
         if not trainer.optimizers:
-            self._decision = {"scale": 1.0, "reason": "no optimizer", "probed": False, "probe_s": 0.0}
-            return
+            return trials.Decision.skipped("x1", "no optimizer", scale=1.0)
+        resumed = self.resumed_without_decision(trainer)
+        if resumed:
+            return trials.Decision.skipped("x1", resumed, scale=1.0)
         left = trials.steps_left(trainer)
         if left * self.max_fraction < self.steps:
-            self._decision = {"scale": 1.0, "probed": False, "probe_s": 0.0, "steps": 0}
-            self._decision["reason"] = (
+            reason = (
                 f"skipped: a {self.steps}-step range test is more than {self.max_fraction:.0%} of the {left:.0f}"
                 " steps left"
             )
-            rank_zero_info(f"LRFinder: {self._decision['reason']}; the LR is left as it is.")
-            return
-        self._decision = self._search(trainer)
-        if self._decision["scale"] != 1.0:
-            rescale_run_lrs(trainer, self._decision["scale"])
-        rank_zero_info(f"LRFinder: LR x{self._decision['scale']:.4g} ({self._decision['reason']}).")
-        metrics = {f"speedkit/lr_finder/{k}": float(self._decision[k]) for k in ("scale", "probe_s")}
-        if self._decision.get("suggested_lr") is not None:
-            metrics["speedkit/lr_finder/suggested_lr"] = float(self._decision["suggested_lr"])
-        log_rank_zero(trainer, metrics)
+            return trials.Decision.skipped("x1", reason, scale=1.0, steps=0)
+        report = self._search(trainer)
+        extra = {k: v for k, v in report.items() if k not in ("reason", "probed", "probe_s")}
+        return trials.Decision(
+            f"x{report['scale']:.4g}", report["reason"], True, report["probe_s"], source="measured", extra=extra
+        )
 
-    def report(self) -> dict[str, Any]:
-        """The search as a plain dict (empty before fit start).
+    @override
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
+        scale = float(decision.extra.get("scale", 1.0))
+        if scale != 1.0 and decision.source not in ("resumed",):  # a resume's LRs come back with the optimizer
+            rescale_run_lrs(trainer, scale)
 
-        Keys: ``user_lr`` and ``suggested_lr`` (the first param group's), ``chosen_lr``, ``scale``, ``reason``,
-        ``steps`` (range-test steps run), ``probe_s``, ``probed`` and ``curve`` (``lrs``, ``losses``, ``smoothed``).
+    @override
+    def metrics(self, decision: trials.Decision) -> dict[str, float]:
+        if not decision.probed:
+            return {}
+        metrics = {"speedkit/lr_finder/scale": float(decision.extra["scale"])}
+        metrics["speedkit/lr_finder/probe_s"] = decision.probe_s
+        if decision.extra.get("suggested_lr") is not None:
+            metrics["speedkit/lr_finder/suggested_lr"] = float(decision.extra["suggested_lr"])
+        return metrics
+
+    @override
+    def status(self) -> dict[str, Any]:
+        """Nothing beside the decision.
+
+        The decision: ``decision`` (``"x<scale>"``), ``reason``, ``source``, ``user_lr`` and ``suggested_lr`` (the
+        first param group's), ``chosen_lr``, ``scale``, ``steps`` (range-test steps run), ``probe_s``, ``probed``
+        and ``curve`` (``lrs``, ``losses``, ``smoothed``).
         """
-        return dict(self._decision)
+        return {}
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]

@@ -8,12 +8,12 @@ keeps NHWC only when it wins by a margin. ``benchmarks/channels_last.py`` shows 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -21,7 +21,6 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
 from lightning_speedkit.checks import check_margin, check_probe_steps
-from lightning_speedkit.decisions import probe_pays_back
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import (
     align_optimizer_state,
@@ -31,7 +30,6 @@ from lightning_speedkit.layout import (
     to_channels_last,
     to_default_layout,
 )
-from lightning_speedkit.restore import check_checkpoints
 
 __all__ = ["ChannelsLast"]
 
@@ -65,7 +63,7 @@ def _set_layout(trainer: pl.Trainer, channels_last: bool) -> int:
     return moved
 
 
-class ChannelsLast(trials.RemembersDecision, Callback):
+class ChannelsLast(trials.Lever):
     """Run a convolutional LightningModule in the channels-last memory layout (NHWC), with no change to the model.
 
     When the Trainer sets up, before the optimizer and any DDP wrapper are built, the weights of the module's 2-D/3-D
@@ -81,7 +79,8 @@ class ChannelsLast(trials.RemembersDecision, Callback):
     `lightning_speedkit.trials.measure`: state restored afterwards, one verdict on every rank) and NHWC is kept only
     when it is at least ``margin`` faster; otherwise the model goes back to the default layout (under DDP the wrapper
     is rebuilt so its gradient buckets match). When the run is too short for the probe to pay back, the layout is left
-    as the user had it, and the report says why. The decision is in ``state_dict``: a resumed run does not probe.
+    as the user had it, and the report says why. The life cycle (checkpointed decision, resume, report) is
+    `lightning_speedkit.trials.Lever`'s.
 
     Args:
         enabled: ``False`` makes the callback a no-op (for a callback list written out, e.g. in a config file);
@@ -102,6 +101,9 @@ class ChannelsLast(trials.RemembersDecision, Callback):
         False
     """
 
+    AREA = "layout"
+    MAX_GAIN = _MAX_GAIN
+
     def __init__(
         self,
         enabled: bool = True,
@@ -121,11 +123,10 @@ class ChannelsLast(trials.RemembersDecision, Callback):
         self.converted = 0
         self._status = "not set up"
         self._verified = False
-        self._decision: dict[str, Any] = {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_checkpoints(trainer)
+        super().setup(trainer, pl_module, stage)
         if not self.enabled:
             self._status = "disabled"
             return
@@ -172,29 +173,31 @@ class ChannelsLast(trials.RemembersDecision, Callback):
         self.converted += converted
         self._status = "channels_last"
         self._verified = True
-        if self.measure and stage == "fit":
+        if self.measure and stage == "fit" and self._decision is None:
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            pays, why = probe_pays_back(
-                2 * trials.PROBE_ROUNDS * self.probe_steps, trials.steps_left(trainer), _MAX_GAIN
-            )
+            pays, why, _ = trials.probe_cost(trainer, 2 * trials.PROBE_ROUNDS * self.probe_steps, self.MAX_GAIN)
             if not pays:
                 to_default_layout(pl_module)
                 self.converted -= converted
                 self._status = f"default layout: probe {why}"
-                self._decision = self._decision or {"decision": _NCHW, "reason": why, "probed": False, "probe_s": 0.0}
-                rank_zero_info(f"ChannelsLast: layout left as it is; probe {why}.")
+                self._decision = trials.Decision.skipped(_NCHW, why)
                 return
         rank_zero_info(f"ChannelsLast: {converted} convolution weights moved to the channels-last layout.")
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[trials.Setting, Sequence[trials.Setting]] | trials.Decision:
+        if not self._verified:
+            return trials.Decision.skipped(_NHWC if is_channels_last(pl_module) else _NCHW, self._status)
+        if not self.measure:
+            return trials.Decision.skipped(_NHWC, "kept without timing (measure=False)")
+        return _Layout(False), [_Layout(True)]
+
+    @override
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
         if self._verified and self.measure:
-            if not self._decision:
-                self._decision = trials.measure(
-                    trainer, _Layout(False), [_Layout(True)], self.probe_steps, self.margin, _MAX_GAIN
-                )
-                trials.log_decision(trainer, "layout", self._decision)
-            self._use(trainer, self._decision["decision"] == _NHWC)
+            self._use(trainer, decision.decision == _NHWC, decision.reason)
         set_up = self._status in ("channels_last", "no convolutions at setup")
         if set_up and has_convolutions(pl_module) and not is_channels_last(pl_module):
             rank_zero_warn(
@@ -208,15 +211,17 @@ class ChannelsLast(trials.RemembersDecision, Callback):
             for optimizer in trainer.optimizers:
                 align_optimizer_state(optimizer)
 
-    def report(self) -> dict[str, Any]:
-        """What happened: ``status``, ``converted`` (weights that changed layout) and the measured decision.
+    @override
+    def status(self) -> dict[str, Any]:
+        """``status`` (what the layout is, and why) and ``converted`` (weights that changed layout).
 
-        With a measurement: ``decision`` (``"channels_last"`` or ``"default"``), ``reason``, ``step_ms`` (median
-        training-step milliseconds per layout), ``probe_s`` and ``probed``.
+        The decision beside it (`lightning_speedkit.trials.Decision`): ``decision`` (``"channels_last"`` or
+        ``"default"``), ``reason``, ``source``, ``step_ms`` (median training-step milliseconds per layout when
+        measured), ``probe_s`` and ``probed``.
         """
-        return {"status": self._status, "converted": self.converted, **trials.decision_summary(self._decision)}
+        return {"status": self._status, "converted": self.converted}
 
-    def _use(self, trainer: pl.Trainer, channels_last: bool) -> None:
+    def _use(self, trainer: pl.Trainer, channels_last: bool, reason: str) -> None:
         """Put the decided layout in place (a no-op when it is); a DDP wrapper is rebuilt so its buckets match."""
         module = trainer.lightning_module
         if is_channels_last(module) != channels_last:
@@ -227,9 +232,7 @@ class ChannelsLast(trials.RemembersDecision, Callback):
                 if hasattr(strategy, "_register_ddp_hooks"):
                     strategy._register_ddp_hooks()
             self.converted = count if channels_last else 0
-        reason = self._decision["reason"]
         self._status = "channels_last" if channels_last else f"default layout: {reason}"
-        rank_zero_info(f"ChannelsLast: {'channels-last' if channels_last else 'default'} layout kept: {reason}.")
 
     @staticmethod
     def _outputs(module: torch.nn.Module, example: Any) -> Any:

@@ -11,19 +11,15 @@ convert the weights, are never tried.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_margin, check_number, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.restore import check_checkpoints
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -79,7 +75,7 @@ class _Autocast(trials.Setting):
             trainer.strategy.precision_plugin = self._was
 
 
-class PrecisionTuner(trials.RemembersDecision, Callback):
+class PrecisionTuner(trials.Lever):
     """Choose the training precision by timing real steps in each autocast precision the hardware supports.
 
     At fit start, ``probe_steps`` real training steps run in the precision the Trainer was built with and in each
@@ -89,12 +85,12 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
     non-finite, or more than ``loss_tolerance`` worse than the Trainer's precision's on those batches, is rejected.
     A run too short for the probe to pay back keeps the Trainer's precision, and `report` says why. Only plain fp32
     and autocast plugins are swapped: a Trainer built with a true-half, DeepSpeed, FSDP or other plugin is left
-    alone. The decision is in ``state_dict``: a resumed run installs it without probing.
+    alone. The life cycle (checkpointed decision, resume, report) is `lightning_speedkit.trials.Lever`'s.
 
     `~lightning_speedkit.preset` adds this callback when ``precision`` is left to it.
 
     Args:
-        candidates: Precisions to try, from ``"32-true"``, ``"16-mixed"`` and ``"bf16-mixed"``; default:
+        candidates: Precisions to try, from ``"32-true"``, ``"16-mixed"`` (CUDA only) and ``"bf16-mixed"``; default:
             `precision_candidates` for the device.
         probe_steps: Training steps per precision and round (the first two are warm-up: oneDNN and cuDNN build
             their kernels for a new precision in its first steps).
@@ -103,7 +99,8 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
 
     Raises:
         ValueError: For an empty ``candidates`` or one outside the autocast precisions, ``probe_steps`` below 2, a
-            ``margin`` outside [0, 1) or a negative ``loss_tolerance``.
+            ``margin`` outside [0, 1) or a negative ``loss_tolerance``; at setup, ``"16-mixed"`` among the
+            ``candidates`` of a fit that does not run on CUDA.
 
     Logged metrics: ``speedkit/precision/<precision>_step_ms`` and ``speedkit/precision/probe_s``.
 
@@ -111,6 +108,10 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
         >>> import lightning as L
         >>> trainer = L.Trainer(logger=False, callbacks=[PrecisionTuner(candidates=["32-true", "bf16-mixed"])])
     """
+
+    AREA = "precision"
+    MAX_GAIN = _MAX_GAIN
+    WARMUP = 2  # oneDNN builds its bf16 kernels in the first steps
 
     def __init__(
         self,
@@ -132,60 +133,38 @@ class PrecisionTuner(trials.RemembersDecision, Callback):
         self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.margin = check_margin("margin", margin)
         self.loss_tolerance = float(loss_tolerance)
-        self._decision: dict[str, Any] = {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_checkpoints(trainer)
+        super().setup(trainer, pl_module, stage)
         device = trainer.strategy.root_device.type
         if self.candidates is not None and device != "cuda" and "16-mixed" in self.candidates:
             raise ValueError(
-                f"`candidates` must not hold '16-mixed' on {device.upper()}: fp16 autocast runs on CUDA only (Lightning"
-                f" turns it into 'bf16-mixed' elsewhere); use '32-true' and 'bf16-mixed', got {self.candidates!r}."
+                f"`candidates` must not hold '16-mixed' on {device.upper()}: fp16 autocast runs on CUDA only"
+                f" (Lightning turns it into 'bf16-mixed' elsewhere); use '32-true' and 'bf16-mixed', got"
+                f" {self.candidates!r}."
             )
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[trials.Setting, Sequence[trials.Setting]] | trials.Decision:
         plugin = trainer.strategy.precision_plugin
-        if type(plugin) not in (Precision, MixedPrecision) or plugin.precision not in AUTOCAST_PRECISIONS:
-            self._decision = {"decision": str(plugin.precision), "probed": False, "probe_s": 0.0}
-            self._decision["reason"] = f"{type(plugin).__name__} ({plugin.precision}) is not an autocast plugin: kept"
-            return
-        if not self._decision:
-            self._decision = self._measure(trainer, str(plugin.precision))
-            trials.log_decision(trainer, "precision", self._decision)
-        chosen = self._decision["decision"]
-        if chosen != plugin.precision:
-            trainer.strategy.precision_plugin = _plugin(chosen, trainer.strategy.root_device.type)
-        choices = getattr(trainer, "speedkit", None)
-        if isinstance(choices, dict) and "reasons" in choices:
-            choices["precision"] = chosen
-            choices["reasons"]["precision"] = f"measured at fit start: {self._decision['reason']}"
-        rank_zero_info(f"PrecisionTuner: {chosen} ({self._decision['reason']}).")
-
-    def report(self) -> dict[str, Any]:
-        """The decision as a plain dict: ``decision``, ``reason``, ``probed``, ``probe_s``, ``step_ms``, ``rejected``.
-
-        ``decision`` is the precision installed; ``step_ms`` the median step time by precision; ``rejected`` maps a
-        precision to why it was rejected (empty before fit start).
-        """
-        return trials.decision_summary(self._decision)
-
-    def _measure(self, trainer: pl.Trainer, current: str) -> dict[str, Any]:
+        current = str(plugin.precision)
+        if type(plugin) not in (Precision, MixedPrecision) or current not in AUTOCAST_PRECISIONS:
+            why = f"{type(plugin).__name__} ({current}) is not an autocast plugin: kept"
+            return trials.Decision.skipped(current, why)
         device = trainer.strategy.root_device.type
         cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
         wanted = self.candidates or precision_candidates(device, bool(cpu_info().bf16_instructions), cuda_bf16)
         others = [_Autocast(p) for p in wanted if p != current]
         if not others:
             reason = f"no other autocast precision to try on this {device.upper()} (candidates: {', '.join(wanted)})"
-            return {"decision": current, "reason": reason, "probed": False, "probe_s": 0.0}
-        return trials.measure(
-            trainer,
-            _Autocast(current),
-            others,
-            self.probe_steps,
-            self.margin,
-            _MAX_GAIN,
-            warmup=min(2, self.probe_steps - 1),  # oneDNN builds its bf16 kernels in the first steps
-            loss_tolerance=self.loss_tolerance,
-        )
+            return trials.Decision.skipped(current, reason)
+        return _Autocast(current), others
+
+    @override
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
+        plugin = trainer.strategy.precision_plugin
+        if decision.decision != plugin.precision and decision.decision in AUTOCAST_PRECISIONS:
+            trainer.strategy.precision_plugin = _plugin(decision.decision, trainer.strategy.root_device.type)

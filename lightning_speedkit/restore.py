@@ -66,7 +66,11 @@ def _describe(expect: Expect) -> str:
 def _fits(value: Any, expect: Expect) -> tuple[str, Expect, Any] | None:
     """None when ``value`` is what ``expect`` allows; else the innermost wrong part: path, what it must be, value."""
     if isinstance(expect, tuple):
-        return None if any(_fits(value, e) is None for e in expect) else ("", expect, value)
+        failures = [_fits(value, e) for e in expect]
+        if any(f is None for f in failures):
+            return None
+        inner = [f for e, f in zip(expect, failures, strict=True) if isinstance(e, Mapping) and f and f[0]]
+        return inner[0] if inner and isinstance(value, Mapping) else ("", expect, value)
     if expect is None:
         return None if value is None else ("", expect, value)
     if isinstance(expect, ListOf):
@@ -78,8 +82,14 @@ def _fits(value: Any, expect: Expect) -> tuple[str, Expect, Any] | None:
                 return f"[{index}]{wrong[0]}", wrong[1], wrong[2]
         return None
     if isinstance(expect, Mapping):
-        problem = state_problem(value, expect) if isinstance(value, Mapping) else ("type", "")
-        return None if problem is None or problem[0] == "unknown" else ("", expect, value)
+        if not isinstance(value, Mapping):
+            return "", expect, value
+        for key, inner_expect in expect.items():
+            if key in value:
+                wrong = _fits(value[key], inner_expect)
+                if wrong is not None:
+                    return f".{key}{wrong[0]}", wrong[1], wrong[2]
+        return None  # keys the spec does not name, inside a value: another version's extras, kept
     if expect is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif expect is int:
@@ -104,7 +114,9 @@ def state_problem(state: Any, spec: StateSpec) -> tuple[str, str] | None:
         >>> state_problem({"losses": [0.5, "x"]}, spec)
         ('type', "`losses[1]` must be a number, got 'x'")
         >>> state_problem({"schedule": {"step": None}}, spec)[1]
-        "`schedule` must be None or a dict, got {'step': None}"
+        '`schedule.step` must be an int, got None'
+        >>> state_problem({"schedule": 3}, spec)[1]
+        '`schedule` must be None or a dict, got 3'
         >>> state_problem({"rollbacks": 1, "extra": 0}, spec)
         ('unknown', 'extra')
         >>> state_problem([1], spec)
@@ -155,7 +167,7 @@ class CheckpointsChecked(CheckpointIO):
         except FileNotFoundError:
             raise
         except Exception as err:
-            if "Weights only load failed" in str(err):  # torch refusing a pickled object: not a damaged file
+            if "Unsupported global" in str(err):  # torch refusing a pickled object (weights_only): not a damaged file
                 raise
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else "no message"
             raise CheckpointError(

@@ -130,7 +130,7 @@ class RankReport(Callback):
             "batch_size": pl_module.batch_size,
             "accumulate": trainer.accumulate_grad_batches,
             "base_lr": trainer.lr_scheduler_configs[0].scheduler.base_lrs[0],  # type: ignore[attr-defined]
-            "decision": finder.decision,
+            "decision": finder.report(),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -272,10 +272,15 @@ def test_setup_errors_say_what_to_do(tmp_path: Path) -> None:
 def test_state_key_pickle_and_state_round_trip() -> None:
     """The callback pickles; its decision round-trips through state_dict; an empty state loads as no decision."""
     finder = pickle.loads(pickle.dumps(BatchSizeFinder(max_val=64)))
-    assert finder.state_key == "BatchSizeFinder{'batch_arg_name': 'batch_size', 'objective': 'memory'}"
-    assert finder.state_dict() == {}
-    finder.load_state_dict({"batch_size": 32, "lr_scale": 4.0, "accumulate_grad_batches": 1})
-    assert finder.state_dict()["batch_size"] == 32
+    assert finder.state_key.startswith("BatchSizeFinder{")
+    assert "'max_val': 64" in finder.state_key
+    assert finder.state_key != BatchSizeFinder(max_val=32).state_key
+    assert finder.state_dict() == {"decision": None}
+    finder.load_state_dict({"decision": {"decision": "32", "reason": "found", "batch_size": 32, "lr_scale": 4.0}})
+    assert finder.state_dict()["decision"]["batch_size"] == 32
+    assert finder.report()["source"] == "resumed"
+    finder.load_state_dict({})
+    assert finder.report()["batch_size"] == 32  # an empty state keeps what is there
 
 
 # ---------------------------------------------------------------- honest trials
@@ -391,8 +396,8 @@ def test_search_leaves_no_trace(tmp_path: Path) -> None:
     """A fit with the search ends with exactly the weights of a plain fit at the found size and scaled LR."""
     model, finder = limited(100), BatchSizeFinder(max_val=1000, steps_per_trial=2)
     fit(tmp_path, model, finder, max_epochs=2)
-    decision = finder.decision
-    assert decision is not None
+    decision = finder.report()
+    assert decision
     L.seed_everything(0, verbose=False)
     reference = ScheduledClassifier(num_samples=SAMPLES, batch_size=decision["batch_size"])
     reference.lr = BASE_LR * decision["lr_scale"]
@@ -417,8 +422,7 @@ def test_reference_batch_size_sets_the_scale(tmp_path: Path) -> None:
     """With reference_batch_size=30 (global) and a found size of 90 the LR triples."""
     finder = BatchSizeFinder(max_val=1000, reference_batch_size=30)
     fit(tmp_path, limited(100), finder, max_steps=1)
-    assert finder.decision is not None
-    assert finder.decision["lr_scale"] == pytest.approx(3.0)
+    assert finder.report()["lr_scale"] == pytest.approx(3.0)
 
 
 def test_warmup_follows_the_rescale_and_lengthens(tmp_path: Path) -> None:
@@ -452,9 +456,8 @@ def test_throughput_objective_picks_the_smallest_fast_enough_size(tmp_path: Path
     """The throughput objective keeps the smallest tried size within the tolerance of the best measured speed."""
     finder = BatchSizeFinder(objective="throughput", max_val=128, throughput_tolerance=0.1)
     fit(tmp_path, limited(), finder, max_steps=1)
-    assert finder.decision is not None
-    speeds = {t["size"]: t["samples_per_s"] for t in finder.decision["trials"] if t["fits"]}
-    assert finder.decision["batch_size"] == min(s for s, v in speeds.items() if v >= 0.9 * max(speeds.values()))
+    speeds = {t["size"]: t["samples_per_s"] for t in finder.report()["trials"] if t["fits"]}
+    assert finder.report()["batch_size"] == min(s for s, v in speeds.items() if v >= 0.9 * max(speeds.values()))
 
 
 # ---------------------------------------------------------------- resume
@@ -504,6 +507,7 @@ def test_ddp_spawn_ranks_agree_on_the_smaller_limit(tmp_path: Path) -> None:
     reports = rank_records(tmp_path)
     for report in reports:  # what may differ: timing, and which rank's own OOM message a trial carries
         report["decision"].pop("search_s")
+        report["decision"].pop("probe_s")  # the same seconds, each rank's own clock
         report["decision"]["trials"] = [
             (t["size"], t["fits"], t["samples_per_s"]) for t in report["decision"]["trials"]
         ]

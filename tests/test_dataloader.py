@@ -256,7 +256,7 @@ def test_resume_does_not_probe_again(tmp_path: Path) -> None:
     resumed = DataLoaderTuner(candidates=[{"num_workers": 2}])
     trainer = tiny_trainer(tmp_path, callbacks=[resumed], max_epochs=epochs + 1)
     trainer.fit(Model(), SlowData(delay=0.005, counter=counter, n=128), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed.report() == first
+    assert resumed.report() == {**first, "source": "resumed"}
     assert trainer.train_dataloader.num_workers == 2
     assert len(counter.read_text()) == 128  # one epoch of the 128 training samples, no probe
 
@@ -285,7 +285,10 @@ def test_a_dataloader_subclass_is_left_alone(tmp_path: Path) -> None:
     trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=8, limit_val_batches=0)
     with pytest.warns(UserWarning, match="subclass"):
         trainer.fit(Model(), Data())
-    assert "decision" not in tuner.report()
+    report = tuner.report()
+    assert (report["decision"], report["probed"], report["source"]) == ("as is", False, "skipped")
+    assert "subclass" in report["reason"]
+    assert report["left_alone"] == [report["reason"]]
     assert type(trainer.train_dataloader) is MyLoader
 
 
@@ -324,7 +327,7 @@ class _RecordLoaders(L.Callback):
             "sampler": type(loader.sampler).__name__,
             "decision": report["decision"],
             "probed": report["probed"],
-            "step_s": report["step_s"],
+            "step_ms": report["step_ms"],
         }
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -88,7 +88,8 @@ def test_a_resume_does_not_search_again(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(TrialSession, "run", lambda *a, **k: pytest.fail("searched again on resume"))
     resumed = LRFinder(**FINDER)
     trainer = _fit(tmp_path, _model(1e-4), resumed, ckpt_path=str(tmp_path / "ckpt" / "epoch=2.ckpt"))
-    assert resumed.report() == first.report()
+    assert resumed.report() == {**first.report(), "source": "resumed"}
+    assert first.report()["source"] == "measured"
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(first.report()["chosen_lr"])
 
 

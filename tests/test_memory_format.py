@@ -71,7 +71,9 @@ def test_model_without_convolutions_and_disabled_callback_are_left_alone(tmp_pat
     model.positions = nn.Parameter(torch.zeros(1, 2, 4, 4))
     callback = ChannelsLast(measure=False)
     tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model)
-    assert callback.report() == {"status": "no convolutions at setup", "converted": 0}
+    report = callback.report()
+    assert (report["status"], report["converted"]) == ("no convolutions at setup", 0)
+    assert (report["decision"], report["source"], report["reason"]) == ("default", "skipped", report["status"])
     assert not has_convolutions(model)
     assert not model.positions.is_contiguous(memory_format=torch.channels_last)
     model, _ = _fit(tmp_path, [ChannelsLast(enabled=False)])
@@ -168,7 +170,8 @@ def test_validate_after_fit_keeps_the_report(tmp_path: Path) -> None:
     model, trainer = _fit(tmp_path, [callback := ChannelsLast(measure=False)])
     converted = callback.converted
     trainer.validate(model, _images(16), verbose=False)
-    assert callback.report() == {"status": "channels_last", "converted": converted}
+    report = callback.report()
+    assert (report["status"], report["converted"], report["decision"]) == ("channels_last", converted, "channels_last")
     assert converted > 0
 
 

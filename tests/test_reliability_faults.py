@@ -61,7 +61,7 @@ def test_out_of_memory_after_the_search_is_not_swallowed(tmp_path: Path) -> None
     trainer = tiny_trainer(tmp_path, max_epochs=4, callbacks=[*combined_callbacks(None), OomFromEpoch(2, limit=8)])
     with pytest.raises(torch.OutOfMemoryError, match=r"batch of 16 with room for 8 \(MemoryLimit"):
         trainer.fit(OrderedTiny())
-    assert find(trainer, BatchSizeFinder).decision["batch_size"] == 16  # the search itself succeeded
+    assert find(trainer, BatchSizeFinder).report()["batch_size"] == 16  # the search itself succeeded
     assert find(trainer, StructuredPruning).report()["steps"]  # pruning had run
     assert trainer.global_step == 16  # failed at the first step of epoch 2, not retried
     assert not any(trainer.optimizers[0]._optimizer_step_pre_hooks.values())  # warmup detached on the exception

@@ -195,7 +195,7 @@ def test_measure_skips_a_probe_that_cannot_pay_back(tmp_path: Path) -> None:
 
     class Lever(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.report = measure(trainer, AsIs(), [BatchSize("batch_size", 4)], 3, margin=0.05, max_gain=0.5)
+            self.report = measure(trainer, AsIs(), [BatchSize("batch_size", 4)], 3, margin=0.05, max_gain=0.5).as_dict()
 
     lever = Lever()
     tiny_trainer(tmp_path, max_epochs=1, callbacks=[lever]).fit(_Dropout())
@@ -226,7 +226,9 @@ def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_pa
 
     class Lever(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.report = measure(trainer, AsIs(), [_SlowSteps(), AsIs("again")], 3, margin=0.05, max_gain=0.5)
+            self.report = measure(
+                trainer, AsIs(), [_SlowSteps(), AsIs("again")], 3, margin=0.05, max_gain=0.5
+            ).as_dict()
 
     lever = Lever()
     tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
@@ -247,7 +249,7 @@ def test_when_every_candidate_is_clearly_slower_no_second_round_runs(tmp_path: P
 
     class Lever(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.report = measure(trainer, AsIs(), [_SlowSteps()], 3, margin=0.05, max_gain=0.5)
+            self.report = measure(trainer, AsIs(), [_SlowSteps()], 3, margin=0.05, max_gain=0.5).as_dict()
 
     lever = Lever()
     tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())

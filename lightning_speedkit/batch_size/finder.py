@@ -6,7 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -24,9 +24,8 @@ from lightning_speedkit.batch_size.search import (
 )
 from lightning_speedkit.checks import check_bool, check_choice, check_int, check_margin, check_number, is_int
 from lightning_speedkit.lr import rescale_run_lrs
-from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
-from lightning_speedkit.trials import BatchSize, TrialResult, TrialSession
+from lightning_speedkit.restore import ListOf, StateSpec
+from lightning_speedkit.trials import BatchSize, Decision, Lever, TrialResult, TrialSession
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BatchSizeFinder"]
 
 
-class BatchSizeFinder(Callback):
+class BatchSizeFinder(Lever):
     """Find the per-device batch size at fit start with real trial steps, apply it, and rescale the LR to match.
 
     Each trial trains ``steps_per_trial`` full batches of exactly the size tried (each a full optimizer step) and
@@ -55,7 +54,9 @@ class BatchSizeFinder(Callback):
     ``base_lrs``, via `lightning_speedkit.lr`). A warmup callback in ``trainer.callbacks`` (`WarmupScheduler`) is
     asked to rescale its base LRs and, when the LR grows, to lengthen its warmup in proportion. With
     ``keep_global_batch=True`` the global batch is held by changing ``accumulate_grad_batches`` and the LR is left
-    alone. The decision is saved in checkpoints; a resumed fit applies it again without searching.
+    alone. The decision is saved in checkpoints; a resumed fit applies it again without searching (the life cycle is
+    `lightning_speedkit.trials.Lever`'s: ``decision`` is the size, ``extra`` holds ``batch_size``, ``lr_scale``,
+    ``accumulate_grad_batches``, ``global_batch``, ``trials``...).
 
     Args:
         mode: ``"binsearch"`` (double, then bisect between the last fit and the first failure) or ``"power"``.
@@ -85,6 +86,18 @@ class BatchSizeFinder(Callback):
         >>> import lightning as L
         >>> trainer = L.Trainer(logger=False, callbacks=[BatchSizeFinder(max_val=512, lr_scaling="sqrt")])
     """
+
+    AREA = "batch_size"
+    EXTRA_SPEC: ClassVar[StateSpec] = {
+        "batch_size": int,
+        "accumulate_grad_batches": int,
+        "lr_scale": float,
+        "configured_batch_size": int,
+        "world_size": int,
+        "global_batch": int,
+        "search_s": float,
+        "trials": ListOf(dict),
+    }
 
     def __init__(
         self,
@@ -130,38 +143,13 @@ class BatchSizeFinder(Callback):
             keep_global_batch,
         )
         self.objective, self.throughput_tolerance, self.batch_arg_name = objective, throughput_tolerance, batch_arg_name
-        self._decision: dict[str, Any] | None = None
-        self._applied = False
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(batch_arg_name=self.batch_arg_name, objective=self.objective)
-
-    @property
-    def decision(self) -> dict[str, Any] | None:
-        """The applied decision: ``batch_size``, ``lr_scale``, ``accumulate_grad_batches``, ``reason``, ``trials``..."""
-        return self._decision
-
-    state_spec: ClassVar[StateSpec] = {
-        "batch_size": int,
-        "accumulate_grad_batches": int,
-        "lr_scale": float,
-        "configured_batch_size": int,
-        "world_size": int,
-        "global_batch": int,
-        "reason": str,
-        "search_s": float,
-        "trials": ListOf(dict),
-    }
-    """What a checkpoint may hold for the finder (checked before anything is restored: `lightning_speedkit.restore`)."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_checkpoints(trainer)
+        super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        self._decision, self._applied = None, False  # a checkpoint's decision, if any, is loaded after this
+        self._decision = None  # a checkpoint's decision, if any, is loaded after this
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
             raise ValueError(
@@ -191,34 +179,33 @@ class BatchSizeFinder(Callback):
             )
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+        """The search, unless ``fast_dev_run`` is on or the fit resumes without a decision (the size is then kept)."""
+        configured = str(lightning_getattr(pl_module, self.batch_arg_name))
         if trainer.fast_dev_run:  # type: ignore[attr-defined]
-            rank_zero_warn("BatchSizeFinder: skipped, since `fast_dev_run` is on.")
-            return
-        if self._decision is not None:  # resumed from a checkpoint: apply the saved decision, never search again
-            self._apply(trainer, pl_module, self._decision, resumed=True)
-            return
-        if trainer.ckpt_path is not None:
-            rank_zero_warn(
-                "BatchSizeFinder: the checkpoint holds no batch-size decision; keeping the configured batch size"
-                " (searching now would fight the restored optimizer state)."
-            )
-            return
-        self._decision = self._search(trainer, pl_module)
-        self._apply(trainer, pl_module, self._decision, resumed=False)
+            return Decision.skipped(configured, "skipped: `fast_dev_run` is on")
+        resumed = self.resumed_without_decision(trainer)
+        if resumed:
+            return Decision.skipped(configured, resumed + " (searching now would fight the restored optimizer state)")
+        found = self._search(trainer, pl_module)
+        reason, seconds = found.pop("reason"), found["search_s"]
+        return Decision(str(found["batch_size"]), reason, True, seconds, source="measured", extra=found)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return {} if self._decision is None else dict(self._decision)
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> None:
+        if "batch_size" in decision.extra:
+            self._apply(trainer, pl_module, decision, resumed=decision.source == "resumed")
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "batch_size" in state_dict:
-            self._decision = dict(state_dict)
-
-    def report(self) -> dict[str, Any]:
-        """The decision and every trial as a plain dict (empty before a search)."""
-        return {} if self._decision is None else dict(self._decision)
+    def metrics(self, decision: Decision) -> dict[str, float]:
+        found = decision.extra
+        if "batch_size" not in found:
+            return {}
+        return {
+            "speedkit/batch_size": float(found["batch_size"]),
+            "speedkit/lr_scale": float(found["lr_scale"]),
+            "speedkit/accumulate_grad_batches": float(found["accumulate_grad_batches"]),
+        }
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         started = time.perf_counter()
@@ -286,38 +273,25 @@ class BatchSizeFinder(Callback):
         full_batches = self.steps_per_trial if per_rank is None else per_rank // size
         return session.run(BatchSize(self.batch_arg_name, size), max_batches=full_batches)
 
-    def _apply(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: dict[str, Any], resumed: bool
-    ) -> None:
-        size, accumulation, scale = decision["batch_size"], decision["accumulate_grad_batches"], decision["lr_scale"]
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision, resumed: bool) -> None:
+        found = decision.extra
+        size, accumulation, scale = found["batch_size"], found["accumulate_grad_batches"], found["lr_scale"]
         lightning_setattr(pl_module, self.batch_arg_name, size)
         trainer.accumulate_grad_batches = accumulation
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
         if resumed:  # the LR and the warmup are restored with the optimizers, schedulers and warmup callback
-            if decision.get("world_size", trainer.world_size) != trainer.world_size:
+            if found.get("world_size", trainer.world_size) != trainer.world_size:
                 rank_zero_warn(
                     f"BatchSizeFinder: resumed on {trainer.world_size} devices but the size was found on"
-                    f" {decision['world_size']}; the global batch and its LR scale differ from the original run."
+                    f" {found['world_size']}; the global batch and its LR scale differ from the original run."
                 )
-            rank_zero_info(
-                f"BatchSizeFinder: resumed with batch size {size} per device, accumulate_grad_batches {accumulation},"
-                f" LR x{scale:.4g} (saved decision, no search)."
-            )
         else:
             if scale != 1.0:
                 rescale_run_lrs(trainer, scale)
             rank_zero_info(
-                f"BatchSizeFinder: batch size {decision['configured_batch_size']} -> {size} per device"
-                f" ({decision['reason']}); global batch {decision['global_batch']} = {size} x {trainer.world_size}"
+                f"BatchSizeFinder: batch size {found['configured_batch_size']} -> {size} per device"
+                f" ({decision.reason}); global batch {found['global_batch']} = {size} x {trainer.world_size}"
                 f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
-                f"{len(decision['trials'])} trials in {decision['search_s']:.1f} s."
+                f"{len(found['trials'])} trials in {found['search_s']:.1f} s."
             )
-        log_rank_zero(
-            trainer,
-            {
-                "speedkit/batch_size": float(size),
-                "speedkit/lr_scale": scale,
-                "speedkit/accumulate_grad_batches": float(accumulation),
-            },
-        )

@@ -10,17 +10,16 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_int, check_margin, check_number, check_probe_steps
 from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back, compile_worth_probing
-from lightning_speedkit.decisions import loss_is_sound, probe_pays_back
+from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import StateSpec, check_checkpoints
+from lightning_speedkit.restore import StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class _Compiled(trials.Setting):
         self.calls += (call.calls if call is not None else self._marks[2]) - self._marks[2]
 
 
-class Compile(Callback):
+class Compile(trials.Lever):
     """Compile the LightningModule with ``torch.compile`` when, and only when, it pays back within the run.
 
     At fit start, after any DDP wrapper is built (so the module is compiled inside it and DDP's communication stays
@@ -80,7 +79,7 @@ class Compile(Callback):
     recompile each graph (automatic dynamic shapes), not one per step: `report` counts the graphs compiled after the
     decision. The module is compiled in place (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys,
     and a deep copy of the module is eager. A module the user compiled already is left alone. The decision is in
-    ``state_dict``: a resumed run applies it without probing.
+    ``state_dict``: a resumed run applies it without probing (the life cycle is `lightning_speedkit.trials.Lever`'s).
 
     Args:
         mode: ``torch.compile`` mode: one of `COMPILE_MODES`.
@@ -110,6 +109,18 @@ class Compile(Callback):
         >>> import lightning as L
         >>> trainer = L.Trainer(logger=False, callbacks=[Compile(mode="max-autotune-no-cudagraphs")])
     """
+
+    AREA = "compile"
+    MAX_GAIN = MAX_GAIN
+    EXTRA_SPEC: ClassVar[StateSpec] = {
+        "compile_s": (float, None),
+        "saving_s": float,
+        "cost_s": float,
+        "graphs": int,
+        "graph_breaks": int,
+        "recompiles": int,
+        "recompile_s": float,
+    }
 
     def __init__(
         self,
@@ -157,40 +168,49 @@ class Compile(Callback):
         self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.max_graph_breaks = max_graph_breaks
         self.min_compile_s = float(min_compile_s)
-        self._decision: dict[str, Any] = {}
         self._status = "not set up"
         self._watch = CompileWatch()
         self._mark = 0
         self._call: CompiledCall | None = None
         self._failure: Exception | None = None
 
-    state_spec: ClassVar[StateSpec] = {"decision": (dict, None)}
-    """What a checkpoint may hold for Compile (checked before anything is restored: `lightning_speedkit.restore`)."""
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_checkpoints(trainer)
-
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         users = pl_module._compiled_call_impl
         if (users is not None and not isinstance(users, CompiledCall)) or pl_module._compiler_ctx is not None:
             self._status = "compiled by the user: left as it is"
+            self._decision = trials.Decision.skipped("compiled by the user", "left as it is")
             return
         self._watch.install()
-        if not self._decision:
-            self._decision = self._decide(trainer)
-            trials.log_decision(trainer, "compile", self._decision)
-            if self._decision.get("compile_s") is not None:
-                log_rank_zero(trainer, {"speedkit/compile/compile_s": float(self._decision["compile_s"])})
-        self._use(trainer, self._decision["decision"] == _COMPILED)
+        super().on_fit_start(trainer, pl_module)
+
+    @override
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision:
+        """Probe eager against compiled (unless the fit resumes without a decision, or the run is too short)."""
+        resumed = self.resumed_without_decision(trainer)
+        if resumed:
+            return trials.Decision.skipped(_EAGER, resumed)
+        report = self._decide(trainer)
+        fields = {k: report.pop(k) for k in ("decision", "reason", "probed", "probe_s", "step_s", "rejected")}
+        return trials.Decision(**fields, source="measured" if fields["probed"] else "skipped", extra=report)
+
+    @override
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
+        self._use(trainer, decision.decision == _COMPILED, decision.reason)
+
+    @override
+    def metrics(self, decision: trials.Decision) -> dict[str, float]:
+        metrics = super().metrics(decision)
+        if decision.extra.get("compile_s") is not None:
+            metrics["speedkit/compile/compile_s"] = float(decision.extra["compile_s"])
+        return metrics
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._status != _COMPILED:
+        if self._status != _COMPILED or self._decision is None:
             return
         graphs, seconds = self._watch.since(self._mark)
-        self._decision.update(recompiles=graphs, recompile_s=seconds)
+        self._decision.extra.update(recompiles=graphs, recompile_s=seconds)
         log_rank_zero(trainer, {"speedkit/compile/recompiles": float(graphs)})
 
     @override
@@ -202,15 +222,8 @@ class Compile(Callback):
         self._watch.remove()
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"decision": self._decision}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._decision = dict(state_dict.get("decision") or {})
-
-    def report(self) -> dict[str, Any]:
-        """What was decided and measured, as a plain dict.
+    def status(self) -> dict[str, Any]:
+        """What was decided and measured, as a plain dict (beside the `lightning_speedkit.trials.Decision`).
 
         ``status`` (``"compiled"``, ``"eager: <why>"`` or why the module was left alone), ``decision``
         (``"compiled"`` or ``"eager"``), ``reason``, ``probed``, ``probe_s``, ``steps_left``, ``step_ms`` (median
@@ -219,7 +232,7 @@ class Compile(Callback):
         probe), ``rejected`` and, once training ended compiled, ``recompiles`` and ``recompile_s`` (graphs compiled
         after the decision: the validation graph on a resume, new batch shapes).
         """
-        return {"status": self._status, **trials.decision_summary(self._decision)}
+        return {"status": self._status}
 
     # ------------------------------------------------------------------------------------------------ private
     def _decide(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -228,7 +241,7 @@ class Compile(Callback):
         report: dict[str, Any] = {"decision": _EAGER, "reason": "", "probed": False, "probe_s": 0.0}
         report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
         if self.measure:
-            pays, why = probe_pays_back(self.probe_steps * 2 * trials.PROBE_ROUNDS, left, MAX_GAIN)
+            pays, why, _ = trials.probe_cost(trainer, self.probe_steps * 2 * trials.PROBE_ROUNDS, MAX_GAIN)
             if not pays:
                 report["reason"] = why
                 return report
@@ -238,12 +251,7 @@ class Compile(Callback):
         results: list[trials.TrialResult] = []
         self._failure = None
         with trials.TrialSession(trainer, self.probe_steps, warmup=1, validate=validate) as session:
-            batches = session.batches_per_epoch()
-            if batches is not None and batches < self.probe_steps:
-                raise ValueError(
-                    f"`probe_steps` must not be longer than the train loader: got {self.probe_steps}, the loader"
-                    f" has {batches} batches per epoch."
-                )
+            session.require_steps("probe_steps")
             order = [eager, compiled] * trials.PROBE_ROUNDS if self.measure else [compiled]
             for setting in order:
                 try:
@@ -317,9 +325,8 @@ class Compile(Callback):
         report.update(decision=_COMPILED if keep else _EAGER, reason=why, saving_s=saving)
         report["cost_s"] = compile_s * (1.0 + self.margin)
 
-    def _use(self, trainer: pl.Trainer, compiled: bool) -> None:
+    def _use(self, trainer: pl.Trainer, compiled: bool, reason: str) -> None:
         module = trainer.lightning_module
-        reason = self._decision.get("reason", "")
         if compiled:
             self._install(module)
             self._mark = len(self._watch.events)
@@ -327,8 +334,6 @@ class Compile(Callback):
         else:
             self._uninstall(module)
             self._status = f"eager: {reason.removeprefix('eager: ')}"
-        shown = reason.removeprefix("eager: ").removeprefix("compiled: ")
-        rank_zero_info(f"Compile: {'compiled' if compiled else 'eager'} ({shown}).")
 
     def _install(self, module: pl.LightningModule) -> CompiledCall:
         """Compile ``module`` in place (once; later calls put the same compiled function back)."""
@@ -353,7 +358,8 @@ class Compile(Callback):
         self._failure = error
         if self._status == _COMPILED:
             what = f"{type(error).__name__}: {_first_line(error)}"
-            self._decision.update(decision=_EAGER, reason=f"eager: compiling failed at a call ({what})")
+            if self._decision is not None:
+                self._decision.decision, self._decision.reason = _EAGER, f"eager: compiling failed at a call ({what})"
             self._status = f"eager: compiling failed at a call ({what})"
             rank_zero_warn(f"Compile: compiling the module failed ({what}); training goes on eager.")
 

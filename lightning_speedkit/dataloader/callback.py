@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -25,17 +24,18 @@ from lightning_speedkit.dataloader.rebuild import (
     settings_name,
 )
 from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.trials import AsIs, RemembersDecision, measure
+from lightning_speedkit.restore import ListOf, StateSpec
+from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DataLoaderTuner"]
 
 _HOOKS = ("train_dataloader", "val_dataloader")
+_AS_IS = "as is"
 
 
-class DataLoaderTuner(RemembersDecision, Callback):
+class DataLoaderTuner(Lever):
     """Time real training steps under candidate loader settings at fit start; rebuild the loaders with a clear winner.
 
     At ``on_fit_start`` every rank runs, through `~lightning_speedkit.trials.measure`, trials of ``probe_steps`` real
@@ -47,7 +47,7 @@ class DataLoaderTuner(RemembersDecision, Callback):
     (sampler, batch size, ``collate_fn``, ``drop_last`` and the rest kept) until teardown. Otherwise the loaders stay as
     they are, and `report` says why. The probe is skipped, with the reason, when it cannot pay back within the run's
     steps left (`lightning_speedkit.decisions.probe_pays_back`). The decision is in ``state_dict``: a resumed run does
-    not probe again.
+    not probe again (the life cycle is `lightning_speedkit.trials.Lever`'s).
 
     A loader that cannot be rebuilt safely (a DataLoader subclass, an IterableDataset with workers) or loaders
     passed straight to ``fit()`` are left alone, with one line saying why.
@@ -67,7 +67,7 @@ class DataLoaderTuner(RemembersDecision, Callback):
         ValueError: For ``probe_steps`` < 1, a negative ``max_workers``, a ``margin`` outside [0, 1), empty
             ``candidates`` or a candidate with an unknown key or a bad value.
 
-    Logged metrics (rank zero, once the decision is made or restored): ``speedkit/data/num_workers`` (of the loaders
+    Logged metrics (rank zero, once the decision is made): ``speedkit/data/num_workers`` (of the loaders
     in use), ``speedkit/data/speedup`` (median step time of the loader's own settings over the chosen one's; 1.0 when
     they are kept) and ``speedkit/data/probe_s`` (seconds the probe took; 0.0 when skipped).
 
@@ -76,7 +76,18 @@ class DataLoaderTuner(RemembersDecision, Callback):
         >>> trainer = L.Trainer(logger=False, callbacks=[DataLoaderTuner(probe_steps=4)])
     """
 
-    state_name = "report"  # the key checkpoints of earlier versions hold
+    AREA = "data"
+    LEGACY_STATE_KEYS = ("report",)  # the key checkpoints of earlier versions hold
+    EXTRA_SPEC: ClassVar[StateSpec] = {
+        "chosen": dict,
+        "baseline": dict,
+        "rebuilt": bool,
+        "baseline_step_s": (float, None),
+        "chosen_step_s": (float, None),
+        "speedup": float,
+        "candidates": ListOf(dict),
+        "max_workers": int,
+    }
 
     MAX_GAIN = 0.5
     """The payback rule's best case: loader settings can at most hide the data loading behind the step, and we assume
@@ -84,7 +95,7 @@ class DataLoaderTuner(RemembersDecision, Callback):
     would repay it (`~lightning_speedkit.decisions.probe_pays_back`). A pipeline more data-bound than that gains more,
     so on a run long enough to probe it still repays."""
 
-    WARMUP_STEPS = 2
+    WARMUP = 2
     """Untimed steps at the start of each trial: worker processes start and fill their prefetch queues."""
 
     def __init__(
@@ -108,36 +119,71 @@ class DataLoaderTuner(RemembersDecision, Callback):
         self.candidates = [dict(c) for c in candidates] if candidates is not None else None
         self.probe_steps = probe_steps
         self.max_workers = max_workers
-        self._decision: dict[str, Any] = {}
         self._applied: LoaderSettings | None = None
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(probe_steps=self.probe_steps, max_workers=self.max_workers)
+        self._left: list[str] = []
+        self._planned: dict[str, Any] = {}
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
         owner = self._owner(trainer, pl_module)
         if owner is None:
-            return
-        if "chosen" not in self._decision:
-            self._decision.update(self._decide(trainer, owner))
-            if "chosen" in self._decision:
-                rank_zero_info(self._summary())
-        if "chosen" not in self._decision:
-            return
-        if self._decision.get("rebuilt", True):  # a report from before "rebuilt" existed was always applied
-            self._applied = LoaderSettings(owner, self._decision["chosen"], _HOOKS, self._left_alone)
+            return Decision.skipped(_AS_IS, self._left[-1])
+        plan = trainer.strategy.broadcast(self._plan(trainer, owner) if trainer.is_global_zero else {}, src=0)
+        if "left_alone" in plan:
+            self._left_alone(plan["left_alone"])
+            return Decision.skipped(_AS_IS, plan["left_alone"])
+        self._planned = {**plan, "owner": owner}
+        current = AsIs(settings_name(plan["baseline"]))
+        if plan["batches"] is not None and plan["batches"] < self.probe_steps and plan["candidates"]:
+            why = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
+            return Decision.skipped(current.name, why)
+        return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in plan["candidates"]]
+
+    @override
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+        """Measure the candidates (`Lever.decide`); the decision also names the settings (``chosen``, ``baseline``)."""
+        self._planned = {}
+        decision = super().decide(trainer, pl_module)
+        if not self._planned:
+            return decision
+        baseline, candidates = self._planned["baseline"], self._planned["candidates"]
+        by_name = {settings_name(baseline): baseline, **{settings_name(s): s for s in candidates}}
+        base_s, chosen_s = decision.step_s.get(settings_name(baseline)), decision.step_s.get(decision.decision)
+        tried = [{**c, "name": settings_name(c), "step_s": decision.step_s.get(settings_name(c))} for c in candidates]
+        decision.extra.update(
+            chosen=by_name[decision.decision],
+            baseline=baseline,
+            rebuilt=decision.decision != settings_name(baseline),
+            baseline_step_s=base_s,
+            chosen_step_s=chosen_s,
+            speedup=base_s / chosen_s if base_s and chosen_s else 1.0,
+            candidates=tried,
+            max_workers=self._planned["max_workers"],
+        )
+        return decision
+
+    @override
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> None:
+        chosen = decision.extra.get("chosen")
+        if chosen is None:
+            return  # the loaders were left alone
+        owner = self._owner(trainer, pl_module)
+        if decision.extra.get("rebuilt", True) and owner is not None:
+            self._applied = LoaderSettings(owner, chosen, _HOOKS, self._left_alone)
             self._applied.apply(trainer)
             trainer.fit_loop._combined_loader = None
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
-        metrics = {
-            "speedkit/data/num_workers": float(self._decision["chosen"]["num_workers"]),
-            "speedkit/data/speedup": float(self._decision.get("speedup") or 1.0),
-            "speedkit/data/probe_s": float(self._decision.get("probe_s") or 0.0),
+
+    @override
+    def metrics(self, decision: Decision) -> dict[str, float]:
+        chosen = decision.extra.get("chosen")
+        if chosen is None:
+            return {}
+        return {
+            "speedkit/data/num_workers": float(chosen["num_workers"]),
+            "speedkit/data/speedup": float(decision.extra.get("speedup") or 1.0),
+            "speedkit/data/probe_s": float(decision.probe_s),
         }
-        log_rank_zero(trainer, metrics)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -145,17 +191,17 @@ class DataLoaderTuner(RemembersDecision, Callback):
             self._applied.revert(trainer)
             self._applied = None
 
-    def report(self) -> dict[str, Any]:
-        """What the tuner measured and decided, as a plain dict.
+    @override
+    def status(self) -> dict[str, Any]:
+        """``left_alone``: why a loader was not rebuilt, if so.
 
-        Keys: ``decision`` (the chosen setting's name), ``chosen`` and ``baseline`` (the chosen settings and the
-        loader's own), ``rebuilt`` (whether the loaders were rebuilt), ``baseline_step_s`` and ``chosen_step_s``
-        (median seconds per training step), ``candidates`` (each setting tried, with its ``step_s``), ``speedup``
-        (``baseline_step_s / chosen_step_s``; 1.0 when kept), ``probed``, ``probe_s``, ``reason`` (why this decision,
-        or why the probe was skipped), ``rejected``, ``steps_left``, ``max_workers``, ``trials`` (each trial's step
-        times) and ``left_alone`` (why a loader was not rebuilt, if so).
+        Beside it, the decision (`lightning_speedkit.trials.Decision`): ``decision`` (the chosen setting's name),
+        ``chosen`` and ``baseline`` (the chosen settings and the loader's own), ``rebuilt`` (whether the loaders were
+        rebuilt), ``baseline_step_s`` and ``chosen_step_s`` (median seconds per training step), ``candidates`` (each
+        setting tried, with its ``step_s``), ``speedup`` (``baseline_step_s / chosen_step_s``; 1.0 when kept),
+        ``probed``, ``probe_s``, ``reason``, ``source``, ``rejected``, ``steps_left`` and ``max_workers``.
         """
-        return dict(self._decision)
+        return {"left_alone": list(self._left)} if self._left else {}
 
     def _owner(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Owner | None:
         source = getattr(trainer.fit_loop, "_data_source", None)
@@ -195,54 +241,10 @@ class DataLoaderTuner(RemembersDecision, Callback):
             batches = None
         return {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
 
-    def _decide(self, trainer: pl.Trainer, owner: Owner) -> dict[str, Any]:
-        """Every rank: the same plan (rank zero's), the same trials, the same decision."""
-        plan = trainer.strategy.broadcast(self._plan(trainer, owner) if trainer.is_global_zero else {}, src=0)
-        if "left_alone" in plan:
-            self._left_alone(plan["left_alone"])
-            return {}
-        baseline, candidates = plan["baseline"], plan["candidates"]
-        current = AsIs(settings_name(baseline))
-        skip = ""
-        if not candidates:
-            skip = "nothing to try: every candidate is the loader's own settings"
-        elif trainer.ckpt_path is not None:
-            skip = "skipped: resumed from a checkpoint without a DataLoaderTuner decision (the steps left are unknown)"
-        elif plan["batches"] is not None and plan["batches"] < self.probe_steps:
-            skip = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
-        if skip:
-            measured: dict[str, Any] = {"decision": current.name, "reason": skip, "probed": False, "probe_s": 0.0}
-            measured.update(steps_left=None, step_s={}, rejected={}, trials=[])
-        else:
-            settings = [LoaderSettings(owner, s, on_refused=self._left_alone) for s in candidates]
-            warmup = min(self.WARMUP_STEPS, self.probe_steps - 1)
-            measured = measure(trainer, current, settings, self.probe_steps, self.margin, self.MAX_GAIN, warmup)
-        by_name = {current.name: baseline, **{settings_name(s): s for s in candidates}}
-        step_s = measured["step_s"]
-        base_s, chosen_s = step_s.get(current.name), step_s.get(measured["decision"])
-        return {
-            **measured,
-            "chosen": by_name[measured["decision"]],
-            "baseline": baseline,
-            "rebuilt": measured["decision"] != current.name,
-            "baseline_step_s": base_s,
-            "chosen_step_s": chosen_s,
-            "speedup": base_s / chosen_s if base_s and chosen_s else 1.0,
-            "candidates": [{**s, "name": settings_name(s), "step_s": step_s.get(settings_name(s))} for s in candidates],
-            "max_workers": plan["max_workers"],
-        }
-
     def _left_alone(self, reason: str) -> None:
-        if reason not in self._decision.get("left_alone", []):
-            self._decision.setdefault("left_alone", []).append(reason)
+        if reason not in self._left:
+            self._left.append(reason)
             rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason}.")
-
-    def _summary(self) -> str:
-        report = self._decision
-        verdict = f"rebuilt the loaders with {report['decision']}" if report["rebuilt"] else "kept the loader as it is"
-        times = " | ".join(f"{name}: {1e3 * s:.1f} ms" for name, s in report["step_s"].items() if s is not None)
-        measured = f"; median step time {times}; probe {report['probe_s']:.1f} s" if report["probed"] else ""
-        return f"DataLoaderTuner: {verdict} ({report['reason']}{measured})."
 
 
 def _valid_candidate(candidate: object) -> bool:

@@ -8,31 +8,27 @@ user's hooks behave as in training), reverts the setting and restores the snapsh
 same state and sees the same batches. Each trial ends with a verdict all ranks agree on (an out-of-memory error on
 any rank fails it on every rank) and rank zero's timings and losses broadcast to all, so every rank decides alike.
 
-When to probe, and what to keep, is decided by the pure rules of `lightning_speedkit.decisions`.
+When to probe, and what to keep, is decided by the pure rules of `lightning_speedkit.decisions`. Every lever's life
+cycle (its decision, checkpoint, resume rule, logging and report) is `Lever`, its record `Decision`.
 """
 
-from lightning_speedkit.trials.measure import (
-    PROBE_ROUNDS,
-    RemembersDecision,
-    decision_summary,
-    log_decision,
-    measure,
-    steps_left,
-)
+from lightning_speedkit.trials.lever import SOURCES, Decision, Lever
+from lightning_speedkit.trials.measure import PROBE_ROUNDS, measure, probe_cost, steps_left
 from lightning_speedkit.trials.session import TrialSession
 from lightning_speedkit.trials.settings import AsIs, BatchSize, Setting, TrialResult, loss_of
 
 __all__ = [
     "PROBE_ROUNDS",
+    "SOURCES",
     "AsIs",
     "BatchSize",
-    "RemembersDecision",
+    "Decision",
+    "Lever",
     "Setting",
     "TrialResult",
     "TrialSession",
-    "decision_summary",
-    "log_decision",
     "loss_of",
     "measure",
+    "probe_cost",
     "steps_left",
 ]

@@ -197,6 +197,15 @@ class TrialSession:
         for generator, state in self._saved["generators"].values():
             generator.set_state(state)
 
+    def require_steps(self, argument: str) -> None:
+        """Raise a ``ValueError`` naming ``argument`` when the train loader has fewer batches than a trial's steps."""
+        batches = self.batches_per_epoch()
+        if batches is not None and batches < self.steps:
+            raise ValueError(
+                f"`{argument}` must not be longer than the train loader: got {self.steps}, the loader has {batches}"
+                " batches per epoch."
+            )
+
     def batches_per_epoch(self) -> int | None:
         """Training batches per epoch on this rank with the loaders as set now (None for iterable datasets)."""
         return self._loader_length(lambda dataloader: dataloader)

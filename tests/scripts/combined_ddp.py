@@ -93,7 +93,7 @@ def find(trainer: L.Trainer, kind: type[Callback]) -> Any:
 
 def decisions(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
     """What every rank must agree on: batch size, data settings, pruning, warmup schedule, shapes, weights."""
-    decision = dict(find(trainer, BatchSizeFinder).decision or {})
+    decision = find(trainer, BatchSizeFinder).report()
     return {
         "batch_size": module.batch_size,
         "finder": {k: decision.get(k) for k in ("batch_size", "accumulate_grad_batches", "lr_scale", "global_batch")},

@@ -1,0 +1,288 @@
+"""The lever contract, written once: `Decision` (what a lever decided, and why) and `Lever` (its life cycle).
+
+A speed lever (ChannelsLast, PrecisionTuner, DataLoaderTuner, BatchSizeFinder, LRFinder, Compile) fills in what is
+particular to it and inherits the rest:
+
+- ``AREA`` (its metric namespace, ``speedkit/<AREA>/...``) and ``MAX_GAIN`` (the payback rule's best case);
+- `Lever.plan`: the setting in place and the settings to try, or a `Decision` saying why there is nothing to
+  measure (the default `Lever.decide` measures them with `lightning_speedkit.trials.measure`);
+- `Lever.apply`: put a decision in place (on a resume too, from the checkpoint's decision);
+- `Lever.decide` itself only when it decides otherwise (a search, a range test, a compile's payback).
+
+The base gives each lever the same life cycle: a ``state_key`` from its constructor arguments (two instances coexist
+in one checkpoint), the decision in ``state_dict`` (checked before any restore: `lightning_speedkit.restore`), one
+resume rule (a checkpoint's decision is applied without probing; a resumed fit whose checkpoint holds none keeps the
+setting in place and says so), one order at fit start (decide -> log -> apply) and one `report`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import Self, override
+
+from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_speedkit.trials.settings import Setting
+
+__all__ = ["DECISION_SPEC", "SOURCES", "Decision", "Lever"]
+
+DECISION_SPEC: StateSpec = {
+    "decision": str,
+    "reason": str,
+    "probed": bool,
+    "probe_s": float,
+    "step_s": dict,
+    "rejected": dict,
+    "source": str,
+    "steps_left": (float, None),
+    "trials": ListOf(dict),
+}
+"""What a saved `Decision` holds (its fields, and the ones `measure` adds), checked before a checkpoint is restored."""
+
+SOURCES = ("measured", "remembered", "resumed", "skipped")
+"""Where a decision came from: measured now, remembered from an earlier run, resumed from a checkpoint, or skipped
+(nothing was measured: the probe could not pay back, there was nothing to try, or it was not asked for)."""
+
+
+@dataclass
+class Decision:
+    """What a lever decided, and why, as one record for reports, logs and checkpoints.
+
+    Attributes:
+        decision: The name of the setting in use (``"channels_last"``, ``"bf16-mixed"``, ``"64"``, ``"x2"``...).
+        reason: One line: why this setting (or why nothing was measured).
+        probed: Whether real steps were timed for it.
+        probe_s: Seconds the probe took (0.0 without one).
+        step_s: Median seconds per training step by setting (None for a setting that failed or was rejected).
+        rejected: Setting -> why it was rejected (a non-finite or worse loss, an out-of-memory error...).
+        source: One of `SOURCES`.
+        extra: The lever's own fields (``trials``, ``steps_left``, ``chosen``, ``scale``, ``curve``...).
+
+    Example:
+        >>> d = Decision("channels_last", "25.0% faster", probed=True, probe_s=0.4, step_s={"default": 0.02})
+        >>> Decision.from_dict(d.as_dict()) == d
+        True
+        >>> d.as_dict()["source"], d.summary()["step_ms"]
+        ('measured', {'default': 20.0})
+    """
+
+    decision: str
+    reason: str
+    probed: bool = False
+    probe_s: float = 0.0
+    step_s: dict[str, float | None] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    source: str = "measured"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("decision", "reason", "probed", "probe_s", "step_s", "rejected", "source")
+
+    @classmethod
+    def skipped(cls, decision: str, reason: str, **extra: Any) -> Decision:
+        """Nothing measured: ``decision`` stays in place, for ``reason``."""
+        return cls(decision, reason, source="skipped", extra=extra)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict: the fields, then the lever's own ones (for checkpoints and JSON reports)."""
+        fields = {name: getattr(self, name) for name in self.FIELDS}
+        return {**fields, "step_s": dict(self.step_s), "rejected": dict(self.rejected), **self.extra}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> Decision:
+        """The record `as_dict` wrote (keys it does not know go to ``extra``).
+
+        Raises:
+            ValueError: If a field has the wrong type, naming it.
+        """
+        kinds: dict[str, tuple[type, ...]] = {
+            "decision": (str,),
+            "reason": (str,),
+            "probed": (bool,),
+            "probe_s": (int, float),
+            "step_s": (dict,),
+            "rejected": (dict,),
+            "source": (str,),
+        }
+        for name, kind in kinds.items():
+            item = value.get(name, "" if name in ("decision", "reason") else None)
+            if item is not None and (not isinstance(item, kind) or (kind != (bool,) and isinstance(item, bool))):
+                raise ValueError(f"a decision's `{name}` must be {kind[0].__name__}, got {item!r}.")
+        source = value.get("source", "measured")
+        if source not in SOURCES:
+            raise ValueError(f"a decision's `source` must be one of {', '.join(SOURCES)}, got {source!r}.")
+        return cls(
+            decision=str(value.get("decision", "")),
+            reason=str(value.get("reason", "")),
+            probed=bool(value.get("probed", False)),
+            probe_s=float(value.get("probe_s") or 0.0),
+            step_s=dict(value.get("step_s") or {}),
+            rejected=dict(value.get("rejected") or {}),
+            source=source,
+            extra={k: v for k, v in value.items() if k not in cls.FIELDS},
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The record for a ``report()``: step times in milliseconds (``step_ms``) instead of seconds."""
+        out = {k: v for k, v in self.as_dict().items() if k != "step_s"}
+        if self.step_s:
+            out["step_ms"] = {k: None if v is None else 1e3 * v for k, v in self.step_s.items()}
+        return out
+
+
+class Lever(Callback):
+    """The life cycle every speed lever shares; a lever fills in `plan` and `apply` (and `decide` if it must).
+
+    At ``on_fit_start``, in this order: a decision from a checkpoint is taken as it is (no probe); a resumed fit
+    whose checkpoint holds none keeps the setting in place (its steps left and optimizer state belong to the run as it
+    was); otherwise `decide`. A new decision is logged (``speedkit/<AREA>/<setting>_step_ms``,
+    ``speedkit/<AREA>/probe_s``), then `apply` puts it in place on every rank. The decision is the lever's state.
+    """
+
+    AREA: ClassVar[str] = ""
+    """The metric namespace: ``speedkit/<AREA>/...``."""
+
+    MAX_GAIN: ClassVar[float] = 0.5
+    """The most this lever is taken to save of a step, for the payback rule (`lightning_speedkit.decisions`)."""
+
+    WARMUP: ClassVar[int] = 1
+    """Leading steps of each trial left out of its median step time."""
+
+    LEGACY_STATE_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Keys earlier versions saved the decision under (read, never written)."""
+
+    EXTRA_SPEC: ClassVar[StateSpec] = {}
+    """What the lever's own fields of a saved decision may be (beside `DECISION_SPEC`)."""
+
+    probe_steps: int
+    margin: float
+    loss_tolerance: float | None = None
+    """With a value, a candidate whose trial losses are non-finite or this much worse is rejected."""
+    _arguments: dict[str, Any]
+    _decision: Decision | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Record the constructor's arguments, for `state_key` (every lever's arguments have defaults)."""
+        lever = super().__new__(cls)
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        lever._arguments = dict(list(bound.arguments.items())[1:])
+        lever._decision = None
+        return lever
+
+    @property
+    def state_spec(self) -> StateSpec:
+        """What a checkpoint may hold for this lever: its decision (`DECISION_SPEC` and `EXTRA_SPEC`), or None."""
+        return dict.fromkeys(("decision", *self.LEGACY_STATE_KEYS), (None, {**DECISION_SPEC, **self.EXTRA_SPEC}))
+
+    @property
+    @override
+    def state_key(self) -> str:
+        shown = {name: value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+                 for name, value in self._arguments.items()}  # fmt: skip
+        return self._generate_state_key(**shown)
+
+    @property
+    def decision(self) -> Decision | None:
+        """The decision in use (None before fit start)."""
+        return self._decision
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._decision is None:
+            self._decision = self.decide(trainer, pl_module)
+            self._log(trainer, self._decision)
+        self.apply(trainer, pl_module, self._decision)
+        rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
+
+    def plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
+        """The setting in place and the settings to try, or the decision to keep when there is nothing to measure."""
+        raise NotImplementedError
+
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+        """Measure the candidates of `plan` against the setting in place (`lightning_speedkit.trials.measure`)."""
+        from lightning_speedkit.trials.measure import measure
+
+        plan = self.plan(trainer, pl_module)
+        if isinstance(plan, Decision):
+            return plan
+        current, others = plan
+        resumed = self.resumed_without_decision(trainer)
+        if resumed:
+            return Decision.skipped(current.name, resumed)
+        if not others:
+            return Decision.skipped(current.name, f"nothing to try: {current.name} is the only setting")
+        return measure(
+            trainer,
+            current,
+            others,
+            self.probe_steps,
+            self.margin,
+            self.MAX_GAIN,
+            warmup=min(self.WARMUP, self.probe_steps - 1),
+            loss_tolerance=self.loss_tolerance,
+        )
+
+    def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> None:
+        """Put ``decision`` in place (also on a resume, where ``decision.source`` is ``"resumed"``)."""
+        raise NotImplementedError
+
+    def resumed_without_decision(self, trainer: pl.Trainer) -> str:
+        """The one resume rule: a resumed fit whose checkpoint holds no decision of this lever is not probed."""
+        if trainer.ckpt_path is None:
+            return ""
+        return (
+            f"skipped: resumed from a checkpoint without a {type(self).__name__} decision (the run it continues"
+            " did not have one); the setting in place is kept"
+        )
+
+    def report(self) -> dict[str, Any]:
+        """The decision as a plain dict (`Decision.summary`), with the lever's own `status` first; {} before one."""
+        return {**self.status(), **(self._decision.summary() if self._decision is not None else {})}
+
+    def status(self) -> dict[str, Any]:
+        """What the lever reports beside its decision (e.g. how many tensors it converted)."""
+        return {}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": None if self._decision is None else self._decision.as_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = next((state_dict[k] for k in ("decision", *self.LEGACY_STATE_KEYS) if state_dict.get(k)), None)
+        if saved:
+            resumed = Decision.from_dict(saved)
+            resumed.source = "resumed"
+            self._decision = resumed
+
+    def _describe(self, decision: Decision) -> str:
+        return decision.reason if decision.source != "resumed" else f"resumed from the checkpoint: {decision.reason}"
+
+    def metrics(self, decision: Decision) -> dict[str, float]:
+        """What a new decision logs: when measured, ``speedkit/<AREA>/<setting>_step_ms`` and ``.../probe_s``."""
+        if not decision.probed:
+            return {}
+        metrics = {f"speedkit/{self.AREA}/{name}_step_ms": 1e3 * s for name, s in decision.step_s.items() if s}
+        metrics[f"speedkit/{self.AREA}/probe_s"] = float(decision.probe_s)
+        return metrics
+
+    def _log(self, trainer: pl.Trainer, decision: Decision) -> None:
+        """Log a new decision's `metrics` on rank zero (through the Trainer's loggers)."""
+        metrics = {k: v for k, v in self.metrics(decision).items() if math.isfinite(v)}
+        if metrics:
+            log_rank_zero(trainer, metrics)
