@@ -1,6 +1,6 @@
 """Three of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
 
-``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
+``speedkit demo``'s speedkit side (``preset(lr=True)`` on the embedded workload, the same config and budget) is run
 six ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
 
 - ``library``: as every user gets it.
@@ -50,7 +50,7 @@ from lightning_speedkit.report import write_json_atomic
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
 WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
-GIVEN = {"precision": "bf16-mixed", "lr": None, "tune_data": False}
+GIVEN = {"precision": "bf16-mixed", "lr": False, "tune_data": False}
 """``no_probes``' preset options: the precision and the loader as the library chose them here, and no LR finder."""
 
 

@@ -6,6 +6,7 @@ Users write ``import lightning_speedkit as speedkit``.
 from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.batch_size import BatchSizeFinder
+from lightning_speedkit.callback_table import default_callbacks
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
@@ -15,7 +16,7 @@ from lightning_speedkit.lr_finder import LRFinder
 from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.precision import PrecisionTuner
-from lightning_speedkit.preset import default_callbacks, preset
+from lightning_speedkit.preset import preset
 from lightning_speedkit.pruning import StructuredPruning, load_pruned_checkpoint
 from lightning_speedkit.warmup import WarmupScheduler
 

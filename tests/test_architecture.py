@@ -21,7 +21,7 @@ CONCERNS = {
     "batch_size", "bench", "compile", "dataloader", "doctor", "guard", "int8", "lr_finder", "memory_format",
     "monitor", "precision", "pruning", "warmup",
 }  # fmt: skip
-ASSEMBLY = {"loggers", "preset"}
+ASSEMBLY = {"callback_table", "loggers", "preset"}
 FACES = {"", "__main__", "cli", "demo"}  # "" is the package's __init__
 FLOORS = {**dict.fromkeys(FOUNDATION, 0), **dict.fromkeys(CONCERNS, 1), **dict.fromkeys(ASSEMBLY, 2)}
 FLOORS.update(dict.fromkeys(FACES, 3))

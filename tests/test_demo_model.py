@@ -67,7 +67,7 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
 
 
 def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> None:
-    """Each ablation run differs from the one before by one lever: cache, then ChannelsLast, then preset(lr="auto").
+    """Each ablation run differs from the one before by one lever: cache, then ChannelsLast, then preset(lr=True).
 
     Every run gets the same LR and the same epoch budget: only the library's own choices differ.
     """

@@ -214,7 +214,7 @@ def test_the_example_config_builds_every_speedkit_callback(tmp_path: Path) -> No
     """
     cli = _cli(["--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"], run=False)
     names = [type(c).__name__ for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_speedkit")]
-    everything = speedkit.default_callbacks(batch_size="auto", prune=0.5, export=tmp_path)
+    everything = speedkit.default_callbacks(batch_size=True, prune=0.5, export=tmp_path)
     assert names == [type(c).__name__ for c in everything]
     finder = next(c for c in cli.trainer.callbacks if isinstance(c, speedkit.BatchSizeFinder))
     assert finder.max_val == 128

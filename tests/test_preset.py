@@ -19,9 +19,10 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_speedkit as speedkit
+from lightning_speedkit.callback_table import SLOTS, default_callbacks
 from lightning_speedkit.hardware import CpuInfo, GpuInfo
 from lightning_speedkit.loggers import RunSummary, wandb_is_offline
-from lightning_speedkit.preset import choose, default_callbacks, preset
+from lightning_speedkit.preset import choose, preset
 
 CPU2 = CpuInfo(2, 2, "test CPU", ("avx2", "avx512f", "avx512_bf16"), "AVX512")
 CPU_AMX = CpuInfo(8, 8, "test CPU", ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
@@ -74,22 +75,20 @@ def test_bad_choices_are_refused(kwargs: dict[str, Any], match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("gpus", "precision", "asked", "expected"),
+    ("kwargs", "layout", "tuner"),
     [
-        ([], "auto", "auto", True),  # ChannelsLast times both layouts at fit start
-        ([A100], "auto", "auto", True),
-        ([A100], "32-true", "auto", True),  # fp32 on a GPU: measured too, not assumed either way
-        ([], "auto", False, False),
-        ([A100], "32-true", True, True),
+        ({}, True, True),  # ChannelsLast times both layouts at fit start; PrecisionTuner times the precisions
+        ({"precision": "32-true"}, True, False),  # an asked precision is kept: no tuner
+        ({"channels_last": False}, False, True),
+        ({"channels_last": {"margin": 0.1}, "tune_precision": False}, True, False),
     ],
 )
-def test_channels_last_is_chosen_by_device_and_precision(
-    gpus: list[GpuInfo], precision: str, asked: bool | str, expected: bool
-) -> None:
-    """``channels_last="auto"`` adds the measuring ChannelsLast on every device; an explicit value wins."""
-    choices = choose(CPU2, gpus, precision=precision, channels_last=asked)
-    assert choices["channels_last"] is expected
-    assert choices["reasons"]["channels_last"]
+def test_the_levers_in_the_trainer_follow_the_arguments(kwargs: dict[str, Any], layout: bool, tuner: bool) -> None:
+    """``trainer.speedkit`` says which levers measure at fit start, read from the callbacks preset built."""
+    trainer = preset(logger=False, verbose=False, **kwargs)
+    names = [type(c).__name__ for c in trainer.callbacks]
+    assert trainer.speedkit["channels_last"] is layout is ("ChannelsLast" in names)
+    assert trainer.speedkit["tune_precision"] is tuner is ("PrecisionTuner" in names)
 
 
 WOULD = "as asked (speedkit would choose {})"
@@ -112,12 +111,7 @@ WOULD = "as asked (speedkit would choose {})"
             {"precision": "bf16-mixed", "strategy": "ddp_spawn"},
             {"precision": WOULD.format("'16-mixed'"), "strategy": WOULD.format("'auto'")},
         ),
-        (
-            [],
-            {"precision": 32, "channels_last": False},
-            {"precision": "32-true", "channels_last": False},
-            {"precision": "as asked", "channels_last": WOULD.format(True)},
-        ),
+        ([], {"precision": 32}, {"precision": "32-true"}, {"precision": "as asked"}),
         ([], {}, {}, {"accelerator": "no CUDA GPU: CPU"}),
     ],
 )
@@ -151,14 +145,7 @@ def test_more_gpus_than_exist_is_an_error() -> None:
 
 def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     """Ours come in acting order; the batch-size finder, pruning and export only when asked for."""
-    everything = {
-        "batch_size": "auto",
-        "prune": 0.5,
-        "export": tmp_path,
-        "precision": True,
-        "lr_finder": True,
-        "compile": True,
-    }
+    everything = {"batch_size": True, "prune": 0.5, "export": tmp_path, "lr": True, "compile": True}
     names = [type(c).__name__ for c in default_callbacks(**everything)]
     assert names == [
         "ChannelsLast",
@@ -173,8 +160,25 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
         "StructuredPruning",
         "Int8Export",
     ]
-    off = {"warmup": False, "monitor": False, "tune_data": False, "channels_last": False, "guard": False}
+    off = dict.fromkeys(("warmup", "monitor", "tune_data", "channels_last", "tune_precision", "guard"), False)
     assert [type(c).__name__ for c in default_callbacks(**off)] == []
+
+
+@pytest.mark.parametrize("argument", [slot.argument for slot in SLOTS])
+def test_every_slot_takes_false_true_a_dict_or_an_instance(argument: str, tmp_path: Path) -> None:
+    """One argument form for every slot: False leaves it out, True and a dict build it, an instance is used as is."""
+    slot = next(s for s in SLOTS if s.argument == argument)
+    cls = slot.load()
+    arguments: dict[str, Any] = {"prune": {"amount": 0.5}, "export": {"dirpath": tmp_path}}.get(argument, {})
+    assert all(not isinstance(c, cls) for c in default_callbacks(**{argument: False}))
+    if not arguments:
+        assert sum(isinstance(c, cls) for c in default_callbacks(**{argument: True})) == 1
+    built = [c for c in default_callbacks(**{argument: arguments}) if isinstance(c, cls)]
+    assert len(built) == 1
+    mine = cls(**arguments)
+    assert [c for c in default_callbacks(**{argument: mine}) if isinstance(c, cls)] == [mine]
+    with pytest.raises(ValueError, match=rf"`{argument}` must be False \(leave it out\), True .* got b'yes'"):
+        default_callbacks(**{argument: b"yes"})  # bytes: not even the export's directory
 
 
 def test_user_callback_replaces_ours_of_the_same_type() -> None:
@@ -188,7 +192,12 @@ def test_user_callback_replaces_ours_of_the_same_type() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"prune": 2.0}, "`prune`"), ({"batch_size": 64}, "`batch_size`"), ({"export": 3}, "`export`")],
+    [
+        ({"prune": 2.0}, "`prune`"),
+        ({"batch_size": 64}, "`batch_size`"),
+        ({"export": 3}, "`export`"),
+        ({"lrs": True}, "`lrs` is not a speedkit callback slot"),
+    ],
 )
 def test_default_callbacks_refuse_bad_input(kwargs: dict[str, Any], match: str) -> None:
     """Malformed optional parts are refused with the argument's name."""
@@ -207,7 +216,8 @@ def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     expected = {"DataLoaderTuner", "ChannelsLast", "PrecisionTuner", "WarmupScheduler", "UtilizationMonitor"}
     assert expected | {"RunSummary"} <= set(names)
     assert "precision" in trainer.speedkit.summary()
-    assert "channels_last" in trainer.speedkit.summary()
+    assert trainer.speedkit["channels_last"] is True
+    assert trainer.speedkit.decisions() == {}  # nothing measured before fit
 
 
 def test_preset_two_cpu_devices_gives_ddp(tmp_path: Path) -> None:
@@ -246,7 +256,7 @@ def test_preset_gpu_without_cuda_is_a_clear_error(tmp_path: Path, accelerator: s
         ({"precision": "fp8"}, r"`precision` must be one of .*got 'fp8'"),
         ({"precision": "32-true", "plugins": [MixedPrecision("bf16-mixed", "cpu")]},
          r"`precision`='32-true' and a MixedPrecision in `plugins`"),
-        ({"warmup": "yes"}, r"`warmup` must be True, False or a dict of arguments, got 'yes'"),
+        ({"warmup": "yes"}, r"`warmup` must be False \(leave it out\), True \(its defaults\), .* got 'yes'"),
         ({"monitor": 3}, r"`monitor`"),
         ({"tune_data": None}, r"`tune_data`"),
     ],
@@ -389,22 +399,24 @@ def test_wandb_offline_run_receives_speedkit_keys(tmp_path: Path) -> None:
     assert {"UtilizationMonitor", "DataLoaderTuner"} <= set(summary)
 
 
-def test_lr_auto_adds_the_lr_finder_and_guard_false_removes_the_guard(tmp_path: Path) -> None:
-    """``lr="auto"`` adds an LRFinder (the default keeps the user's LR); the guard is on unless ``guard=False``."""
+def test_lr_true_adds_the_lr_finder_and_guard_false_removes_the_guard(tmp_path: Path) -> None:
+    """``lr=True`` adds an LRFinder (the default keeps the user's LR); the guard is on unless ``guard=False``."""
     names = lambda trainer: [type(c).__name__ for c in trainer.callbacks]  # noqa: E731
     default = preset(logger=False, verbose=False, default_root_dir=tmp_path)
     assert "LRFinder" not in names(default)
     assert "TrainingGuard" in names(default)
-    tuned = preset(logger=False, verbose=False, default_root_dir=tmp_path, lr="auto", guard={"backoff": 0.25})
+    tuned = preset(logger=False, verbose=False, default_root_dir=tmp_path, lr=True, guard={"backoff": 0.25})
     assert "LRFinder" in names(tuned)
     guard = next(c for c in tuned.callbacks if isinstance(c, speedkit.TrainingGuard))
     assert guard.backoff == 0.25
     assert "TrainingGuard" not in names(preset(logger=False, verbose=False, guard=False))
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"lr": 1e-3}, "`lr`"), ({"guard": "yes"}, "`guard`")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"lr": 1e-3}, "`lr`"), ({"lr": "auto"}, "`lr`"), ({"guard": "yes"}, "`guard`")]
+)
 def test_preset_refuses_a_bad_lr_or_guard(kwargs: dict[str, Any], match: str) -> None:
-    """``lr`` takes None or 'auto'; ``guard`` takes a bool or a dict: anything else names the argument."""
+    """``lr`` and ``guard`` take False, True, a dict or an instance: anything else names the argument and the forms."""
     with pytest.raises(ValueError, match=match):
         preset(logger=False, verbose=False, **kwargs)
 

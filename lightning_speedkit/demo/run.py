@@ -38,13 +38,13 @@ __all__ = [
 
 VARIANTS = ("baseline", "speedkit")
 """``baseline``: the naive setup (plain Trainer, decode per sample, no workers, fp32, AdamW at a constant LR).
-``speedkit``: the same model, seed, data, LR and epoch budget through ``preset(lr="auto")`` with the library's
+``speedkit``: the same model, seed, data, LR and epoch budget through ``preset(lr=True)`` with the library's
 defaults on a packed cache: what a user writes for any model. Nothing in it is tuned for this workload."""
 
 ABLATION = ("baseline", "cache", "channels_last", "speedkit")
 """For ``speedkit demo --ablation``: each run adds one lever to the run before it. ``cache``: the packed cache of
 decoded images; ``channels_last``: plus `~lightning_speedkit.ChannelsLast`; ``speedkit``: plus the rest of
-``preset(lr="auto")``."""
+``preset(lr=True)``."""
 
 _LEVERS = {
     "baseline": frozenset(),
@@ -62,7 +62,7 @@ class DemoConfig:
     """Sizes and settings of one demo run; both variants get all of them, the epoch budget included.
 
     The baseline is the naive setup: batch 32, no workers, fp32, AdamW at a constant ``lr``. Speedkit's run is
-    ``preset(lr="auto")`` on the same model, data, ``lr`` and ``max_epochs``: the library chooses the rest. Both stop
+    ``preset(lr=True)`` on the same model, data, ``lr`` and ``max_epochs``: the library chooses the rest. Both stop
     when ``val_acc`` reaches ``target_acc``. The default budget of 8 epochs lets the baseline reach the target on
     every seed 0-4 (it needs 4-6).
 
@@ -203,7 +203,7 @@ def train_variant(
     }
     monitor = UtilizationMonitor(window=50)
     if use_preset:
-        options: dict[str, Any] = {"devices": 1, "logger": False, "verbose": progress, "lr": "auto", **common}
+        options: dict[str, Any] = {"devices": 1, "logger": False, "verbose": progress, "lr": True, **common}
         trainer = preset(callbacks=[*callbacks, monitor, timeline, stop], **{**options, **(preset_options or {})})
     else:
         extra = [ChannelsLast()] if "channels_last" in levers else []

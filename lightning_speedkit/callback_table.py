@@ -1,0 +1,161 @@
+"""The one table of speedkit's callbacks, in acting order, and `default_callbacks`, which builds from it.
+
+Every slot takes one argument form: ``False`` (leave it out), ``True`` (the callback with its defaults), a dict (its
+arguments) or an instance (yours, used as it is). `preset` and `default_callbacks` both build from `SLOTS`; a lever
+added to the pack is one row here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_speedkit.batch_size import BatchSizeFinder
+from lightning_speedkit.compile import Compile
+from lightning_speedkit.dataloader import DataLoaderTuner
+from lightning_speedkit.guard import TrainingGuard
+from lightning_speedkit.lr_finder import LRFinder
+from lightning_speedkit.memory_format import ChannelsLast
+from lightning_speedkit.monitor import UtilizationMonitor
+from lightning_speedkit.precision import PrecisionTuner
+from lightning_speedkit.pruning import StructuredPruning
+from lightning_speedkit.warmup import WarmupScheduler
+
+__all__ = ["FORMS", "SLOTS", "Slot", "build_slot", "default_callbacks"]
+
+FORMS = "False (leave it out), True (its defaults), a dict of its arguments or an instance"
+"""The argument form every slot takes, as error messages name it."""
+
+
+def _int8_export() -> type[Callback]:
+    from lightning_speedkit.int8 import Int8Export  # needs the `export` extra only when used
+
+    return Int8Export
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One row of the table: the argument that fills it, the callback class, and whether it is in by default.
+
+    Args:
+        argument: The keyword of `preset` and `default_callbacks`.
+        load: Returns the callback class (imported when first needed).
+        default: The argument's default.
+        lever: Whether the callback decides a speed setting by measurement (a `lightning_speedkit.trials.Lever`).
+        shorthand: A value form of its own beside the common ones (pruning's amount, the export's directory), as
+            ``(what it is, value -> dict of arguments or None when it is not that form)``.
+    """
+
+    argument: str
+    load: Callable[[], type[Callback]]
+    default: Any
+    lever: bool = False
+    shorthand: tuple[str, Callable[[Any], dict[str, Any] | None]] | None = None
+
+
+def _amount(value: Any) -> dict[str, Any] | None:
+    return {"amount": value} if isinstance(value, float) and 0.0 < value < 1.0 else None
+
+
+def _directory(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return {"dirpath": Path(value)}
+    return None
+
+
+SLOTS: tuple[Slot, ...] = (
+    Slot("channels_last", lambda: ChannelsLast, True, lever=True),
+    Slot("tune_precision", lambda: PrecisionTuner, True, lever=True),
+    Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
+    Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
+    Slot("lr", lambda: LRFinder, False, lever=True),
+    Slot("compile", lambda: Compile, False, lever=True),
+    Slot("warmup", lambda: WarmupScheduler, True),
+    Slot("guard", lambda: TrainingGuard, True),
+    Slot("monitor", lambda: UtilizationMonitor, True),
+    Slot("prune", lambda: StructuredPruning, False, shorthand=("a channel amount in (0, 1)", _amount)),
+    Slot("export", _int8_export, False, shorthand=("a directory for the INT8 model", _directory)),
+)
+"""speedkit's callbacks in acting order. The compute levers are decided first, so the loader is tuned against the
+step the run will really take (workers compete with it for cores); the LR is found for the batch size the run will
+use; the warmup ramps to the LR found; pruning and the export act last."""
+
+
+def build_slot(slot: Slot, value: Any) -> Callback | None:
+    """The callback ``value`` asks for in ``slot`` (None for ``False``), or a ValueError naming the argument.
+
+    Example:
+        >>> guard = next(s for s in SLOTS if s.argument == "guard")
+        >>> build_slot(guard, {"backoff": 0.25}).backoff, build_slot(guard, False)
+        (0.25, None)
+        >>> build_slot(guard, "on")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `guard` must be False (leave it out), True (its defaults), ... of TrainingGuard, got 'on'.
+    """
+    if value is False or (value is None and slot.shorthand is not None):
+        return None
+    cls = slot.load()
+    if value is True:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return cls(**value)
+    if slot.shorthand is not None:
+        arguments = slot.shorthand[1](value)
+        if arguments is not None:
+            return cls(**arguments)
+    forms = FORMS + f" of {cls.__name__}"
+    if slot.shorthand is not None:
+        forms = f"{forms}, or {slot.shorthand[0]}"
+    raise ValueError(f"`{slot.argument}` must be {forms}, got {value!r}.")
+
+
+def default_callbacks(callbacks: Sequence[Callback] | None = None, **slots: Any) -> list[Callback]:
+    """The callbacks of `SLOTS` in acting order, with the user's own merged in.
+
+    Every slot takes ``False``, ``True``, a dict of the callback's arguments or an instance; ``prune`` also takes a
+    channel amount in (0, 1) and ``export`` a directory. Defaults: ChannelsLast, PrecisionTuner, DataLoaderTuner,
+    WarmupScheduler, TrainingGuard and UtilizationMonitor in; BatchSizeFinder (``batch_size``), LRFinder (``lr``),
+    Compile (``compile``), StructuredPruning (``prune``) and Int8Export (``export``) out. A callback in
+    ``callbacks`` of the same type as one of ours *replaces* ours in its slot (never a duplicate); the user's other
+    callbacks follow ours.
+
+    Args:
+        callbacks: The user's callbacks.
+        **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``tune_data``, ``batch_size``,
+            ``lr``, ``compile``, ``warmup``, ``guard``, ``monitor``, ``prune``, ``export``.
+
+    Raises:
+        ValueError: For an unknown slot, or a value in a form the slot does not take (naming the argument and the
+            forms), or a ``callbacks`` that is not a list of Callbacks.
+
+    Example:
+        >>> [type(c).__name__ for c in default_callbacks()]  # doctest: +NORMALIZE_WHITESPACE
+        ['ChannelsLast', 'PrecisionTuner', 'DataLoaderTuner', 'WarmupScheduler', 'TrainingGuard',
+         'UtilizationMonitor']
+        >>> mine = WarmupScheduler(warmup=10)
+        >>> default_callbacks(callbacks=[mine], tune_precision=False)[2] is mine
+        True
+    """
+    known = {slot.argument for slot in SLOTS}
+    unknown = sorted(set(slots) - known)
+    if unknown:
+        raise ValueError(f"`{unknown[0]}` is not a speedkit callback slot; the slots are {', '.join(sorted(known))}.")
+    if callbacks is not None and (
+        not isinstance(callbacks, (list, tuple)) or any(not isinstance(c, Callback) for c in callbacks)
+    ):
+        raise ValueError(f"`callbacks` must be a list of lightning Callbacks, got {callbacks!r}.")
+    ours = [build_slot(slot, slots.get(slot.argument, slot.default)) for slot in SLOTS]
+    user = list(callbacks or ())
+    merged = []
+    for callback in (c for c in ours if c is not None):
+        replacement = next((c for c in user if isinstance(c, type(callback))), None)
+        merged.append(replacement if replacement is not None else callback)
+    return merged + [c for c in user if not any(c is m for m in merged)]
