@@ -49,8 +49,8 @@ test: lint typecheck pytest
 # The hardware-sensitive tests again as an AVX2-only CPU (no AVX-512, no bf16, no VNNI) would run them: torch's kernel
 # dispatch and oneDNN are forced down to AVX2 and speedkit's hardware facts follow (hardware.forced_isa). On an
 # AVX-512 machine this catches what an AVX2 user would hit. DDP tests are left out: the ISA does not change them.
-HW_TESTS := tests/test_hardware.py tests/test_doctor.py tests/test_machine.py tests/test_precision.py \
-	tests/test_layout.py tests/test_memory_format.py tests/test_preset.py tests/test_demo_model.py \
+HW_TESTS := tests/test_hardware.py tests/test_doctor.py tests/test_recommend.py tests/test_precision.py \
+	tests/test_layout.py tests/test_channels_last.py tests/test_preset.py tests/test_demo_model.py \
 	tests/test_int8.py tests/test_int8_multi_input.py tests/test_monitor.py
 test-avx2: install
 	@ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory pytest \

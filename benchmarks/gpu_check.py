@@ -65,10 +65,10 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_speedkit.batch_size import BatchSizeFinder
+from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
 from lightning_speedkit.hardware import nvml_status
-from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor, measure_flops, tf32_allowed, training_peak_flops
 from lightning_speedkit.oom import MemoryLimit, is_oom_error
 from lightning_speedkit.precision import PrecisionTuner

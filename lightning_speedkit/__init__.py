@@ -7,13 +7,13 @@ from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.callback_table import default_callbacks
+from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.int8 import Int8Export, export_int8
 from lightning_speedkit.loggers import RunSummary
 from lightning_speedkit.lr_finder import LRFinder
-from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.precision import PrecisionTuner
 from lightning_speedkit.preset import preset

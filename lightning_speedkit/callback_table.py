@@ -16,11 +16,11 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from lightning_speedkit.batch_size import BatchSizeFinder
+from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.lr_finder import LRFinder
-from lightning_speedkit.memory_format import ChannelsLast
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.precision import PrecisionTuner
 from lightning_speedkit.pruning import StructuredPruning

@@ -2,7 +2,7 @@
 
 The report is a plain JSON-serialisable dict (:func:`collect`); :func:`format_text` prints it for people and
 :func:`main` is what the ``speedkit doctor [--json]`` command runs. The recommendation is
-`lightning_speedkit.machine.recommend` for every GPU torch sees (or one CPU process), the rules `preset` uses.
+`lightning_speedkit.recommend.recommend` for every GPU torch sees (or one CPU process), the rules `preset` uses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.hardware import CPU_FLAGS, cpu_info, gpu_infos, nvml_status
-from lightning_speedkit.machine import recommend
+from lightning_speedkit.recommend import recommend
 
 __all__ = ["collect", "format_text", "main"]
 

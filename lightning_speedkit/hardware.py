@@ -3,7 +3,7 @@
 This is the one seam between speedkit and the hardware's facts. Everything here reads facts and never raises on a
 machine that lacks a GPU, NVML or ``/proc/cpuinfo``; callers receive plain frozen dataclasses. What the devices are
 doing right now (utilisation, memory, power) is read by `lightning_speedkit.sampling`; what speedkit decides from
-these facts is in `lightning_speedkit.machine`.
+these facts is in `lightning_speedkit.recommend`.
 """
 
 from __future__ import annotations

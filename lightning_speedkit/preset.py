@@ -17,7 +17,7 @@ from lightning_speedkit.callback_table import SLOTS, default_callbacks
 from lightning_speedkit.checks import check_bool
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary, choose_logger
-from lightning_speedkit.machine import placement, recommend, unified_precision
+from lightning_speedkit.recommend import placement, recommend, unified_precision
 from lightning_speedkit.trials import Lever
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def choose(
 ) -> PresetChoices:
     """Decide accelerator, devices, the starting precision and the strategy from hardware facts (no Trainer built).
 
-    The hardware decisions are `lightning_speedkit.machine`'s; an argument other than ``"auto"`` is used as it is,
+    The hardware decisions are `lightning_speedkit.recommend`'s; an argument other than ``"auto"`` is used as it is,
     recorded in ``overridden`` with the reason ``"as asked"`` (naming speedkit's choice where it differs). What the
     facts cannot decide is measured at fit start: ``precision="auto"`` sets ``tune_precision`` for `PrecisionTuner`.
 
@@ -158,7 +158,7 @@ def preset(
       ``"gpu"`` or ``"cuda"``. On CPU ``devices=N`` runs N processes (at most one per core).
     - Precision: ``precision="auto"`` starts in ``"16-mixed"`` on CUDA and ``"32-true"`` on CPU, and a `PrecisionTuner`
       times the other autocast precisions the hardware supports on real steps at fit start, keeping the fastest.
-    - Strategy (`lightning_speedkit.machine.strategy_choice`): ``devices * num_nodes > 1`` gives DDP (`DDPStrategy`
+    - Strategy (`lightning_speedkit.recommend.strategy_choice`): ``devices * num_nodes > 1`` gives DDP (`DDPStrategy`
       with ``gradient_as_bucket_view=True``; gloo on CPU, NCCL on GPU). Multi-node runs take their ranks from
       Lightning's cluster environments: launch with ``torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d
       --rdzv-endpoint=HOST:PORT train.py`` or ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)``.

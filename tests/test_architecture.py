@@ -14,11 +14,11 @@ MAX_LINES = 400
 # The floors of docs/ARCHITECTURE.md, lowest first. A module imports only its own floor's shared modules or lower
 # floors; a concern never imports another concern (the foundation holds what two concerns share).
 FOUNDATION = {
-    "__about__", "batch", "checks", "data", "decisions", "hardware", "layout", "lr", "machine", "oom", "report",
+    "__about__", "batch", "checks", "data", "decisions", "hardware", "layout", "lr", "oom", "recommend", "report",
     "restore", "sampling", "timing", "trials",
 }  # fmt: skip
 CONCERNS = {
-    "batch_size", "bench", "compile", "dataloader", "doctor", "guard", "int8", "lr_finder", "memory_format",
+    "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "guard", "int8", "lr_finder",
     "monitor", "precision", "pruning", "warmup",
 }  # fmt: skip
 ASSEMBLY = {"callback_table", "loggers", "preset"}

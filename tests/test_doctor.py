@@ -1,4 +1,4 @@
-"""Tests of ``speedkit doctor``: the report, its text and JSON; the recommendation is tested in test_machine.py."""
+"""Tests of ``speedkit doctor``: the report, its text and JSON; the recommendation is tested in test_recommend.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from lightning_speedkit import doctor
 from lightning_speedkit.hardware import GpuInfo, cpu_info, gpu_infos
-from lightning_speedkit.machine import recommend
+from lightning_speedkit.recommend import recommend
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
@@ -63,5 +63,5 @@ def test_format_text_lists_each_gpu() -> None:
 
 
 def test_recommendation_is_the_machines_rules_for_every_gpu() -> None:
-    """Doctor recommends what `lightning_speedkit.machine.recommend` decides for every GPU torch sees (or one CPU)."""
+    """Doctor recommends what `lightning_speedkit.recommend.recommend` decides for every GPU torch sees (or one CPU)."""
     assert doctor.collect()["recommendation"] == recommend(cpu_info(), gpu_infos())

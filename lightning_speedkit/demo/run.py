@@ -166,7 +166,7 @@ def train_variant(
     """
     if variant not in ABLATION:
         raise ValueError(f"`variant` must be one of {', '.join(ABLATION)}, got {variant!r}.")
-    from lightning_speedkit.memory_format import ChannelsLast
+    from lightning_speedkit.channels_last import ChannelsLast
     from lightning_speedkit.monitor import UtilizationMonitor
     from lightning_speedkit.preset import preset
 

@@ -1,4 +1,4 @@
-"""Tests of ``lightning_speedkit.machine``: the hardware decisions `preset` and ``speedkit doctor`` share."""
+"""Tests of ``lightning_speedkit.recommend``: the hardware decisions `preset` and ``speedkit doctor`` share."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 
 from lightning_speedkit.hardware import CpuInfo, GpuInfo
-from lightning_speedkit.machine import (
+from lightning_speedkit.preset import choose
+from lightning_speedkit.recommend import (
     num_workers_choice,
     placement,
     recommend,
     strategy_choice,
     unified_precision,
 )
-from lightning_speedkit.preset import choose
 
 CPU_2_CORES_AVX512_BF16 = CpuInfo(2, 2, "AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), "AVX512")
 CPU_2_CORES_AVX2 = CpuInfo(2, 2, "Intel Core", ("avx2",), "AVX2")
