@@ -298,3 +298,17 @@ def test_no_import_circle_between_the_pruning_modules() -> None:
         return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
 
     assert [m for m in graph if m != "__init__" and reaches(m, m, set())] == []
+
+
+def test_the_default_monitor_unlogged_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    """A module that logs no ``val_loss`` still prunes under the default `monitor`: one warning, no error."""
+
+    class LogsOther(TinyClassifier):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val/loss", torch.nn.functional.cross_entropy(self(x), y))
+
+    callback = StructuredPruning(amount=0.5, start_epoch=1, round_to=None, latency_batch_sizes=())
+    with pytest.warns(UserWarning, match="`monitor` 'val_loss' was never logged"):
+        tiny_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(LogsOther())
+    assert callback.report()["finished"]

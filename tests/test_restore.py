@@ -24,6 +24,7 @@ def _callbacks() -> list[L.Callback]:
         speedkit.PrecisionTuner(probe_steps=2),
         speedkit.LRFinder(steps=5),
         speedkit.BatchSizeFinder(max_val=16, steps_per_trial=1),
+        speedkit.StructuredPruning(amount=0.5, finetune_epochs=0, round_to=None, latency_batch_sizes=[]),
     ]
 
 
@@ -85,6 +86,7 @@ def test_an_unreadable_checkpoint_is_one_clear_error_naming_it(
         ("UtilizationMonitor", ("totals",), [], "`totals` must be a dict, got []"),
         ("LRFinder", ("decision",), "x", "`decision` must be None or a dict, got 'x'"),
         ("PrecisionTuner", ("decision", "probed"), "yes", "`decision.probed` must be a bool, got 'yes'"),
+        ("StructuredPruning", ("steps_done",), "1", "`steps_done` must be an int, got '1'"),
     ],
 )
 def test_a_damaged_state_is_refused_before_anything_is_restored(

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_speedkit.pruning.arguments import check_example_fits, check_pruning_args, first_sample
 from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
-from lightning_speedkit.pruning.report import check_monitor_logged, final_metrics, warn_monitor_not_logged
+from lightning_speedkit.pruning.report import (
+    DEFAULT_MONITOR,
+    check_monitor_logged,
+    final_metrics,
+    warn_monitor_not_logged,
+)
 from lightning_speedkit.pruning.restore import RestoreHook, rebuild_before_load
 from lightning_speedkit.pruning.search import cpu_latency_ms
 from lightning_speedkit.pruning.surgery import (
@@ -30,6 +35,7 @@ from lightning_speedkit.pruning.surgery import (
 )
 from lightning_speedkit.pruning.targets import PlanArgs, Target, check_reachable, plan_toward, speedup_target
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,8 +89,9 @@ class StructuredPruning(Callback):
         example_input: An input for tracing (tensor, tuple or dict); default the module's ``example_input_array``,
             else the first sample of the first training batch. Run once through the model at fit start.
         rewarm: Warmup passed to the warmup callback's ``restart`` after each step (int steps or fraction in (0, 1)).
-        monitor: Validation metric reported before pruning and after the fine-tune (None for none). It must be
-            logged: the first validation of the fit checks it.
+        monitor: Validation metric reported before pruning and after the fine-tune (None for none). One you name
+            must be logged: the first validation of the fit checks it; the default, ``"val_loss"``, is only warned
+            about when the module logs no such metric (its report then has none).
         latency_batch_sizes: A list of batch sizes at which CPU latency is measured before and after (empty: none).
         latency_device: Where ``target_latency`` is timed: ``"auto"`` (the training device) or ``"cpu"``.
 
@@ -92,9 +99,9 @@ class StructuredPruning(Callback):
         ValueError: In ``__init__`` for a bad argument; in ``setup`` for an unsupported strategy, too few
             ``max_epochs`` or an unknown layer name; at fit start for an ``example_input`` the model does not
             accept; at the first training batch for a target no ratio reaches (the message gives what was reached;
-            the model is left as it was); at the end of the first validation of the fit for a ``monitor`` that is
-            not logged (the message lists what is). With no validation at all, an unlogged ``monitor`` is a
-            warning when the report is made.
+            the model is left as it was); at the end of the first validation of the fit for a ``monitor`` (other
+            than the default) that is not logged (the message lists what is). With no validation at all, an
+            unlogged ``monitor`` is a warning when the report is made.
         RuntimeError: If the model cannot be traced or breaks after pruning (the message names the layer).
 
     Logged metrics (to every Trainer logger, rank zero, at ``step=trainer.global_step``):
@@ -122,7 +129,7 @@ class StructuredPruning(Callback):
         round_to: int | None = 8,
         example_input: Any = None,
         rewarm: int | float = 0.1,
-        monitor: str | None = "val_loss",
+        monitor: str | None = DEFAULT_MONITOR,
         latency_batch_sizes: Sequence[int] = (1,),
         *,
         target_latency: float | None = None,
@@ -178,8 +185,17 @@ class StructuredPruning(Callback):
         """The epoch at whose end the report is final: the last step's epoch plus ``finetune_epochs``."""
         return self.start_epoch + self.iterative_steps - 1 + self.finetune_epochs
 
+    state_spec: ClassVar[StateSpec] = {
+        "history": ListOf(list),
+        "steps_done": int,
+        "example_input": (Tensor, tuple, list, dict, None),
+        "report": dict,
+    }
+    """What a checkpoint may hold for pruning (checked before anything is restored: `lightning_speedkit.restore`)."""
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_checkpoints(trainer)
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
             raise ValueError(

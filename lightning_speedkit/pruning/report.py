@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["check_monitor_logged", "final_metrics", "warn_monitor_not_logged"]
+__all__ = ["DEFAULT_MONITOR", "check_monitor_logged", "final_metrics", "warn_monitor_not_logged"]
 
 
 def _logged(trainer: pl.Trainer) -> str:
@@ -18,11 +18,19 @@ def _logged(trainer: pl.Trainer) -> str:
     return ", ".join(map(repr, names)) if names else "nothing"
 
 
+DEFAULT_MONITOR = "val_loss"
+"""The metric reported when none is named: warned about, not an error, when the module does not log it."""
+
+
 def check_monitor_logged(trainer: pl.Trainer, monitor: str) -> None:
     """Raise a ``ValueError`` naming ``monitor`` and the logged metrics if it is not among them (all ranks agree).
 
     Called at the end of the first validation of a fit, where a validation metric has been logged if it ever will.
+    The default, `DEFAULT_MONITOR`, which the user did not name, is only warned about (`warn_monitor_not_logged`).
     """
+    if monitor == DEFAULT_MONITOR:
+        warn_monitor_not_logged(trainer, monitor)
+        return
     missing = monitor not in trainer.callback_metrics
     if trainer.strategy.reduce_boolean_decision(missing, all=False):
         raise ValueError(
