@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_speedkit as speedkit
-from lightning_speedkit.data import CachedDataset
+from lightning_speedkit.data import CachedDataset, callable_fingerprint, dataset_fingerprint
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoDataModule
 
 MODEL, DATA = nn.Linear(2, 2), [torch.zeros(2, 2)]
@@ -108,6 +108,17 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.StructuredPruning, {"target_latency": 1.0}, "target_latency", "1.0"),
     (speedkit.StructuredPruning, {"target_latency": 0.5}, "target_latency", "0.5"),
     (speedkit.StructuredPruning, {"target_latency": 2.0, "latency_device": "gpu"}, "latency_device", "'gpu'"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "ignored_layers": "net.0"}, "ignored_layers", "'net.0'"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "ignored_layers": [""]}, "ignored_layers", "['']"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "example_input": "x"}, "example_input", "'x'"),
+    (
+        speedkit.StructuredPruning,
+        {"amount": 0.5, "example_input": torch.tensor(1.0)},
+        "example_input",
+        "a tensor of shape ()",
+    ),
+    (speedkit.StructuredPruning, {"amount": 0.5, "latency_batch_sizes": 1}, "latency_batch_sizes", "1"),
+    (speedkit.StructuredPruning, {"amount": 0.5, "monitor": ""}, "monitor", "''"),
     (speedkit.Int8Export, {"dirpath": 3}, "dirpath", "3"),
     (speedkit.Int8Export, {"calibration_batches": 0}, "calibration_batches", "0"),
     (speedkit.Int8Export, {"max_metric_drop": -0.1}, "max_metric_drop", "-0.1"),
@@ -168,6 +179,32 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
         "checkpoint_path",
         "test_bad_input.py",
     ),
+    (speedkit.load_pruned_checkpoint, {"model": None, "checkpoint_path": __file__}, "model", "None"),
+    (speedkit.load_pruned_checkpoint, {"model": "m", "checkpoint_path": __file__}, "model", "'m'"),
+    (speedkit.load_pruned_checkpoint, {"model": 5, "checkpoint_path": __file__}, "model", "5"),
+    (speedkit.load_pruned_checkpoint, {"model": nn.Linear, "checkpoint_path": __file__}, "model", "the class Linear"),
+    (speedkit.load_pruned_checkpoint, {"model": MODEL, "checkpoint_path": ""}, "checkpoint_path", "''"),
+    (speedkit.load_pruned_checkpoint, {"model": MODEL, "checkpoint_path": 5}, "checkpoint_path", "5"),
+    (
+        speedkit.load_pruned_checkpoint,
+        {"model": MODEL, "checkpoint_path": __file__, "strict": "yes"},
+        "strict",
+        "'yes'",
+    ),
+    (speedkit.load_pruned_checkpoint, {"model": MODEL, "checkpoint_path": __file__, "strict": None}, "strict", "None"),
+    (speedkit.load_pruned_checkpoint, {"model": MODEL, "checkpoint_path": __file__, "strict": 1}, "strict", "1"),
+    (
+        speedkit.load_pruned_checkpoint,
+        {"model": MODEL, "checkpoint_path": __file__, "example_input": "x"},
+        "example_input",
+        "'x'",
+    ),
+    (
+        speedkit.load_pruned_checkpoint,
+        {"model": MODEL, "checkpoint_path": __file__, "example_input": torch.zeros(1, 3)},
+        "example_input",
+        "a tensor of shape (1, 3)",
+    ),
     (speedkit.default_callbacks, {"batch_size": "max"}, "batch_size", "'max'"),
     (speedkit.default_callbacks, {"prune": 2.0}, "prune", "2.0"),
     (speedkit.default_callbacks, {"export": 3}, "export", "3"),
@@ -206,6 +243,15 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (CachedDataset, {"source": [1], "path": "unused", "max_disk_bytes": 1.5}, "max_disk_bytes", "1.5"),
     (CachedDataset, {"source": 3, "path": "unused"}, "source", "3"),
     (CachedDataset, {"source": [1], "path": "unused", "transform": "flip"}, "transform", "'flip'"),
+    (CachedDataset, {"source": [1], "path": None}, "path", "None"),
+    (CachedDataset, {"source": [1], "path": 123}, "path", "123"),
+    (CachedDataset, {"source": [1], "path": ""}, "path", "''"),
+    (CachedDataset, {"source": "not a dataset", "path": "unused"}, "source", "'not a dataset'"),
+    (CachedDataset, {"source": [1], "path": "unused", "fingerprint": 5}, "fingerprint", "5"),
+    (CachedDataset, {"source": [1], "path": "unused", "fingerprint": ""}, "fingerprint", "''"),
+    (CachedDataset, {"source": [1], "path": "unused", "fingerprint": ["a"]}, "fingerprint", "['a']"),
+    (callable_fingerprint, {"fn": "x"}, "fn", "'x'"),
+    (dataset_fingerprint, {"dataset": "abc"}, "dataset", "'abc'"),
     (DemoConfig, {"max_epochs": 0}, "max_epochs", "0"),
     (DemoConfig, {"lr": -1.0}, "lr", "-1.0"),
     (DemoConfig, {"target_acc": 1.5}, "target_acc", "1.5"),
