@@ -202,8 +202,12 @@ def test_example_input_of_the_wrong_type_is_refused_on_an_unpruned_checkpoint(
 
 def test_example_input_of_the_wrong_shape_is_named(pruned_checkpoint: Path) -> None:
     """A tensor the model cannot take is a ValueError naming `example_input`, not a tracing error about a layer."""
-    call = lambda: load_pruned_checkpoint(TinyClassifier(), pruned_checkpoint, example_input=torch.zeros(1, 3))  # noqa: E731
-    _raises_naming("example_input", "a tensor of shape (1, 3)", call)
+    wrong = torch.zeros(1, 3)
+    _raises_naming(
+        "example_input",
+        "a tensor of shape (1, 3)",
+        lambda: load_pruned_checkpoint(TinyClassifier(), pruned_checkpoint, example_input=wrong),
+    )
 
 
 def test_checkpoint_of_another_model_names_the_model(pruned_checkpoint: Path) -> None:

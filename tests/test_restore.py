@@ -47,7 +47,8 @@ def test_every_saved_state_fits_its_own_spec(checkpoint: tuple[Path, list[L.Call
     for callback in callbacks:
         state = states[callback.state_key]
         assert state, type(callback).__name__
-        assert state_problem(state, callback.state_spec) is None, (type(callback).__name__, state)  # type: ignore[attr-defined]
+        spec = callback.state_spec  # type: ignore[attr-defined]
+        assert state_problem(state, spec) is None, (type(callback).__name__, state)
 
 
 def _resume(tmp_path: Path, path: Path, model: TinyClassifier | None = None) -> tuple[TinyClassifier, list[L.Callback]]:

@@ -240,7 +240,8 @@ def test_multiplies_on_top_of_user_scheduler(tmp_path: Path, scheduler: str, int
     assert recorder.lrs() == pytest.approx(expected)
     user_scheduler = model.lr_schedulers()
     assert user_scheduler.get_last_lr() == pytest.approx([user_lr(16, scheduler, interval)])  # type: ignore[union-attr]
-    assert model.optimizers().optimizer.param_groups[0]["lr"] == pytest.approx(user_lr(16, scheduler, interval))  # type: ignore[union-attr]
+    optimizer = model.optimizers().optimizer  # type: ignore[union-attr]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(user_lr(16, scheduler, interval))
 
 
 def test_warns_when_two_decays_multiply(tmp_path: Path) -> None:

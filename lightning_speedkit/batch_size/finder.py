@@ -6,7 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -172,7 +172,8 @@ class BatchSizeFinder(Lever):
                 "BatchSizeFinder(objective='memory') on CPU never sees an out-of-memory error and would grow to the"
                 " dataset length: pass `max_val`, or use objective='throughput'."
             )
-        if self.keep_global_batch and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if self.keep_global_batch and any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
             raise ValueError(
                 "BatchSizeFinder(keep_global_batch=True) sets `accumulate_grad_batches`, which a"
                 " GradientAccumulationScheduler would overwrite: remove one of them."

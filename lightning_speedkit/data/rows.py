@@ -71,9 +71,10 @@ def row_layout(fields: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
     """The byte offset of each field in a row (after the 8-byte checksum, aligned for its dtype) and the row's size.
 
     Example:
-        >>> row_layout([{"dtype": "|u1", "shape": [4, 4, 3]}, {"dtype": "<f4", "shape": [3]}, {"dtype": "<i8", "shape": []}])
+        >>> image, label = {"dtype": "|u1", "shape": [4, 4, 3]}, {"dtype": "<i8", "shape": []}
+        >>> row_layout([image, {"dtype": "<f4", "shape": [3]}, label])
         ([8, 56, 72], 80)
-    """  # noqa: E501 (a doctest line)
+    """
     offsets, end = [], 8
     for field in fields:
         dtype = np.dtype(field["dtype"])

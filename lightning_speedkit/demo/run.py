@@ -252,7 +252,8 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     """What each run used, read from the trained Trainer and speedkit's reports (not restated from a config)."""
     from lightning_speedkit.warmup import WarmupScheduler
 
-    ours = [c for c in trainer.callbacks if type(c).__module__.startswith("lightning_speedkit")]  # type: ignore[attr-defined]
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    ours = [c for c in callbacks if type(c).__module__.startswith("lightning_speedkit")]
     reports, _ = collect_reports(ours)
     finder = reports.get("LRFinder", {})
     warmup = next((c for c in ours if isinstance(c, WarmupScheduler)), None)

@@ -89,7 +89,7 @@ def diagnose(
     warn_util_below: float = 0.7,
     warn_data_wait_above: float = 0.2,
 ) -> WindowDiagnosis:
-    """Label a window of steps and say what to change, from the dataloader settings actually in use.
+    r"""Label a window of steps and say what to change, from the dataloader settings actually in use.
 
     In order: ``memory_thrash`` (the CUDA allocator retried), ``h2d_bound`` (the data wait is high and mostly the
     host-to-device copy), ``data_bound`` (the data wait is high), ``underutilized`` (the device is idle although
@@ -106,11 +106,13 @@ def diagnose(
 
     Example:
         >>> loader = LoaderSettings(num_workers=0, batch_size=32, cores=16, accelerator="cuda")
-        >>> diagnose(0.62, loader=loader).advice
-        'data_bound: 62% of each step waits for data; num_workers=0 on a 16-core machine; try num_workers=8, pin_memory=True, persistent_workers=True (batch_size=32).'
+        >>> print(*diagnose(0.62, loader=loader).advice.split("; "), sep="\n")
+        data_bound: 62% of each step waits for data
+        num_workers=0 on a 16-core machine
+        try num_workers=8, pin_memory=True, persistent_workers=True (batch_size=32).
         >>> diagnose(0.05, utilization=0.95).label
         'compute_bound'
-    """  # noqa: E501
+    """
     wait, h2d = round(100 * data_wait_fraction), round(100 * h2d_fraction)
     batch = f" (batch_size={loader.batch_size})" if loader and loader.batch_size else ""
     cuda = loader is None or loader.accelerator == "cuda"
