@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,20 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_speedkit import ChannelsLast
 from lightning_speedkit.demo import DemoClassifier, DemoResNet, FlatHeadNet
 from lightning_speedkit.layout import to_channels_last
-from lightning_speedkit.report import write_json_atomic
-from lightning_speedkit.timing import median_ms
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import (
+    Column,
+    fixed_batch,
+    inference_step,
+    interleaved_ms,
+    print_and_write,
+    quiet_trainer,
+    table,
+    train_step,
+)
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "channels_last.json"
 
@@ -59,40 +71,17 @@ def _model(kind: str) -> nn.Module:
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> Any:
-    if mode == "inference":
-        model.eval()
-
-        def infer() -> None:
-            with torch.inference_mode():
-                model(x)
-
-        return infer
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def train() -> None:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return train
+    return inference_step(model, x) if mode == "inference" else train_step(model, x, y)
 
 
 def measure(kind: str, mode: str, batch_size: int, rounds: int, repeats: int) -> dict[str, Any]:
     """Median ms per step in each layout over interleaved rounds, and the NCHW / NHWC ratio."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, 3, 56, 56, generator=generator)
-    y = torch.randint(0, 10, (batch_size,), generator=generator)
+    x, y = fixed_batch(batch_size, 56)
     nchw = _model(kind)
     nhwc = copy.deepcopy(nchw)
     converted = to_channels_last(nhwc)
     runs = {"nchw": _step(nchw, x, y, mode), "nhwc": _step(nhwc, x, y, mode)}
-    times: dict[str, list[float]] = {"nchw": [], "nhwc": []}
-    for _ in range(rounds):
-        for layout, run in runs.items():
-            times[layout].append(median_ms(run, repeats=repeats))
-    ms = {layout: statistics.median(values) for layout, values in times.items()}
+    ms = interleaved_ms(runs, rounds, repeats)
     return {
         "model": kind,
         "mode": mode,
@@ -108,19 +97,9 @@ def measure(kind: str, mode: str, batch_size: int, rounds: int, repeats: int) ->
 def decide(architecture: str, crop: int, batch: int, steps: int = 200) -> dict[str, Any]:
     """What ``ChannelsLast()`` keeps for a model in a real fit of ``steps`` batches (long enough for its probe)."""
     L.seed_everything(0, verbose=False)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(steps * batch, 3, crop, crop, generator=generator)
-    y = torch.randint(0, 10, (steps * batch,), generator=generator)
+    x, y = fixed_batch(steps * batch, crop)
     callback = ChannelsLast()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = quiet_trainer(max_epochs=1, callbacks=[callback])
     model = DemoClassifier(width=16 if architecture == "resnet" else 8, crop_size=crop, architecture=architecture)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True))
     report = callback.report()
@@ -136,20 +115,22 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
     }
     result["rows"] = rows
     result["decisions"] = [decide(kind, s["fit_crop"], s["fit_batch"]) for kind in ("resnet", "flat_head")]
-    print(format_table(result))
-    write_json_atomic(result, out)
-    print(f"wrote {out}")
+    print_and_write(format_table(result), result, out)
     return result
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a fixed-width text table."""
-    lines = [f"{'model':<10}{'mode':<11}{'batch':>6}{'NCHW ms':>10}{'NHWC ms':>10}{'speed-up':>10}{'samples/s':>11}"]
-    for r in result["rows"]:
-        lines.append(
-            f"{r['model']:<10}{r['mode']:<11}{r['batch_size']:>6}{r['nchw_ms']:>10.2f}{r['nhwc_ms']:>10.2f}"
-            f"{r['speedup']:>9.2f}x{r['nhwc_samples_per_s']:>11.0f}"
-        )
+    columns = [
+        Column("model", 10, "model", align="<"),
+        Column("mode", 11, "mode", align="<"),
+        Column("batch", 6, "batch_size"),
+        Column("NCHW ms", 10, "nchw_ms", ".2f"),
+        Column("NHWC ms", 10, "nhwc_ms", ".2f"),
+        Column("speed-up", 10, "speedup", ".2f", suffix="x"),
+        Column("samples/s", 11, "nhwc_samples_per_s", ".0f"),
+    ]
+    lines = [table(columns, result["rows"])]
     lines.append("\nwhat ChannelsLast() decided in a real fit (its own probe):")
     for d in result.get("decisions", []):
         ms = d.get("step_ms") or {}

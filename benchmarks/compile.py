@@ -23,7 +23,6 @@ import copy
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,13 +32,16 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 
 from lightning_speedkit import Compile
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule, DemoResNet
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import write_json_atomic
-from lightning_speedkit.timing import median_ms
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import Column, fixed_batch, interleaved_ms, print_and_write, quiet_trainer, table, timed_fit, train_step
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "compile.json"
 KINDS = ("eager", "compiled", "Compile")
@@ -53,38 +55,18 @@ def _settings(quick: bool) -> dict[str, Any]:
             "budgets": {"short": 2, "long": 30}, "isolated": True, "repeat": True}  # fmt: skip
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.train()
-
-    def step() -> None:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
 def per_step(s: dict[str, Any]) -> dict[str, Any]:
     """Median ms per training step eager and compiled (interleaved rounds), and the first compiled call's seconds."""
-    crop = s["image"] * 7 // 8
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(s["batch"], 3, crop, crop, generator=generator)
-    y = torch.randint(0, 10, (s["batch"],), generator=generator)
+    x, y = fixed_batch(s["batch"], s["image"] * 7 // 8)
     torch.manual_seed(0)
     eager = DemoResNet(width=s["width"])
     compiled = copy.deepcopy(eager)
     compiled.compile(backend=s["backend"])
-    runs = {"eager": _train_step(eager, x, y), "compiled": _train_step(compiled, x, y)}
+    runs = {"eager": train_step(eager, x, y), "compiled": train_step(compiled, x, y)}
     start = time.perf_counter()
     runs["compiled"]()
     first_call_s = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(s["rounds"]):
-        for name, run in runs.items():
-            times[name].append(median_ms(run, repeats=s["repeats"]))
-    ms = {name: statistics.median(values) for name, values in times.items()}
+    ms = interleaved_ms(runs, s["rounds"], s["repeats"])
     return {
         "eager_ms": ms["eager"],
         "compiled_ms": ms["compiled"],
@@ -130,19 +112,9 @@ def fit_once(kind: str, epochs: int, s: dict[str, Any], root: str) -> dict[str, 
         callbacks.append(tuner)
     if kind == "compiled":
         model.compile(backend=s["backend"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-    start = time.perf_counter()
-    trainer.fit(model, datamodule)
-    row: dict[str, Any] = {"kind": kind, "epochs": epochs, "fit_s": time.perf_counter() - start}
-    row.update(steps=trainer.global_step, compile_s=watch.seconds, val_acc=float(trainer.callback_metrics["val_acc"]))
+    fit = timed_fit(quiet_trainer(max_epochs=epochs, callbacks=callbacks), model, datamodule)
+    row: dict[str, Any] = {"kind": kind, "epochs": epochs, "fit_s": fit.seconds}
+    row.update(steps=fit.steps, compile_s=watch.seconds, val_acc=fit.val_acc)
     if tuner is not None:
         report = tuner.report()
         row["report"] = {k: v for k, v in report.items() if k != "trials"}
@@ -230,9 +202,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, cache_dir: str | Non
         # Other jobs on a shared machine slow every step (OpenMP threads wait for descheduled peers): judge by these.
         "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
     }
-    print(format_tables(result))
-    write_json_atomic(result, out)
-    print(f"wrote {out}")
+    print_and_write(format_tables(result), result, out)
     return result
 
 
@@ -243,15 +213,20 @@ def format_tables(result: dict[str, Any]) -> str:
         f"per step (demo ResNet width {s['width']}, {s['image'] * 7 // 8} px, batch {s['batch']}): eager"
         f" {p['eager_ms']:.1f} ms, compiled {p['compiled_ms']:.1f} ms ({p['speedup']:.2f}x);"
         f" first compiled call {p['first_compiled_call_s']:.1f} s",
-        f"\n{'budget':<7}{'epochs':>7}{'steps':>7}{'eager s':>9}{'compiled s':>12}{'compile s':>11}{'faster':>10}"
-        f"{'Compile() s':>13}{'decision':>10}{'agrees':>8}",
     ]
-    for r in result["budgets"]:
-        lines.append(
-            f"{r['budget']:<7}{r['epochs']:>7}{r['steps']:>7}{r['eager_fit_s']:>9.1f}{r['compiled_fit_s']:>12.1f}"
-            f"{r['compiled_compile_s']:>11.1f}{r['faster']:>10}{r['callback_fit_s']:>13.1f}{r['decision']:>10}"
-            f"{'yes' if r['decision_matches'] else 'NO':>8}"
-        )
+    columns = [
+        Column("budget", 7, "budget", align="<"),
+        Column("epochs", 7, "epochs"),
+        Column("steps", 7, "steps"),
+        Column("eager s", 9, "eager_fit_s", ".1f"),
+        Column("compiled s", 12, "compiled_fit_s", ".1f"),
+        Column("compile s", 11, "compiled_compile_s", ".1f"),
+        Column("faster", 10, "faster"),
+        Column("Compile() s", 13, "callback_fit_s", ".1f"),
+        Column("decision", 10, "decision"),
+        Column("agrees", 8, lambda r: "yes" if r["decision_matches"] else "NO"),
+    ]
+    lines += ["", table(columns, result["budgets"])]
     for r in result["budgets"]:
         lines.append(f"  {r['budget']}: Compile() {r['reason']}")
         if r["break_even_steps"] is not None:

@@ -15,22 +15,33 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import tempfile
-import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule, DemoResNet
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import to_channels_last
 from lightning_speedkit.precision import PrecisionTuner
-from lightning_speedkit.report import write_json_atomic
-from lightning_speedkit.timing import median_ms
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import (
+    Column,
+    alternated,
+    fixed_batch,
+    interleaved_ms,
+    print_and_write,
+    quiet_trainer,
+    table,
+    timed_fit,
+    train_step,
+)
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "precision.json"
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -42,26 +53,9 @@ def _settings(quick: bool) -> dict[str, Any]:
     return {"rounds": 5, "repeats": 10, "batch": 32, "images": 3000, "epochs": 3, "fits": 2}
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> Any:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.train()
-
-    def step() -> None:
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
-        with autocast:
-            loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
 def per_step(batch: int, rounds: int, repeats: int) -> list[dict[str, Any]]:
     """Median ms per training step for each layout and precision, in interleaved rounds."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, 56, 56, generator=generator)
-    y = torch.randint(0, 10, (batch,), generator=generator)
+    x, y = fixed_batch(batch, 56)
     torch.manual_seed(0)
     base = DemoResNet(width=16)
     runs: dict[tuple[str, str], Any] = {}
@@ -70,15 +64,11 @@ def per_step(batch: int, rounds: int, repeats: int) -> list[dict[str, Any]]:
             model = copy.deepcopy(base)
             if layout == "NHWC":
                 to_channels_last(model)
-            runs[layout, precision] = _train_step(model, x, y, precision)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    for _ in range(rounds):
-        for key, run in runs.items():
-            times[key].append(median_ms(run, repeats=repeats))
+            runs[layout, precision] = train_step(model, x, y, torch.bfloat16 if precision == "bf16-mixed" else None)
+    ms = interleaved_ms(runs, rounds, repeats)
     rows = []
     for layout in ("NCHW", "NHWC"):
-        fp32 = statistics.median(times[layout, "32-true"])
-        bf16 = statistics.median(times[layout, "bf16-mixed"])
+        fp32, bf16 = ms[layout, "32-true"], ms[layout, "bf16-mixed"]
         rows.append({"layout": layout, "fp32_ms": fp32, "bf16_ms": bf16, "speedup": fp32 / bf16})
     return rows
 
@@ -88,26 +78,19 @@ def end_to_end(root: str, images: int, batch: int, epochs: int, fits: int) -> li
     DemoDataModule(num_images=images, root=root, cache=True).setup("fit")  # build the packed cache once, untimed
     rows: list[dict[str, Any]] = []
     for repeat in range(fits):
-        for name in (*PRECISIONS, "PrecisionTuner") if repeat % 2 == 0 else ("PrecisionTuner", *reversed(PRECISIONS)):
+        for name in alternated((*PRECISIONS, "PrecisionTuner"), repeat):
             L.seed_everything(0, verbose=False)
             datamodule = DemoDataModule(num_images=images, root=root, cache=True, batch_size=batch)
             tuner = PrecisionTuner() if name == "PrecisionTuner" else None
-            trainer = L.Trainer(
-                accelerator="cpu",
-                precision="32-true" if tuner is not None else name,  # type: ignore[arg-type]
+            trainer = quiet_trainer(
+                precision="32-true" if tuner is not None else name,
                 max_epochs=epochs,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
                 num_sanity_val_steps=0,
                 callbacks=[tuner] if tuner is not None else [],
             )
             model = DemoClassifier(crop_size=datamodule.crop_size)
-            start = time.perf_counter()
-            trainer.fit(model, datamodule)
-            row = {"run": name, "repeat": repeat, "fit_s": time.perf_counter() - start}
-            row["val_acc"] = float(trainer.callback_metrics["val_acc"])
+            fit = timed_fit(trainer, model, datamodule)
+            row = {"run": name, "repeat": repeat, "fit_s": fit.seconds, "val_acc": fit.val_acc}
             row["precision_used"] = trainer.precision
             if tuner is not None:
                 row["tuner"] = tuner.report()
@@ -141,18 +124,20 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, cache_dir: str | Non
         "tuner_chose": sorted(chosen),
         "tuner_matches_fastest": chosen == {fastest},
     }
-    print(format_tables(result))
-    write_json_atomic(result, out)
-    print(f"wrote {out}")
+    print_and_write(format_tables(result), result, out)
     return result
 
 
 def format_tables(result: dict[str, Any]) -> str:
     """The per-step and end-to-end tables as fixed-width text."""
     lines = [f"CPU: {result['cpu']['model']} (bf16 instructions: {result['cpu']['bf16_instructions'] or 'none'})"]
-    lines.append(f"{'layout':<8}{'fp32 ms':>10}{'bf16 ms':>10}{'speed-up':>10}")
-    for r in result["per_step"]:
-        lines.append(f"{r['layout']:<8}{r['fp32_ms']:>10.2f}{r['bf16_ms']:>10.2f}{r['speedup']:>9.2f}x")
+    columns = [
+        Column("layout", 8, "layout", align="<"),
+        Column("fp32 ms", 10, "fp32_ms", ".2f"),
+        Column("bf16 ms", 10, "bf16_ms", ".2f"),
+        Column("speed-up", 10, "speedup", ".2f", suffix="x"),
+    ]
+    lines.append(table(columns, result["per_step"]))
     lines.append(f"\n{'fit':<16}{'median s':>10}  val_acc per fit")
     for name, row in result["summary"].items():
         accs = ", ".join(f"{a:.3f}" for a in row["val_acc"])
