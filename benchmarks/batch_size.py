@@ -11,6 +11,7 @@ memory, and the LR before and after. Run ``python benchmarks/batch_size.py [--qu
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,11 @@ from typing_extensions import override
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
 from lightning_speedkit.oom import MemoryLimit, batch_size_of, is_oom_error
-from lightning_speedkit.report import write_json_atomic
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import Column, alternated, print_and_write, quiet_trainer, table
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "batch_size.json"
 CONFIGURED_BATCH = 32
@@ -78,18 +83,13 @@ def run_one(name: str, finder: Callback, scenario: dict[str, Any], root: Path) -
     model = DemoClassifier(width=4, lr=1e-3, crop_size=data.crop_size)
     MemoryLimit(scenario["limit"], scenario["eval_limit"]).attach(model)
     watch = Watch(model)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_epochs=1,
         limit_train_batches=3,
         limit_val_batches=2,
         num_sanity_val_steps=0,
         callbacks=[finder, watch],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
     )
     outcome = "ok"
@@ -139,7 +139,7 @@ def main(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
             ours = BatchSizeFinder(mode=mode, max_val=max_val, margin=margin)
             theirs = LightningFinder(mode=mode, max_val=max_val, margin=margin)
             pair = [("lightning", theirs), ("speedkit", ours)]
-            for name, finder in pair if index % 2 == 0 else pair[::-1]:  # alternate which runs first
+            for name, finder in alternated(pair, index):  # alternate which runs first
                 row = run_one(name, finder, scenario, root)
                 row["scenario"] = scenario["name"]
                 rows.append(row)
@@ -149,27 +149,26 @@ def main(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
         if lightning_row["search_cpu_s"] and ours_row["search_cpu_s"]:
             ours_row["search_time_vs_lightning"] = ours_row["search_cpu_s"] / lightning_row["search_cpu_s"]
     result = {"quick": quick, "margin": 0.05, "configured_batch": CONFIGURED_BATCH, "rows": rows}
-    print(format_table(rows))
-    write_json_atomic(result, out)
+    print_and_write(format_table(rows), result, out)
     return result
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table, one line per scenario and finder."""
-    header = (
-        f"{'scenario':<16} {'finder':<10} {'found':>5} {'max':>5} {'ratio':>5} {'trials':>6} {'wall s':>6} {'CPU s':>6}"
-    )
-    header += f" {'vs L':>5} {'after search':<18} {'LR after':>9}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        vs = f"{r['search_time_vs_lightning']:.2f}" if "search_time_vs_lightning" in r else ""
-        search = f"{r['search_s']:>6.1f} {r['search_cpu_s']:>6.1f}" if r["search_s"] else f"{'-':>6} {'-':>6}"
-        lr = f"{r['lr_after']:.2e}" if r["lr_after"] else "-"
-        lines.append(
-            f"{r['scenario']:<16} {r['finder']:<10} {r['found']:>5} {r['true_max']:>5} {r['found_over_max']:>5.2f}"
-            f" {r['trials']:>6} {search} {vs:>5} {r['after_search']:<18} {lr:>9}"
-        )
-    return "\n".join(lines)
+    columns = [
+        Column("scenario", 16, "scenario", align="<"),
+        Column("finder", 10, "finder", align="<"),
+        Column("found", 5, "found"),
+        Column("max", 5, "true_max"),
+        Column("ratio", 5, "found_over_max", ".2f"),
+        Column("trials", 6, "trials"),
+        Column("wall s", 6, lambda r: r["search_s"] or None, ".1f"),  # no search timed: "-"
+        Column("CPU s", 6, lambda r: r["search_cpu_s"] if r["search_s"] else None, ".1f"),
+        Column("vs L", 5, lambda r: f"{r['search_time_vs_lightning']:.2f}" if "search_time_vs_lightning" in r else ""),
+        Column("after search", 18, "after_search", align="<"),
+        Column("LR after", 9, lambda r: f"{r['lr_after']:.2e}" if r["lr_after"] else "-"),
+    ]
+    return table(columns, rows, sep=" ", rule=True)
 
 
 if __name__ == "__main__":

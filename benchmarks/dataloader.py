@@ -43,6 +43,12 @@ from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor import UtilizationMonitor
 from lightning_speedkit.report import write_json_atomic
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import Column, print_and_write, quiet_trainer, table, timed_fit
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "dataloader.json"
 CROP = 56  # the demo's crop size, for both workloads
 
 
@@ -97,20 +103,8 @@ def fit_row(
     tuner = DataLoaderTuner() if tune else None
     if tuner is not None:
         callbacks.insert(0, tuner)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
-    start = time.perf_counter()
-    trainer.fit(DemoClassifier(crop_size=CROP), datamodule)
-    fit_s = time.perf_counter() - start
+    trainer = quiet_trainer(max_epochs=epochs, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    fit = timed_fit(trainer, DemoClassifier(crop_size=CROP), datamodule)
     loader = trainer.train_dataloader
     load_s = _loader_epoch_seconds(loader)
     total = monitor.report()["total"]
@@ -119,7 +113,7 @@ def fit_row(
         "workload": workload,
         "num_workers": loader.num_workers,
         "epochs": epochs,
-        "fit_s": fit_s,
+        "fit_s": fit.seconds,
         "train_samples_per_s": total["samples_per_second"],
         "train_data_wait_s": total["data_wait_s"],
         "train_data_wait_fraction": total["data_wait_fraction"],
@@ -179,17 +173,38 @@ def cache_epochs(num_images: int, root: str, workers: tuple[int, ...] = (0, 2)) 
     return rows
 
 
-def print_cache_table(per_sample: dict[str, float], epochs: list[dict[str, Any]]) -> None:
+def cache_table(per_sample: dict[str, float], epochs: list[dict[str, Any]]) -> str:
     """The cache's random read and a loader epoch, beside the decoding pipeline's."""
     workers = sorted({row["num_workers"] for row in epochs})
-    header = f"{'pipeline':<20} {'random read us (wall, CPU)':>27}"
-    header += "".join(f" {f'epoch s, {w} workers':>18}" for w in workers)
-    print(header)
-    print("-" * len(header))
+    rows = []
     for pipeline, key in (("decode per sample", "jpeg_decode"), ("packed cache", "packed_read")):
         seconds = {row["num_workers"]: row["load_s_per_epoch"] for row in epochs if row["pipeline"] == pipeline}
         read = f"{per_sample[f'{key}_us']:.1f}, {per_sample[f'{key}_cpu_us']:.1f}"
-        print(f"{pipeline:<20} {read:>27}" + "".join(f" {seconds[w]:>18.3f}" for w in workers))
+        rows.append({"pipeline": pipeline, "read": read, **{f"epoch_s_{w}": seconds[w] for w in workers}})
+    columns = [Column("pipeline", 20, "pipeline", align="<"), Column("random read us (wall, CPU)", 27, "read")]
+    columns += [Column(f"epoch s, {w} workers", 18, f"epoch_s_{w}", ".3f") for w in workers]
+    return table(columns, rows, sep=" ", rule=True)
+
+
+def fits_table(rows: list[dict[str, Any]]) -> str:
+    """One line per setting: its fit, training throughput and data wait, and one loader epoch, against naive."""
+    columns = [
+        Column("setting", 45, "setting", align="<"),
+        Column("workers", 7, "num_workers"),
+        Column("fit s", 7, "fit_s", ".2f"),
+        Column("vs naive", 8, "fit_ratio", ".2f", suffix="x"),
+        Column("train samples/s", 15, "train_samples_per_s", ".0f"),
+        Column("gain", 6, "train_throughput_gain", ".2f", suffix="x"),
+        Column("wait %", 6, lambda r: 100 * r["train_data_wait_fraction"], ".1f", suffix="%"),
+        Column("load s/epoch", 12, "load_s_per_epoch", ".2f"),
+    ]
+    lines = [table(columns, rows, sep=" ", rule=True)]
+    for row in rows:
+        if row["tuner"] is not None:
+            tuner = row["tuner"]
+            probe = f", probe {tuner['probe_s']:.1f} s" if tuner.get("probed") else ""
+            lines.append(f"  {row['setting']}: {tuner.get('reason', tuner.get('left_alone'))}{probe}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -203,8 +218,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cache-dir", default=None, help="where images and the packed cache go (default: a temp dir)")
     args = parser.parse_args(argv)
     num_images = 600 if args.quick else 5000
-    # I/O-slow: 400 steps of batch 16 in the full run, long enough for the tuner's probe to pay back.
-    slow_n, slow_epochs, slow_delay, slow_batch = (320, 1, 0.002, 16) if args.quick else (640, 10, 0.002, 16)
     load_before = os.getloadavg()  # the machine may be shared: a busy one makes every ratio noisier
     root = args.cache_dir or tempfile.mkdtemp(prefix="speedkit-bench-")
     DemoDataModule(num_images=num_images, root=root).prepare_data()  # generation is not part of any setting
@@ -215,21 +228,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     epochs = cache_epochs(num_images, root)
     if args.cache_only:
         print(f"\nCachedDataset on {cpu_info().available_cores} cores, demo ({num_images} images, batch 32):")
-        print_cache_table(per_sample, epochs)
+        print(cache_table(per_sample, epochs))
         result = {"num_images": num_images, "cores": cpu_info().available_cores, "python": sys.version}
         result |= {"load_average": {"before": load_before, "after": os.getloadavg()}, "cache_build_s": cache_build_s}
         result |= {"per_sample": per_sample, "cache_epochs": epochs}
         if args.out is not None:
             write_json_atomic(result, args.out)
         return result
+    # I/O-slow: 400 steps of batch 16 in the full run, long enough for the tuner's probe to pay back.
+    io_slow = {"num_images": 320 if args.quick else 640, "delay_s": 0.002, "batch_size": 16}
+    io_slow["epochs"] = 1 if args.quick else 10
+    rows = _fit_rows(num_images, root, io_slow)
+    load_after = os.getloadavg()
+    result = {
+        "num_images": num_images,
+        "io_slow": io_slow,
+        "cores": cpu_info().available_cores,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": {"before": load_before, "after": load_after},
+        "python": sys.version,
+        "cache_build_s": cache_build_s,
+        "per_sample": per_sample,
+        "cache_epochs": epochs,
+        "rows": rows,
+    }
+    lines = [
+        f"\ndata loading on {cpu_info().available_cores} cores: demo ({num_images} images, batch 32, 1 epoch);"
+        f" I/O-slow ({io_slow['num_images']} images, {1e3 * io_slow['delay_s']:g} ms a sample, batch"
+        f" {io_slow['batch_size']}, {io_slow['epochs']} epochs); load average {load_before[0]:.1f} before,"
+        f" {load_after[0]:.1f} after",
+        fits_table(rows),
+        f"one-time CachedDataset build (decode every image once, pack): {cache_build_s:.2f} s",
+        cache_table(per_sample, epochs),
+    ]
+    print_and_write("\n".join(lines), result, args.out or DEFAULT_OUT)
+    return result
+
+
+def _fit_rows(num_images: int, root: str, io_slow: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every setting's fit on both workloads, each against the naive loader of its workload."""
 
     def demo(cache: bool = False) -> L.LightningDataModule:
         return DemoDataModule(num_images=num_images, root=root, cache=cache)
 
     def slow() -> L.LightningDataModule:
-        return SleepyData(slow_n, slow_delay, slow_batch)
+        return SleepyData(io_slow["num_images"], io_slow["delay_s"], io_slow["batch_size"])
 
-    sleep_ms = f"{1e3 * slow_delay:g} ms"
+    sleep_ms, slow_epochs = f"{1e3 * io_slow['delay_s']:g} ms", io_slow["epochs"]
     rows = [
         fit_row("naive (num_workers=0, decode per sample)", "demo", demo, tune=False),
         fit_row("DataLoaderTuner", "demo", demo, tune=True),
@@ -243,47 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["fit_ratio"] = row["fit_s"] / base["fit_s"]
         row["train_throughput_gain"] = row["train_samples_per_s"] / base["train_samples_per_s"]
         row["load_time_reduction"] = 1.0 - row["load_s_per_epoch"] / base["load_s_per_epoch"]
-    load_after = os.getloadavg()
-    header = (
-        f"{'setting':<45} {'workers':>7} {'fit s':>7} {'vs naive':>8} {'train samples/s':>15} {'gain':>6}"
-        f" {'wait %':>6} {'load s/epoch':>12}"
-    )
-    print(
-        f"\ndata loading on {cpu_info().available_cores} cores: demo ({num_images} images, batch 32, 1 epoch);"
-        f" I/O-slow ({slow_n} images, {sleep_ms} a sample, batch {slow_batch}, {slow_epochs} epochs);"
-        f" load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['setting']:<45} {row['num_workers']:>7} {row['fit_s']:>7.2f} {row['fit_ratio']:>7.2f}x"
-            f" {row['train_samples_per_s']:>15.0f} {row['train_throughput_gain']:>5.2f}x"
-            f" {100 * row['train_data_wait_fraction']:>5.1f}% {row['load_s_per_epoch']:>12.2f}"
-        )
-    for row in rows:
-        if row["tuner"] is not None:
-            tuner = row["tuner"]
-            probe = f", probe {tuner['probe_s']:.1f} s" if tuner.get("probed") else ""
-            print(f"  {row['setting']}: {tuner.get('reason', tuner.get('left_alone'))}{probe}")
-    result = {
-        "num_images": num_images,
-        "io_slow": {"num_images": slow_n, "delay_s": slow_delay, "batch_size": slow_batch, "epochs": slow_epochs},
-        "cores": cpu_info().available_cores,
-        "torch_threads": torch.get_num_threads(),
-        "load_average": {"before": load_before, "after": load_after},
-        "python": sys.version,
-        "cache_build_s": cache_build_s,
-        "per_sample": per_sample,
-        "cache_epochs": epochs,
-        "rows": rows,
-    }
-    out = args.out or str(Path(__file__).parent / "results" / "dataloader.json")
-    write_json_atomic(result, out)
-    print(f"one-time CachedDataset build (decode every image once, pack): {cache_build_s:.2f} s")
-    print_cache_table(per_sample, epochs)
-    print(f"wrote {os.path.relpath(out)}")
-    return result
+    return rows
 
 
 if __name__ == "__main__":

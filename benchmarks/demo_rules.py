@@ -36,6 +36,7 @@ import importlib
 import math
 import os
 import statistics
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,11 @@ from lightning_speedkit import ChannelsLast, LRFinder
 from lightning_speedkit.demo import DemoConfig
 from lightning_speedkit.demo.run import parse_seeds, train_variant
 from lightning_speedkit.oom import release_memory
-from lightning_speedkit.report import write_json_atomic
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import print_and_write, rotated
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
 WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
@@ -109,9 +114,8 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     for position, seed in enumerate(seeds):
-        order = WAYS[position % len(WAYS) :] + WAYS[: position % len(WAYS)]
         seeded = dataclasses.replace(config, seed=seed)
-        rows.extend({"seed": seed, **run_way(seeded, way)} for way in order)
+        rows.extend({"seed": seed, **run_way(seeded, way)} for way in rotated(WAYS, position))
         base = next(r["time_to_target_s"] for r in rows[-len(WAYS) :] if r["way"] == "baseline")
         for row in rows[-len(WAYS) :]:
             row["speedup"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else 0.0
@@ -122,6 +126,7 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
                 flush=True,
             )
     summary: dict[str, Any] = {}
+    lines = []
     for way in WAYS:
         mine = [r for r in rows if r["way"] == way]
         times = [r["time_to_target_s"] or math.inf for r in mine]  # a miss is slower than any time
@@ -134,7 +139,7 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
             "median_speedup": statistics.median(r["speedup"] for r in mine),
         }
         shown = summary[way]["median_time_to_target_s"]
-        print(
+        lines.append(
             f"{way:<20} reached {summary[way]['reached']}/{len(mine)}, median speed-up"
             f" {summary[way]['median_speedup']:.2f}x, median time to target"
             f" {'-' if shown is None else f'{shown:.1f} s'}, median probes {summary[way]['median_probe_s']:.2f} s"
@@ -146,8 +151,7 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
         "summary": summary,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
     }
-    write_json_atomic(result, out)
-    print(f"wrote {out}")
+    print_and_write("\n".join(lines), result, out)
     return result
 
 

@@ -21,6 +21,7 @@ import argparse
 import itertools
 import re
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -36,7 +37,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
 from lightning_speedkit.monitor import UtilizationMonitor
-from lightning_speedkit.report import write_json_atomic
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import Column, print_and_write, quiet_trainer, rotated, table
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "monitor.json"
 VARIANTS = ("none", "empty_callback", "speedkit", "device_stats", "throughput")
@@ -93,17 +98,9 @@ def _monitors(name: str) -> list[Callback]:
 
 
 def _trainer(root: Path, callbacks: list[Callback], **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = {
-        "default_root_dir": root,
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": CSVLogger(root, name="logs"),
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(callbacks=callbacks, **defaults)
+    """A quiet Trainer that logs to CSV (the monitors' metrics go somewhere, as in a real run) unless told not to."""
+    options: dict[str, Any] = {"default_root_dir": root, "devices": 1, "logger": CSVLogger(root, name="logs")}
+    return quiet_trainer(callbacks=callbacks, **{**options, **kwargs})
 
 
 def _overhead(s: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -113,8 +110,7 @@ def _overhead(s: dict[str, Any], root: Path) -> dict[str, Any]:
     medians: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu_means: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for round_index in range(s["rounds"]):
-        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
-        for name in order:
+        for name in rotated(VARIANTS, round_index):
             clock = _StepClock()
             L.seed_everything(round_index, verbose=False)
             trainer = _trainer(root / name, [*_monitors(name), clock], max_steps=s["steps"])
@@ -228,25 +224,32 @@ def _diagnosis(s: dict[str, Any], root: Path, cache: Path) -> dict[str, Any]:
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [
-        "overhead (median step time, interleaved rounds)",
-        f"{'monitor':<16}{'step ms':>9}{'overhead':>10}{'us/step':>9}{'CPU ms':>9}{'CPU overhead':>14}",
+    overhead = [
+        Column("monitor", 16, "monitor", align="<"),
+        Column("step ms", 9, "step_ms", ".3f"),
+        Column("overhead", 10, lambda r: 100 * r["overhead_ratio"], ".1f", suffix="%"),
+        Column("us/step", 9, "overhead_us_per_step", ".0f"),
+        Column("CPU ms", 9, "cpu_step_ms", ".3f"),
+        Column("CPU overhead", 14, lambda r: 100 * r["cpu_overhead_ratio"], ".1f", suffix="%"),
     ]
-    for name, row in result["overhead"].items():
-        lines.append(
-            f"{name:<16}{row['step_ms']:>9.3f}{100 * row['overhead_ratio']:>9.1f}%{row['overhead_us_per_step']:>9.0f}"
-            f"{row['cpu_step_ms']:>9.3f}{100 * row['cpu_overhead_ratio']:>13.1f}%"
-        )
-    lines += ["", "diagnosis", f"{'run':<18}{'diagnosis':<15}{'data wait':>10}{'samples/s':>11}"]
-    for name, row in result["diagnosis"].items():
-        wait = 100 * row["median_data_wait_fraction"]
-        lines.append(f"{name:<18}{row['diagnosis']:<15}{wait:>9.0f}%{row['samples_per_second']:>11.1f}")
+    diagnosis = [
+        Column("run", 18, "run", align="<"),
+        Column("diagnosis", 15, "diagnosis", align="<"),
+        Column("data wait", 10, lambda r: 100 * r["median_data_wait_fraction"], ".0f", suffix="%"),
+        Column("samples/s", 11, "samples_per_second", ".1f"),
+    ]
     fixed = result["diagnosis"]["data_bound_fixed"]
-    lines += [
-        f"advice on the data-bound run: {result['diagnosis']['data_bound']['advice']}",
-        f"applying num_workers={fixed['num_workers']}: {fixed['speedup']:.2f}x samples/s",
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            "overhead (median step time, interleaved rounds)",
+            table(overhead, [{"monitor": name, **row} for name, row in result["overhead"].items()]),
+            "",
+            "diagnosis",
+            table(diagnosis, [{"run": name, **row} for name, row in result["diagnosis"].items()]),
+            f"advice on the data-bound run: {result['diagnosis']['data_bound']['advice']}",
+            f"applying num_workers={fixed['num_workers']}: {fixed['speedup']:.2f}x samples/s",
+        ]
+    )
 
 
 def run(quick: bool = False, out: str | Path = DEFAULT_OUT, root: str | Path | None = None) -> dict[str, Any]:
@@ -263,8 +266,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, root: str | Path | N
             "diagnosis": _diagnosis(s, Path(tmp) / "diagnosis", cache),
         }
     torch.set_num_threads(threads)
-    print(_table(result))
-    write_json_atomic(result, out)
+    print_and_write(_table(result), result, out)
     return result
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 import lightning_speedkit as speedkit
-from lightning_speedkit.report import write_json_atomic
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import QUIET, alternated, print_and_write, quiet_trainer, timed_fit
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "short_job.json"
 LEVERS = ("ChannelsLast", "PrecisionTuner", "DataLoaderTuner", "LRFinder")
@@ -67,23 +71,16 @@ class SmallData(L.LightningDataModule):
 def fit_once(kind: str, root: str, epochs: int) -> dict[str, Any]:
     """One fit of the job with a plain Trainer or preset(); its seconds and, for preset, each lever's report."""
     L.seed_everything(0, verbose=False)
-    options: dict[str, Any] = {
-        "max_epochs": epochs,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-    }
+    options: dict[str, Any] = {"max_epochs": epochs, "default_root_dir": root}
     if kind == "plain":
-        trainer = L.Trainer(accelerator="cpu", devices=1, **options)
+        trainer = quiet_trainer(devices=1, **options)
     else:
-        trainer = speedkit.preset(verbose=False, **options)
-    start = time.perf_counter()
-    trainer.fit(SmallCNN(), SmallData())
-    row: dict[str, Any] = {"run": kind, "fit_s": time.perf_counter() - start, "steps": trainer.global_step}
+        trainer = speedkit.preset(verbose=False, **QUIET, **options)
+    fit = timed_fit(trainer, SmallCNN(), SmallData())
+    row: dict[str, Any] = {"run": kind, "fit_s": fit.seconds, "steps": fit.steps}
     if kind == "preset":
-        reports = {type(c).__name__: c.report() for c in trainer.callbacks if type(c).__name__ in LEVERS}  # type: ignore[attr-defined]
+        levers = [c for c in trainer.callbacks if type(c).__name__ in LEVERS]  # type: ignore[attr-defined]
+        reports = {type(c).__name__: c.report() for c in levers}
         row["levers"] = {name: {k: r.get(k) for k in ("probed", "reason", "probe_s")} for name, r in reports.items()}
     return row
 
@@ -95,7 +92,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
     fit_once("plain", root, epochs)  # warm-up: imports and first-call costs are paid by neither side
     rows = []
     for repeat in range(repeats):
-        for kind in ("plain", "preset") if repeat % 2 == 0 else ("preset", "plain"):
+        for kind in alternated(("plain", "preset"), repeat):
             rows.append({"repeat": repeat, **fit_once(kind, root, epochs)})
     medians = {kind: statistics.median(r["fit_s"] for r in rows if r["run"] == kind) for kind in ("plain", "preset")}
     result = {
@@ -106,12 +103,10 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
         "levers": next(r["levers"] for r in rows if r["run"] == "preset"),
     }
     steps = rows[0]["steps"]
-    print(f"short job: {steps} steps; median fit plain {medians['plain']:.2f} s, preset {medians['preset']:.2f} s")
-    print(f"preset / plain = {result['preset_over_plain']:.3f}")
-    for name, lever in result["levers"].items():
-        print(f"  {name:<16} probed={lever['probed']}  {lever['reason']}")
-    write_json_atomic(result, out)
-    print(f"wrote {out}")
+    lines = [f"short job: {steps} steps; median fit plain {medians['plain']:.2f} s, preset {medians['preset']:.2f} s"]
+    lines.append(f"preset / plain = {result['preset_over_plain']:.3f}")
+    lines += [f"  {name:<16} probed={lever['probed']}  {lever['reason']}" for name, lever in result["levers"].items()]
+    print_and_write("\n".join(lines), result, out)
     return result
 
 
