@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -39,6 +40,12 @@ def gpu_check() -> ModuleType:
     return load_benchmark("gpu_check")
 
 
+@pytest.fixture(scope="module")
+def parts(gpu_check: ModuleType) -> dict[str, ModuleType]:
+    """The modules beside the script that hold its parts (importable once the script is loaded)."""
+    return {name: importlib.import_module(f"_gpu_{name}") for name in ("record", "resident", "parts", "oom")}
+
+
 def _env(tmp_path: Path, demo_cache: Path) -> dict[str, str]:
     """No CUDA, an NVML that fails to load (a fake ``pynvml`` first on the path), the tests' demo-image cache."""
     fake = tmp_path / "fake_nvml"
@@ -62,10 +69,10 @@ def _env(tmp_path: Path, demo_cache: Path) -> dict[str, str]:
     ],
 )
 def test_choose_workers_checks_dev_shm(
-    gpu_check: ModuleType, cores: int, shm_free: int | None, batch_bytes: int, expected: int
+    parts: dict[str, ModuleType], cores: int, shm_free: int | None, batch_bytes: int, expected: int
 ) -> None:
     """The worker count is capped by the cores and by what /dev/shm can hold of the batches in flight."""
-    count, why = gpu_check.choose_workers(cores, shm_free, batch_bytes)
+    count, why = parts["oom"].choose_workers(cores, shm_free, batch_bytes)
     assert count == expected
     assert f"num_workers={expected}" in why
     assert "/dev/shm" in why
@@ -73,48 +80,56 @@ def test_choose_workers_checks_dev_shm(
 
 @pytest.mark.parametrize(("fixed", "per_sample", "train_len"), [(50e6, 1e6, 1600), (2e9, 3e4, 4800), (0.0, 1.0, 160)])
 def test_memory_cap_binds_well_below_the_dataset(
-    gpu_check: ModuleType, fixed: float, per_sample: float, train_len: int
+    parts: dict[str, ModuleType], fixed: float, per_sample: float, train_len: int
 ) -> None:
     """Under the cap a quarter of the dataset fits and the whole dataset cannot: both searches must run out."""
     reserved, target = 3e8, train_len // 4
-    cap = gpu_check.memory_cap(reserved, fixed, per_sample, target)
+    cap = parts["oom"].memory_cap(reserved, fixed, per_sample, target)
     assert reserved + fixed + per_sample * target <= cap < reserved + fixed + per_sample * train_len
 
 
-def test_throughput_counts_the_samples_that_ran(gpu_check: ModuleType, tmp_path: Path, one_thread: None) -> None:
+def test_throughput_counts_the_samples_that_ran(
+    gpu_check: ModuleType, parts: dict[str, ModuleType], tmp_path: Path, one_thread: None
+) -> None:
     """A partial batch among the resident ones is counted as what it holds, not as a whole batch (no overstatement)."""
     s = {**gpu_check.settings(True, cpu=True), "warmup": 2, "steps": 6}
     whole, partial = (
         (torch.randn(16, 3, 28, 28), torch.randint(0, 10, (16,))),
         (torch.randn(5, 3, 28, 28), torch.arange(5)),
     )
-    row, _ = gpu_check.timed_fit(s, torch.device("cpu"), tmp_path, 28, [whole, partial], "32-true", [])
+    resident = parts["resident"]
+    row, _ = resident.resident_fit(s, torch.device("cpu"), tmp_path, 28, [whole, partial], "32-true", [])
     assert (row["timed_steps"], row["timed_samples"]) == (6, 3 * 16 + 3 * 5)
     assert row["samples_per_s"] == pytest.approx(row["timed_samples"] / (row["step_ms"] * 6 / 1000))
-    assert gpu_check.full_batches([whole, partial, whole], 16) == [whole, whole]
+    assert resident.full_batches([whole, partial, whole], 16) == [whole, whole]
 
 
 def test_precision_part_releases_its_resident_batches(
-    gpu_check: ModuleType, tmp_path: Path, demo_cache: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+    gpu_check: ModuleType,
+    parts: dict[str, ModuleType],
+    tmp_path: Path,
+    demo_cache: Path,
+    one_thread: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After part 1 no tensor of its resident batches is alive (trainer, loader, lists dropped); its model is kept."""
     alive: list[weakref.ref[torch.Tensor]] = []
-    on_device = gpu_check._on_device
+    on_device = parts["resident"].on_device
 
     def watched(*args: Any, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = on_device(*args, **kwargs)
         alive.extend(weakref.ref(t) for batch in batches for t in batch)
         return batches  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(gpu_check, "_on_device", watched)
+    monkeypatch.setattr(parts["parts"], "on_device", watched)
     s = gpu_check.settings(True, cpu=True)
     data = DemoDataModule(s["num_images"], s["image_size"], batch_size=s["batch"], cache=True, root=demo_cache)
     data.prepare_data()
     data.setup("fit")
-    record = gpu_check._Run({"parts": {}}, tmp_path / "gpu_check.json", budget_s=600)
+    record = parts["record"].RunRecord({"parts": {}}, tmp_path / "gpu_check.json", budget_s=600)
     entry: dict[str, Any] = {"status": "running"}
     keep: dict[str, Any] = {}
-    gpu_check.precision_part(entry, record, s, torch.device("cpu"), tmp_path, data, keep)
+    parts["parts"].precision_part(entry, record, s, torch.device("cpu"), tmp_path, data, keep)
     assert [row["status"] for row in entry["rows"]] == ["ok", "ok", "ok", "skipped: needs a CUDA GPU with bf16", "ok"]
     assert alive
     assert not [ref for ref in alive if ref() is not None]
@@ -129,11 +144,11 @@ def test_precision_part_releases_its_resident_batches(
 # ---------------------------------------------------------------------------------------------- the run record
 
 
-def test_a_failing_part_leaves_the_others_in_the_file(gpu_check: ModuleType, tmp_path: Path) -> None:
+def test_a_failing_part_leaves_the_others_in_the_file(parts: dict[str, ModuleType], tmp_path: Path) -> None:
     """A part that raises is recorded with its error and traceback; the parts before and after keep their results."""
     out = tmp_path / "gpu_check.json"
     result: dict[str, Any] = {"parts": {name: {"status": "pending"} for name in ("a", "b", "c")}}
-    record = gpu_check._Run(result, out, budget_s=600)
+    record = parts["record"].RunRecord(result, out, budget_s=600)
     seen: list[str] = []
 
     def part_a(entry: dict[str, Any]) -> None:
@@ -155,16 +170,16 @@ def test_a_failing_part_leaves_the_others_in_the_file(gpu_check: ModuleType, tmp
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
-def test_the_watchdog_records_the_timeout_and_exits(gpu_check: ModuleType, tmp_path: Path) -> None:
+def test_the_watchdog_records_the_timeout_and_exits(parts: dict[str, ModuleType], tmp_path: Path) -> None:
     """When the budget runs out the part running is marked timeout, the rest skipped, the file written, exit 3."""
     out = tmp_path / "gpu_check.json"
-    parts = {"a": {"status": "ok"}, "b": {"status": "running"}, "c": {"status": "pending"}}
+    statuses = {"a": {"status": "ok"}, "b": {"status": "running"}, "c": {"status": "pending"}}
     exits: list[int] = []
-    record = gpu_check._Run({"status": "running", "parts": parts}, out, budget_s=0.5, exit_fn=exits.append)
+    record = parts["record"].RunRecord({"status": "running", "parts": statuses}, out, 0.5, exit_fn=exits.append)
     record.current = "b"
     record.expire()
     written = json.loads(out.read_text())
-    assert exits == [gpu_check.EXIT_TIMEOUT]
+    assert exits == [parts["record"].EXIT_TIMEOUT]
     assert written["status"] == "timeout"
     assert [written["parts"][name]["status"] for name in "abc"] == ["ok", "timeout", "skipped: the time budget ran out"]
 
@@ -173,9 +188,9 @@ def test_a_hung_part_cannot_outlast_the_budget(tmp_path: Path) -> None:
     """In a real process the watchdog ends a part that never returns, within the budget, with exit 3 and the JSON."""
     out = tmp_path / "gpu_check.json"
     code = (
-        f"import sys, time; sys.path.insert(0, {str(SCRIPT.parent)!r}); import gpu_check as g\n"
+        f"import sys, time; sys.path.insert(0, {str(SCRIPT.parent)!r}); import _gpu_record as g\n"
         f"result = {{'status': 'running', 'parts': {{'hangs': {{'status': 'pending'}}}}}}\n"
-        f"r = g._Run(result, g.Path({str(out)!r}), budget_s=2.0)\n"
+        f"r = g.RunRecord(result, g.Path({str(out)!r}), budget_s=2.0)\n"
         "r.timer.start(); r.part('hangs', lambda entry: time.sleep(120), min_s=0)\n"
     )
     start = time.monotonic()
