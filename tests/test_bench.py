@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,10 +73,10 @@ def test_environment_variable_names_the_directory(scripts: Path, monkeypatch: py
     ("kwargs", "match"),
     [({"names": ["ok", "nope"]}, "`names`"), ({"names": ["ok"], "timeout_s": 0}, "`timeout_s`")],
 )
-def test_bad_arguments_are_refused(scripts: Path, tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
+def test_bad_arguments_are_refused(scripts: Path, tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
     """An unknown benchmark or a non-positive timeout is a ValueError naming the argument."""
     with pytest.raises(ValueError, match=match):
-        run_benchmarks(benchmarks_dir=scripts, out_dir=tmp_path / "out", verbose=False, **kwargs)  # type: ignore[arg-type]
+        run_benchmarks(benchmarks_dir=scripts, out_dir=tmp_path / "out", verbose=False, **kwargs)
 
 
 def test_report_collects_tables_json_and_failures(scripts: Path, tmp_path: Path) -> None:
