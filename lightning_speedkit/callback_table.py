@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.channels_last import ChannelsLast
+from lightning_speedkit.checks import check_bool
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
 from lightning_speedkit.guard import TrainingGuard
@@ -86,8 +87,11 @@ step the run will really take (workers compete with it for cores); the LR is fou
 use; the warmup ramps to the LR found; pruning and the export act last."""
 
 
-def build_slot(slot: Slot, value: Any) -> Callback | None:
+def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None:
     """The callback ``value`` asks for in ``slot`` (None for ``False``), or a ValueError naming the argument.
+
+    A lever built here (from ``True`` or a dict without its own ``remember``) gets ``remember``; an instance is used
+    as it is.
 
     Example:
         >>> guard = next(s for s in SLOTS if s.argument == "guard")
@@ -101,12 +105,13 @@ def build_slot(slot: Slot, value: Any) -> Callback | None:
     if value is False or (value is None and slot.shorthand is not None):
         return None
     cls = slot.load()
+    defaults = {"remember": remember} if slot.lever else {}
     if value is True:
-        return cls()
+        return cls(**defaults)
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
-        return cls(**value)
+        return cls(**{**defaults, **value})
     if slot.shorthand is not None:
         arguments = slot.shorthand[1](value)
         if arguments is not None:
@@ -117,7 +122,9 @@ def build_slot(slot: Slot, value: Any) -> Callback | None:
     raise ValueError(f"`{slot.argument}` must be {forms}, got {value!r}.")
 
 
-def default_callbacks(callbacks: Sequence[Callback] | None = None, **slots: Any) -> list[Callback]:
+def default_callbacks(
+    callbacks: Sequence[Callback] | None = None, remember: bool = True, **slots: Any
+) -> list[Callback]:
     """The callbacks of `SLOTS` in acting order, with the user's own merged in.
 
     Every slot takes ``False``, ``True``, a dict of the callback's arguments or an instance; ``prune`` also takes a
@@ -129,6 +136,8 @@ def default_callbacks(callbacks: Sequence[Callback] | None = None, **slots: Any)
 
     Args:
         callbacks: The user's callbacks.
+        remember: Whether the levers built here remember their decisions across runs (their ``remember``;
+            `lightning_speedkit.trials.memory`).
         **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``tune_data``, ``batch_size``,
             ``lr``, ``compile``, ``warmup``, ``guard``, ``monitor``, ``prune``, ``export``.
 
@@ -144,6 +153,7 @@ def default_callbacks(callbacks: Sequence[Callback] | None = None, **slots: Any)
         >>> default_callbacks(callbacks=[mine], tune_precision=False)[2] is mine
         True
     """
+    check_bool("remember", remember)
     known = {slot.argument for slot in SLOTS}
     unknown = sorted(set(slots) - known)
     if unknown:
@@ -152,7 +162,7 @@ def default_callbacks(callbacks: Sequence[Callback] | None = None, **slots: Any)
         not isinstance(callbacks, (list, tuple)) or any(not isinstance(c, Callback) for c in callbacks)
     ):
         raise ValueError(f"`callbacks` must be a list of lightning Callbacks, got {callbacks!r}.")
-    ours = [build_slot(slot, slots.get(slot.argument, slot.default)) for slot in SLOTS]
+    ours = [build_slot(slot, slots.get(slot.argument, slot.default), remember) for slot in SLOTS]
     user = list(callbacks or ())
     merged = []
     for callback in (c for c in ours if c is not None):

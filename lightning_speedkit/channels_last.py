@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.batch import forward_example, modes_kept
-from lightning_speedkit.checks import check_margin, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_margin, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import (
     align_optimizer_state,
@@ -30,6 +30,7 @@ from lightning_speedkit.layout import (
     to_channels_last,
     to_default_layout,
 )
+from lightning_speedkit.trials.counted import counted_cost
 
 __all__ = ["ChannelsLast"]
 
@@ -39,7 +40,12 @@ _MAX_GAIN = 0.4
 
 
 class _Layout(trials.Setting):
-    """A memory format for a trial: the conv weights (and the optimizer state that follows them) in NHWC or NCHW."""
+    """A layout for a counted trial: the conv weights (and the optimizer state that follows them) in NHWC or NCHW.
+
+    Only strides change, never values, so its steps train exactly as the run would: they count.
+    """
+
+    changes_math = False
 
     def __init__(self, channels_last: bool) -> None:
         self.channels_last, self.name = channels_last, _NHWC if channels_last else _NCHW
@@ -56,10 +62,18 @@ class _Layout(trials.Setting):
 
 
 def _set_layout(trainer: pl.Trainer, channels_last: bool) -> int:
-    """Move the conv weights, and the optimizer state that follows them; the number of weights moved."""
+    """Move the conv weights and the optimizer state that follows them; the number of weights moved.
+
+    A DDP wrapper is rebuilt so that its gradient buckets match the new strides.
+    """
     moved = (to_channels_last if channels_last else to_default_layout)(trainer.lightning_module)
     for optimizer in trainer.optimizers:
         align_optimizer_state(optimizer)
+    strategy = trainer.strategy
+    if moved and isinstance(strategy.model, DistributedDataParallel) and hasattr(strategy, "_setup_model"):
+        strategy.model = strategy._setup_model(strategy.model.module)
+        if hasattr(strategy, "_register_ddp_hooks"):
+            strategy._register_ddp_hooks()
     return moved
 
 
@@ -75,11 +89,13 @@ class ChannelsLast(trials.Lever):
     later (in ``configure_model`` or lazily) are reported at fit start; `StructuredPruning` keeps the layout of the
     layers it shrinks. Values never change, so checkpoints load into a model in either layout.
 
-    At fit start, with ``measure=True``, ``probe_steps`` real training steps are timed in each layout (through
-    `lightning_speedkit.trials.measure`: state restored afterwards, one verdict on every rank) and NHWC is kept only
-    when it is at least ``margin`` faster; otherwise the model goes back to the default layout (under DDP the wrapper
-    is rebuilt so its gradient buckets match). When the run is too short for the probe to pay back, the layout is left
-    as the user had it, and the report says why. The life cycle (checkpointed decision, resume, report) is
+    With ``measure=True``, the fit's first training steps are the probe (counted trials,
+    `lightning_speedkit.trials.counted`): blocks of ``probe_steps`` steps alternate the two layouts, three rounds,
+    every step timed and every step training the model as the run would (only strides differ), so the probe costs
+    only the slower layout's extra seconds. NHWC is kept when it is at least ``margin`` faster; otherwise the model
+    goes back to the default layout (under DDP the wrapper is rebuilt at each switch, so its gradient buckets match).
+    When the run is too short for the probe to pay back, the layout is left as the user had it, and the report says
+    why. The life cycle (checkpointed decision, resume, report) is
     `lightning_speedkit.trials.Lever`'s.
 
     Args:
@@ -88,7 +104,9 @@ class ChannelsLast(trials.Lever):
         verify: Check the model on its ``example_input_array`` before keeping the new layout.
         measure: Time both layouts and keep NHWC only when it wins; ``False`` keeps NHWC without timing it.
         margin: How much faster (relative step time, in [0, 1)) NHWC must be to be kept.
-        probe_steps: Training steps timed per layout (the first is a warm-up).
+        probe_steps: Training steps per block of each layout (the first of each block is a warm-up).
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: For a non-bool ``enabled``/``verify``/``measure``, a ``margin`` outside [0, 1) or
@@ -103,6 +121,7 @@ class ChannelsLast(trials.Lever):
 
     AREA = "layout"
     MAX_GAIN = _MAX_GAIN
+    COUNTED = True
 
     def __init__(
         self,
@@ -110,8 +129,10 @@ class ChannelsLast(trials.Lever):
         verify: bool = True,
         measure: bool = True,
         margin: float = 0.03,
-        probe_steps: int = 4,
+        probe_steps: int = 10,
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         for name, value in (("enabled", enabled), ("verify", verify), ("measure", measure)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
@@ -175,7 +196,7 @@ class ChannelsLast(trials.Lever):
         self._verified = True
         if self.measure and stage == "fit" and self._decision is None:
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            pays, why, _ = trials.probe_cost(trainer, 2 * trials.PROBE_ROUNDS * self.probe_steps, self.MAX_GAIN)
+            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.probe_steps), self.MAX_GAIN)
             if not pays:
                 to_default_layout(pl_module)
                 self.converted -= converted
@@ -226,11 +247,6 @@ class ChannelsLast(trials.Lever):
         module = trainer.lightning_module
         if is_channels_last(module) != channels_last:
             count = _set_layout(trainer, channels_last)
-            strategy = trainer.strategy
-            if isinstance(strategy.model, DistributedDataParallel) and hasattr(strategy, "_setup_model"):
-                strategy.model = strategy._setup_model(strategy.model.module)
-                if hasattr(strategy, "_register_ddp_hooks"):
-                    strategy._register_ddp_hooks()
             self.converted = count if channels_last else 0
         self._status = "channels_last" if channels_last else f"default layout: {reason}"
 

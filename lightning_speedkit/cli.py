@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seeds", help="run several seeds, e.g. 0-4 or 0,2,5, and summarise the speed-ups")
     demo.add_argument("--lr", type=float, help="the AdamW LR both runs are given (default 1e-3)")
     demo.add_argument("--cache-dir", help="where generated images are kept (default: $SPEEDKIT_CACHE_DIR or ~/.cache)")
+    commands.add_parser(
+        "forget",
+        help="forget every lever decision remembered across runs (the next runs probe again)",
+        description="Remove the lever decisions speedkit remembers between runs ($SPEEDKIT_DECISIONS_DIR, or"
+        " $SPEEDKIT_CACHE_DIR/decisions, default ~/.cache/lightning_speedkit/decisions); `speedkit doctor` lists them.",
+    )
     from lightning_speedkit.bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(
@@ -183,6 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_speedkit import doctor
 
         return doctor.main(json_output=args.json)
+    if args.command == "forget":
+        from lightning_speedkit.trials.memory import DecisionMemory
+
+        memory = DecisionMemory()
+        count = memory.forget()
+        print(f"speedkit forget: {count} remembered decision(s) removed from {memory.root}")
+        return 0
     if args.command == "bench":
         from lightning_speedkit.bench import run_from_args
 

@@ -19,6 +19,7 @@ import torch
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.hardware import CPU_FLAGS, cpu_info, gpu_infos, nvml_status
 from lightning_speedkit.recommend import recommend
+from lightning_speedkit.trials.memory import DecisionMemory
 
 __all__ = ["collect", "format_text", "main"]
 
@@ -32,11 +33,12 @@ def collect() -> dict[str, Any]:
     Example:
         >>> report = collect()
         >>> sorted(report)
-        ['cpu', 'gpus', 'nvml', 'recommendation', 'versions']
+        ['cpu', 'gpus', 'nvml', 'recommendation', 'remembered', 'versions']
     """
     cpu = cpu_info()
     gpus = gpu_infos()
     nvml_ok, nvml_reason = nvml_status()
+    memory = DecisionMemory()
     versions: dict[str, str | None] = {
         "python": platform.python_version(),
         "lightning_speedkit": __version__,
@@ -49,6 +51,7 @@ def collect() -> dict[str, Any]:
         "gpus": [asdict(gpu) for gpu in gpus],
         "nvml": {"available": nvml_ok, "reason": nvml_reason},
         "recommendation": recommend(cpu, gpus),
+        "remembered": {"dir": str(memory.root), "entries": memory.entries()},
     }
 
 
@@ -98,6 +101,15 @@ def format_text(report: dict[str, Any]) -> str:
     lines += ["", "recommended"]
     lines += _rows(
         [(key, f"{choice['value']!s:<10}  {choice['reason']}") for key, choice in report["recommendation"].items()]
+    )
+    remembered = report.get("remembered", {"dir": "", "entries": []})
+    lines += ["", f"remembered decisions ({remembered['dir']}; `speedkit forget` clears them)"]
+    entries = remembered["entries"] or [{"lever": "none", "decision": "", "made": "", "device": ""}]
+    lines += _rows(
+        [
+            (e["lever"], f"{e['decision'] or ''}  {e.get('made') or ''}  {e.get('device') or ''}".strip())
+            for e in entries
+        ]
     )
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.checks import check_number, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_number, check_probe_steps
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
     diverged,
@@ -102,6 +102,8 @@ class LRFinder(trials.Lever):
         max_fraction: Skip the test when it would take more than this fraction of the steps left, in (0, 1].
         min_signal: Suggest nothing (keep the user's LR) unless the loss fell by at least this many times its noise
             during the test (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: For ``steps`` below 5 or over 100,000, non-positive factors or scales, ``end_factor <=
@@ -136,7 +138,9 @@ class LRFinder(trials.Lever):
         smoothing: float = 0.9,
         max_fraction: float = 0.15,
         min_signal: float = MIN_SIGNAL,
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         self.steps = check_probe_steps("steps", steps, low=5)
         if self.steps > _MAX_STEPS:  # its LR grid is built here: a careless 10**9 would hang the constructor
             raise ValueError(f"`steps` must be at most {_MAX_STEPS} (a range test, not a run), got {steps!r}.")

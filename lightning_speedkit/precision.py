@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.checks import check_margin, check_number, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_margin, check_number, check_probe_steps
 from lightning_speedkit.hardware import cpu_info
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
@@ -96,6 +96,8 @@ class PrecisionTuner(trials.Lever):
             their kernels for a new precision in its first steps).
         margin: How much faster (relative step time, in [0, 1)) a candidate must be to replace the Trainer's.
         loss_tolerance: How much higher (relative, >= 0) a candidate's mean trial loss may be than the reference's.
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: For an empty ``candidates`` or one outside the autocast precisions, ``probe_steps`` below 2, a
@@ -119,7 +121,9 @@ class PrecisionTuner(trials.Lever):
         probe_steps: int = 6,
         margin: float = 0.05,
         loss_tolerance: float = 0.1,
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         if candidates is not None and (
             not isinstance(candidates, (list, tuple))
             or not candidates

@@ -135,6 +135,7 @@ def preset(
     callbacks: Sequence[Callback] | None = None,
     accelerator: str = "auto",
     verbose: bool = True,
+    remember: bool = True,
     channels_last: Any = True,
     tune_precision: Any = True,
     tune_data: Any = True,
@@ -174,6 +175,9 @@ def preset(
       at fit start scales every LR to its suggestion, and the warmup ramps to it), ``compile`` (`Compile`: eager and
       compiled steps timed at fit start, the compiled module kept only when the steps left repay the compile),
       ``prune`` (`StructuredPruning`) and ``export`` (`Int8Export`).
+    - Every lever remembers its decision across runs (``remember=False`` switches that off;
+      `lightning_speedkit.trials.memory`): a later run of the same job on the same machine applies it without
+      probing, and ``speedkit doctor`` / ``speedkit forget`` list and clear what is remembered.
     - Every probe is skipped when the run is too short for it to pay back (`lightning_speedkit.decisions`), so a short
       job is not made slower; each callback's ``report()`` says what it measured, skipped and why.
     - Logger: a W&B logger when wandb is installed (offline without an API key; ``speedkit/*`` metrics grouped on
@@ -193,6 +197,7 @@ def preset(
         {'accelerator': 'cpu', 'logger': False}
     """
     check_bool("verbose", verbose)
+    check_bool("remember", remember)
     plugins = trainer_kwargs.get("plugins")
     plugins = plugins if isinstance(plugins, (list, tuple)) else [plugins]
     plugin = next((p for p in plugins if isinstance(p, Precision)), None)
@@ -211,7 +216,7 @@ def preset(
                 f" used as it is; pass precision='auto' to tune it), got {tune_precision!r}."
             )
         slots["tune_precision"] = False
-    chosen_callbacks = default_callbacks(callbacks=callbacks, **slots)
+    chosen_callbacks = default_callbacks(callbacks=callbacks, remember=remember, **slots)
     choices.attach(chosen_callbacks)
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
         chosen_callbacks.append(RunSummary())

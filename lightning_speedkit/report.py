@@ -20,6 +20,7 @@ __all__ = [
     "Reports",
     "atomic_directory",
     "atomic_file",
+    "cache_dir",
     "collect_reports",
     "flatten_reports",
     "log_rank_zero",
@@ -89,6 +90,18 @@ def collect_reports(objects: Iterable[object]) -> tuple[dict[str, dict[str, Any]
                 key = f"{name}#{count}"
             reports[key] = value
     return reports, problems
+
+
+def cache_dir() -> Path:
+    """Where speedkit keeps files between runs: ``$SPEEDKIT_CACHE_DIR``, else ``~/.cache/lightning_speedkit``.
+
+    Example:
+        >>> import os
+        >>> os.environ["SPEEDKIT_CACHE_DIR"] = "/tmp/sk"; str(cache_dir()); del os.environ["SPEEDKIT_CACHE_DIR"]
+        '/tmp/sk'
+    """
+    env = os.environ.get("SPEEDKIT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lightning_speedkit"
 
 
 @contextlib.contextmanager

@@ -179,6 +179,15 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
+@pytest.fixture(autouse=True)
+def _own_decisions_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test remembers lever decisions in a directory of its own: none leaks into ~/.cache or into another test.
+
+    Subprocesses and spawned DDP ranks inherit it through the environment.
+    """
+    monkeypatch.setenv("SPEEDKIT_DECISIONS_DIR", str(tmp_path_factory.mktemp("decisions")))
+
+
 @pytest.fixture
 def tiny_model() -> TinyClassifier:
     """A fresh, seeded TinyClassifier."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -253,7 +254,7 @@ def _measured_fit(
 
 def test_a_model_nhwc_does_not_speed_up_stays_in_the_default_layout(tmp_path: Path) -> None:
     """A net that is slower in NHWC is timed in both layouts and kept NCHW, with both step times reported."""
-    model, _ = _measured_fit(tmp_path, "slower_nhwc", callback := ChannelsLast())
+    model, _ = _measured_fit(tmp_path, "slower_nhwc", callback := ChannelsLast(probe_steps=4))
     report = callback.report()
     assert report["probed"]
     assert report["decision"] == "default", report
@@ -264,7 +265,7 @@ def test_a_model_nhwc_does_not_speed_up_stays_in_the_default_layout(tmp_path: Pa
 
 def test_the_decision_follows_the_measurement(tmp_path: Path) -> None:
     """On the demo ResNet the layout kept is NHWC exactly when its measured step is at least the margin faster."""
-    model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(margin=0.03))
+    model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(margin=0.03, probe_steps=4))
     report = callback.report()
     faster = report["step_ms"]["channels_last"] <= (1 - 0.03) * report["step_ms"]["default"]
     assert report["decision"] == ("channels_last" if faster else "default")
@@ -278,17 +279,17 @@ def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) 
     report = callback.report()
     assert not report["probed"]
     assert report["decision"] == "default"
-    assert report["reason"].startswith("skipped: the probe (16 steps) cannot pay back in 40 steps left")
+    assert report["reason"].startswith("skipped: the probe (30 steps) cannot pay back in 40 steps left")
     assert not is_channels_last(model)
 
 
 def test_resume_keeps_the_measured_layout_without_probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A resumed fit applies the saved decision and runs no trial."""
-    _measured_fit(tmp_path / "a", "slower_nhwc", original := ChannelsLast(), enable_checkpointing=True)
+    _measured_fit(tmp_path / "a", "slower_nhwc", original := ChannelsLast(probe_steps=4), enable_checkpointing=True)
     saved = original.report()["decision"]
     checkpoint = next((tmp_path / "a").rglob("*.ckpt"))
     monkeypatch.setattr(trials, "measure", lambda *args, **kwargs: pytest.fail("probed again on resume"))
-    resumed_callback = ChannelsLast()
+    resumed_callback = ChannelsLast(probe_steps=4)
     L.seed_everything(0, verbose=False)
     resumed = _SlowerChannelsLast()
     trainer = tiny_trainer(tmp_path / "b", max_epochs=2, callbacks=[resumed_callback], limit_val_batches=0)
@@ -324,7 +325,13 @@ def test_ddp_reverting_to_the_default_layout_keeps_ranks_in_sync(
     """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
     _measured_fit(
-        tmp_path, "flat_head", ChannelsLast(), steps=96, strategy=strategy, devices=2, extra=[_RankState(tmp_path)]
+        tmp_path,
+        "flat_head",
+        ChannelsLast(probe_steps=4),
+        steps=96,
+        strategy=strategy,
+        devices=2,
+        extra=[_RankState(tmp_path)],
     )
     ranks = rank_records(tmp_path)
     assert ranks[0]["channels_last"] is ranks[1]["channels_last"] is False  # reverted after the DDP wrap
@@ -367,3 +374,34 @@ def test_a_model_onednn_cannot_train_channels_last_stays_in_the_default_layout(t
     assert report["converted"] == 0
     assert "#6035" in report["status"]
     assert "`model.stages.1.shortcut.0`" in report["status"]
+
+
+class _Order(L.Callback):
+    """Records each step's global step, LR and first input value (the sample order)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.seen.append((trainer.global_step, lr, float(batch[0].flatten()[0])))
+
+
+def test_counted_layout_trials_leave_the_runs_steps_schedule_and_order_as_they_were(tmp_path: Path) -> None:
+    """The layout probe trains on the fit's first steps: step count, epochs, LR and sample order are the plain run's.
+
+    (Weights are compared exactly for a setting that keeps the math bit for bit in ``tests/test_trials_counted.py``;
+    NHWC and NCHW sum in another order, and Adam turns that into visibly different weights within a few steps.)
+    """
+    probed, trainer = _measured_fit(
+        tmp_path / "probed", "resnet", callback := ChannelsLast(probe_steps=4), steps=140, extra=[order := _Order()]
+    )
+    report = callback.report()
+    assert (report["probed"], report["counted"], report["steps"]) == (True, True, len(report["blocks"]) * 4)
+    assert is_channels_last(probed) is (report["decision"] == "channels_last")
+    _, plain = _measured_fit(
+        tmp_path / "plain", "resnet", ChannelsLast(enabled=False), steps=140, extra=[plain_order := _Order()]
+    )
+    assert (trainer.global_step, trainer.current_epoch) == (plain.global_step, plain.current_epoch) == (140, 1)
+    assert order.seen == plain_order.seen

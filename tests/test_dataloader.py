@@ -222,7 +222,7 @@ def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:
     assert report["rebuilt"] is False
     assert report["probe_s"] == 0.0
     assert trainer.train_dataloader.num_workers == 0
-    assert len(counter.read_text()) == 16  # the 4 training batches of 4 samples, no probe
+    assert len(counter.read_text()) == 16 + 1  # the 4 training batches of 4 samples, no probe; the fingerprint's one
 
 
 def test_probing_does_not_change_training(tmp_path: Path) -> None:

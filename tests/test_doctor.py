@@ -32,7 +32,7 @@ def test_main_json_prints_valid_json(capsys: pytest.CaptureFixture[str]) -> None
     """`main(json_output=True)` prints one JSON document holding the whole report and returns 0."""
     assert doctor.main(json_output=True) == 0
     report = json.loads(capsys.readouterr().out)
-    assert sorted(report) == ["cpu", "gpus", "nvml", "recommendation", "versions"]
+    assert sorted(report) == ["cpu", "gpus", "nvml", "recommendation", "remembered", "versions"]
     assert set(report["recommendation"]) == {"precision", "strategy", "num_workers"}
 
 

@@ -44,6 +44,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "objective": "throughput",
         "throughput_tolerance": 0.1,
         "batch_arg_name": "bs",
+        "remember": False,
     },
     "Compile": {
         "backend": "eager",
@@ -55,8 +56,16 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "probe_steps": 3,
         "max_graph_breaks": 2,
         "min_compile_s": 1.0,
+        "remember": False,
     },
-    "ChannelsLast": {"enabled": False, "verify": False, "measure": False, "margin": 0.1, "probe_steps": 3},
+    "ChannelsLast": {
+        "enabled": False,
+        "verify": False,
+        "measure": False,
+        "margin": 0.1,
+        "probe_steps": 3,
+        "remember": False,
+    },
     "LRFinder": {
         "steps": 30,
         "start_factor": 0.001,
@@ -67,13 +76,21 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "smoothing": 0.8,
         "max_fraction": 0.5,
         "min_signal": 2.0,
+        "remember": False,
     },
-    "PrecisionTuner": {"candidates": ["32-true", "bf16-mixed"], "probe_steps": 3, "margin": 0.1, "loss_tolerance": 0.2},
+    "PrecisionTuner": {
+        "candidates": ["32-true", "bf16-mixed"],
+        "probe_steps": 3,
+        "margin": 0.1,
+        "loss_tolerance": 0.2,
+        "remember": False,
+    },
     "DataLoaderTuner": {
         "candidates": [{"num_workers": 0}, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 4}],
         "probe_steps": 5,
         "max_workers": 2,
         "margin": 0.1,
+        "remember": False,
     },
     "Int8Export": {
         "dirpath": "exports",

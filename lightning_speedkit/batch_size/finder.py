@@ -73,6 +73,8 @@ class BatchSizeFinder(Lever):
         objective: ``"memory"`` or ``"throughput"``.
         throughput_tolerance: For ``"throughput"``: how far below the best samples/s a smaller size may be.
         batch_arg_name: The batch-size attribute on the model, its ``hparams`` or the datamodule.
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument; in ``setup`` when the run cannot be searched (no batch-size
@@ -113,7 +115,9 @@ class BatchSizeFinder(Lever):
         objective: str = "memory",
         throughput_tolerance: float = 0.05,
         batch_arg_name: str = "batch_size",
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         check_choice("mode", mode, MODES)
         check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
         check_choice("objective", objective, OBJECTIVES)
@@ -290,9 +294,14 @@ class BatchSizeFinder(Lever):
         else:
             if scale != 1.0:
                 rescale_run_lrs(trainer, scale)
+            searched = (
+                f"{len(found['trials'])} trials in {found['search_s']:.1f} s"
+                if decision.source == "measured"
+                else f"{decision.source}, no search"
+            )
             rank_zero_info(
                 f"BatchSizeFinder: batch size {found['configured_batch_size']} -> {size} per device"
                 f" ({decision.reason}); global batch {found['global_batch']} = {size} x {trainer.world_size}"
                 f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
-                f"{len(found['trials'])} trials in {found['search_s']:.1f} s."
+                f"{searched}."
             )

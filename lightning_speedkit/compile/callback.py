@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.checks import check_int, check_margin, check_number, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_int, check_margin, check_number, check_probe_steps
 from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back, compile_worth_probing
 from lightning_speedkit.decisions import loss_is_sound
@@ -95,6 +95,8 @@ class Compile(trials.Lever):
         min_compile_s: The least a compile is taken to cost when deciding whether to probe at all. Inductor's first
             compile in a process took 19-45 s on a 2-core CPU, a tiny MLP's later ones 1.5-2 s; wrongly probing costs
             a compile, wrongly skipping at most the best-case saving, which is then below this.
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: For an unknown ``mode`` or ``backend``, ``mode`` together with ``options``, a non-bool
@@ -134,7 +136,9 @@ class Compile(trials.Lever):
         probe_steps: int = 4,
         max_graph_breaks: int = 4,
         min_compile_s: float = 5.0,
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         if mode not in COMPILE_MODES:
             raise ValueError(f"`mode` must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}.")
         if isinstance(backend, str):

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_speedkit.checks import check_int, check_margin, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -62,6 +62,8 @@ class DataLoaderTuner(Lever):
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
             this node (DDP local ranks).
         margin: How much faster (relative median step time) a candidate must be than the loader's own settings.
+        remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
+            fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
         ValueError: For ``probe_steps`` < 1, a negative ``max_workers``, a ``margin`` outside [0, 1), empty
@@ -104,7 +106,9 @@ class DataLoaderTuner(Lever):
         probe_steps: int = 6,
         max_workers: int | None = None,
         margin: float = 0.05,
+        remember: bool = True,
     ) -> None:
+        self.remember = check_bool("remember", remember)
         check_probe_steps("probe_steps", probe_steps)
         check_int("max_workers", max_workers, low=0, optional=True)
         self.margin = check_margin("margin", margin)
@@ -125,6 +129,7 @@ class DataLoaderTuner(Lever):
 
     @override
     def plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
+        self._planned = {}
         owner = self._owner(trainer, pl_module)
         if owner is None:
             return Decision.skipped(_AS_IS, self._left[-1])
@@ -140,11 +145,9 @@ class DataLoaderTuner(Lever):
         return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in plan["candidates"]]
 
     @override
-    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
-        """Measure the candidates (`Lever.decide`); the decision also names the settings (``chosen``, ``baseline``)."""
-        self._planned = {}
-        decision = super().decide(trainer, pl_module)
-        if not self._planned:
+    def finish(self, decision: Decision) -> Decision:
+        """The decision also names the settings: ``chosen``, ``baseline``, each candidate's step time."""
+        if not self._planned or "chosen" in decision.extra:
             return decision
         baseline, candidates = self._planned["baseline"], self._planned["candidates"]
         by_name = {settings_name(baseline): baseline, **{settings_name(s): s for s in candidates}}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit.checks import check_bool, check_int, check_number, is_int
-from lightning_speedkit.report import atomic_directory
+from lightning_speedkit.report import atomic_directory, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +92,8 @@ def render_shape(index: int, image_size: int = 64, seed: int = 0) -> tuple[Image
 
 
 def default_cache_dir() -> Path:
-    """Where generated data lives: ``$SPEEDKIT_CACHE_DIR``, else ``~/.cache/lightning_speedkit``."""
-    env = os.environ.get("SPEEDKIT_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "lightning_speedkit"
+    """Where generated data lives: `lightning_speedkit.report.cache_dir` (``$SPEEDKIT_CACHE_DIR``, or ``~/.cache``)."""
+    return cache_dir()
 
 
 def ensure_shapes(num_images: int, image_size: int = 64, seed: int = 0, root: str | Path | None = None) -> Path:

@@ -33,6 +33,8 @@ from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_speedkit.trials.counted import CountedTrials
+    from lightning_speedkit.trials.memory import Remembering
     from lightning_speedkit.trials.settings import Setting
 
 __all__ = ["DECISION_SPEC", "SOURCES", "Decision", "Lever"]
@@ -164,12 +166,20 @@ class Lever(Callback):
     EXTRA_SPEC: ClassVar[StateSpec] = {}
     """What the lever's own fields of a saved decision may be (beside `DECISION_SPEC`)."""
 
+    COUNTED: ClassVar[bool] = False
+    """Whether the lever probes on counted trials (`lightning_speedkit.trials.counted`, blocks of ``probe_steps``)
+    when every setting of `plan` keeps the math (``Setting.changes_math`` False); else on restored trials."""
+
     probe_steps: int
     margin: float
+    remember: bool = True
+    """Whether decisions are remembered across runs (`lightning_speedkit.trials.memory`); each lever's argument."""
     loss_tolerance: float | None = None
     """With a value, a candidate whose trial losses are non-finite or this much worse is rejected."""
     _arguments: dict[str, Any]
     _decision: Decision | None
+    _memory: Remembering | None
+    _counted: CountedTrials | None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Record the constructor's arguments, for `state_key` (every lever's arguments have defaults)."""
@@ -178,6 +188,8 @@ class Lever(Callback):
         bound.apply_defaults()
         lever._arguments = dict(list(bound.arguments.items())[1:])
         lever._decision = None
+        lever._memory = None
+        lever._counted = None
         return lever
 
     @property
@@ -189,7 +201,7 @@ class Lever(Callback):
     @override
     def state_key(self) -> str:
         shown = {name: value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-                 for name, value in self._arguments.items()}  # fmt: skip
+                 for name, value in self._arguments.items() if name != "remember"}  # fmt: skip
         return self._generate_state_key(**shown)
 
     @property
@@ -203,19 +215,69 @@ class Lever(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._decision is None:
-            self._decision = self.decide(trainer, pl_module)
-            self._log(trainer, self._decision)
-        self.apply(trainer, pl_module, self._decision)
-        rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
+        from lightning_speedkit.trials.memory import Remembering
+
+        if self._decision is not None:  # from a checkpoint, or made at setup
+            self.apply(trainer, pl_module, self._decision)
+            rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
+            return
+        self._memory = memory = Remembering(self.remember)
+        recalled = None if trainer.ckpt_path is not None else memory.recall(trainer, self.state_key)
+        decision = recalled or self.decide(trainer, pl_module)
+        if decision is not None:  # None: counted trials decide on the first training steps
+            self._settle(trainer, pl_module, decision, store=recalled is None)
+
+    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision, store: bool) -> None:
+        """The one order: a new decision is stored and logged, then every decision is applied."""
+        self._decision = decision = self.finish(decision)
+        if store and self._memory is not None:
+            self._memory.store(trainer, decision)
+        self._log(trainer, decision)
+        self.apply(trainer, pl_module, decision)
+        rank_zero_info(f"{type(self).__name__}: {decision.decision} ({self._describe(decision)}).")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._counted is not None:
+            self._counted.step_started(trainer)
+        elif self._memory is not None:
+            self._memory.step_started()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._counted is not None:
+            decision = self._counted.step_ended(trainer)
+            if decision is not None:
+                self._counted = None
+                self._settle(trainer, pl_module, decision, store=True)
+        elif self._memory is not None and self._decision is not None:
+            self._memory.step_ended(trainer, self._decision)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._counted is not None:  # the run ended inside the counted window (early stopping): keep what was
+            counted, self._counted = self._counted, None
+            counted.stop(trainer)
+            reason = "training ended before the counted trials did: the setting in place was kept"
+            self._settle(trainer, pl_module, Decision.skipped(counted.current.name, reason), store=False)
 
     def plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
         """The setting in place and the settings to try, or the decision to keep when there is nothing to measure."""
         raise NotImplementedError
 
-    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
-        """Measure the candidates of `plan` against the setting in place (`lightning_speedkit.trials.measure`)."""
-        from lightning_speedkit.trials.measure import measure
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
+        """Measure the candidates of `plan` against the setting in place.
+
+        On counted trials when the lever takes them (`COUNTED`) and no setting changes the math: the decision
+        then comes after the first training steps (this returns None); else on restored trials
+        (`lightning_speedkit.trials.measure`).
+        """
+        from lightning_speedkit.trials.counted import CountedTrials, counted_cost
+        from lightning_speedkit.trials.measure import measure, probe_cost
 
         plan = self.plan(trainer, pl_module)
         if isinstance(plan, Decision):
@@ -226,6 +288,13 @@ class Lever(Callback):
             return Decision.skipped(current.name, resumed)
         if not others:
             return Decision.skipped(current.name, f"nothing to try: {current.name} is the only setting")
+        block = self.probe_steps
+        if self.COUNTED and not any(s.changes_math for s in (current, *others)):
+            pays, why, left = probe_cost(trainer, counted_cost(1 + len(others), block), self.MAX_GAIN)
+            if not pays:
+                return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
+            self._counted = CountedTrials(current, others, block, self.margin, warmup=min(self.WARMUP, block - 1))
+            return None
         return measure(
             trainer,
             current,
@@ -236,6 +305,10 @@ class Lever(Callback):
             warmup=min(self.WARMUP, self.probe_steps - 1),
             loss_tolerance=self.loss_tolerance,
         )
+
+    def finish(self, decision: Decision) -> Decision:
+        """A new decision, completed with the lever's own fields before it is stored, logged and applied."""
+        return decision
 
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> None:
         """Put ``decision`` in place (also on a resume, where ``decision.source`` is ``"resumed"``)."""
@@ -251,8 +324,13 @@ class Lever(Callback):
         )
 
     def report(self) -> dict[str, Any]:
-        """The decision as a plain dict (`Decision.summary`), with the lever's own `status` first; {} before one."""
-        return {**self.status(), **(self._decision.summary() if self._decision is not None else {})}
+        """The decision as a plain dict (`Decision.summary`), with the lever's own `status` first; {} before one.
+
+        With ``remember``: ``remember``, and ``memory_note`` / ``memory_check`` when a remembered file was not used
+        or a remembered decision was checked against the run's steps (`lightning_speedkit.trials.memory`).
+        """
+        memory = self._memory.report() if self._memory is not None else {"remember": self.remember}
+        return {**self.status(), **(self._decision.summary() if self._decision is not None else {}), **memory}
 
     def status(self) -> dict[str, Any]:
         """What the lever reports beside its decision (e.g. how many tensors it converted)."""
@@ -271,6 +349,8 @@ class Lever(Callback):
             self._decision = resumed
 
     def _describe(self, decision: Decision) -> str:
+        if decision.source == "remembered":
+            return f"remembered from {decision.extra.get('remembered_at', 'an earlier run')}: {decision.reason}"
         return decision.reason if decision.source != "resumed" else f"resumed from the checkpoint: {decision.reason}"
 
     def metrics(self, decision: Decision) -> dict[str, float]:

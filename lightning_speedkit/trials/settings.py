@@ -29,6 +29,11 @@ class Setting:
 
     name = "as is"
 
+    changes_math = True
+    """Whether the setting changes what a training step computes (a batch size, an LR, a precision). A setting that
+    does not (a memory layout, loader workers, compile) can be tried on steps that count
+    (`lightning_speedkit.trials.counted`); one that does is tried on restored steps."""
+
     def apply(self, trainer: pl.Trainer) -> None:
         """Put the setting in place."""
 
@@ -42,6 +47,8 @@ class Setting:
 
 class AsIs(Setting):
     """The run as it is set up: the "without it" every lever compares against."""
+
+    changes_math = False
 
     def __init__(self, name: str = "as is") -> None:
         self.name = name

@@ -1,0 +1,146 @@
+"""Trials on steps that count: the fit's own first training steps, in blocks that alternate the settings, timed.
+
+A setting that does not change what a step computes (the memory layout, the loader's workers, compile) needs no
+restored trial: its steps train the model exactly as the run would, so they can simply be the run's first steps. The
+settings take turns in blocks of ``steps`` training steps, ``rounds`` times (the setting in place first), every
+block timed step by step; then the fastest setting is kept when it beats the setting in place by the margin
+(`lightning_speedkit.decisions.choose_setting`), as `lightning_speedkit.trials.measure` would decide. Nothing is
+restored and nothing is thrown away: the number of optimizer steps, the epochs, the LR schedule and the sample order
+are those of the run without the probe. The probe's cost is only the extra seconds of the blocks that ran slower
+than the setting kept (``probe_s``), so blocks can be longer than a restored trial's, which makes the decision
+steadier on a noisy machine.
+
+Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_speedkit.decisions import choose_setting, clearly_slower
+from lightning_speedkit.trials.lever import Decision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_speedkit.trials.settings import Setting
+
+__all__ = ["COUNTED_ROUNDS", "CountedTrials", "counted_cost"]
+
+COUNTED_ROUNDS = 3
+"""Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted."""
+
+
+def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS) -> int:
+    """The steps a counted probe can cost at worst, for the payback rule: every candidate block twice as slow.
+
+    A restored probe costs every trial step (`PROBE_ROUNDS` rounds of every setting); a counted one only the extra
+    time of the slower blocks, at most their length when a candidate takes twice the setting in place's time (a
+    candidate more than 10% slower in its first round is dropped, so the worst case is rarely met).
+
+    Example:
+        >>> counted_cost(settings=2, steps=10), counted_cost(settings=3, steps=8)
+        (30, 48)
+    """
+    return (settings - 1) * steps * rounds
+
+
+class CountedTrials:
+    """The probe of one lever on the fit's first training steps; ``step_started``/``step_ended`` from its hooks.
+
+    Args:
+        current: The setting in place (the reference, and the first block).
+        candidates: The other settings.
+        steps: Training steps per block.
+        margin: How much faster a candidate must be than ``current`` to be kept.
+        warmup: Leading steps of each block left out of its median (a new layout's first step, a loader's workers
+            starting).
+        rounds: Blocks per setting.
+    """
+
+    def __init__(
+        self,
+        current: Setting,
+        candidates: Sequence[Setting],
+        steps: int,
+        margin: float,
+        warmup: int = 1,
+        rounds: int = COUNTED_ROUNDS,
+    ) -> None:
+        self.current, self.settings = current, (current, *candidates)
+        self.steps, self.margin, self.warmup, self.rounds = steps, margin, warmup, rounds
+        self.times: dict[str, list[float]] = {s.name: [] for s in self.settings}
+        self.blocks: list[tuple[str, list[float]]] = []
+        self._queue: list[Setting] = list(self.settings)
+        self._active: Setting | None = None
+        self._left = 0
+        self._started = 0.0
+        self._round = 1
+        self._dropped: list[str] = []
+        self._began = 0.0
+
+    def step_started(self, trainer: pl.Trainer) -> None:
+        """Before a training step: start the next block when the last one is over, then start the clock."""
+        if self._left == 0:
+            if self._active is not None:
+                self._active.revert(trainer)
+            self._active = self._queue.pop(0)
+            self._active.apply(trainer)
+            self._left = self.steps
+            self.blocks.append((self._active.name, []))
+            self._began = self._began or time.perf_counter()
+        self._started = time.perf_counter()
+
+    def step_ended(self, trainer: pl.Trainer) -> Decision | None:
+        """After a training step: record its time; after the last block, the decision (every rank the same)."""
+        if self._active is None:
+            return None
+        self.blocks[-1][1].append(time.perf_counter() - self._started)
+        self._left -= 1
+        if self._left > 0:
+            return None
+        name, times = self.blocks[-1]
+        self.times[name].extend(times[self.warmup :])
+        if not self._queue:
+            self._next_round(trainer)
+        if self._queue:
+            return None
+        return self._decide(trainer)
+
+    def _next_round(self, trainer: pl.Trainer) -> None:
+        """Queue the next round's blocks (after the first, without a candidate clearly slower than the reference)."""
+        if self._round >= self.rounds:
+            return
+        if self._round == 1:
+            medians = trainer.strategy.broadcast({n: _median(t) for n, t in self.times.items()}, src=0)
+            self._dropped = clearly_slower(medians, self.current.name, self.margin)
+        self._round += 1
+        kept = [s for s in self.settings if s.name not in self._dropped]
+        self._queue = kept if len(kept) > 1 else []
+
+    def stop(self, trainer: pl.Trainer) -> None:
+        """Put the setting in place back (the caller then applies the decision, or keeps it)."""
+        if self._active is not None:
+            self._active.revert(trainer)
+            self._active = None
+
+    def _decide(self, trainer: pl.Trainer) -> Decision:
+        self.stop(trainer)
+        step_s: dict[str, float | None] = trainer.strategy.broadcast(
+            {name: _median(times) for name, times in self.times.items()}, src=0
+        )
+        decision, reason = choose_setting(step_s, self.current.name, self.margin)
+        kept = step_s.get(decision) or 0.0
+        extra_s = sum(max(0.0, sum(times) - kept * len(times)) for _, times in self.blocks)
+        blocks = [{"setting": name, "step_s": times} for name, times in self.blocks]
+        extra: dict[str, Any] = {"counted": True, "steps": sum(len(t) for _, t in self.blocks), "blocks": blocks}
+        extra.update(dropped=list(self._dropped), probe_wall_s=time.perf_counter() - self._began)
+        probe_s = float(trainer.strategy.broadcast(extra_s, src=0))
+        return Decision(decision, f"{reason}; counted trials", True, probe_s, step_s, {}, "measured", extra)
+
+
+def _median(times: list[float]) -> float | None:
+    return statistics.median(times) if times else None

@@ -1,0 +1,384 @@
+"""Decisions remembered across runs: each lever's decision on disk, under a fingerprint of what decides it.
+
+The same job on the same machine (a sweep, a restart, tomorrow's run, every rank of every node) would probe every
+lever again. torch.compile's cache artifacts and Triton's autotune cache keep their tuning on disk keyed by versions,
+device and configuration; this does the same for speedkit's decisions. A decision is keyed by a `fingerprint` of:
+
+- the model's structure (module types, parameter names, shapes and dtypes);
+- the batch (the shapes and dtypes of one training sample, and the batch size);
+- the loader's settings, the number of devices and nodes, the precision and gradient accumulation;
+- the device: the CPU model and its ISA as torch dispatches it (a forced ISA included), the GPU name and compute
+  capability;
+- the torch, Lightning and speedkit versions;
+- the lever and its arguments.
+
+Any change makes another fingerprint, which is probed afresh. Files are written atomically in a directory per
+fingerprint under `decisions_dir` (``$SPEEDKIT_CACHE_DIR/decisions``, by default under ``~/.cache``). A file that
+cannot be read, belongs to another fingerprint or another speedkit version is ignored (the lever probes again and
+its report says why), never a crash. `DecisionMemory.entries` lists what is remembered (``speedkit doctor``) and
+`DecisionMemory.forget` clears it (``speedkit forget``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.report import cache_dir, quiet_logger, write_json_atomic
+from lightning_speedkit.trials.lever import Decision
+from lightning_speedkit.trials.session import LIGHTNING_INFO
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT",
+    "DecisionMemory",
+    "Recalled",
+    "Remembering",
+    "decisions_dir",
+    "fingerprint",
+    "fingerprint_key",
+    "outside_band",
+]
+
+FORMAT = 1
+"""The file format of a remembered decision; a file of another format is ignored."""
+
+
+def decisions_dir() -> Path:
+    """Where remembered decisions live: ``$SPEEDKIT_DECISIONS_DIR``, else ``$SPEEDKIT_CACHE_DIR/decisions``.
+
+    (``~/.cache/lightning_speedkit/decisions`` without either.)
+    """
+    env = os.environ.get("SPEEDKIT_DECISIONS_DIR")
+    return Path(env) if env else cache_dir() / "decisions"
+
+
+def fingerprint_key(print_: Mapping[str, Any]) -> str:
+    """The directory name of a fingerprint: the first 20 hex digits of the SHA-256 of its canonical JSON.
+
+    Example:
+        >>> fingerprint_key({"a": 1}) == fingerprint_key({"a": 1}), len(fingerprint_key({"a": 1}))
+        (True, 20)
+    """
+    canonical = json.dumps(print_, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def _device(trainer: pl.Trainer) -> dict[str, Any]:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        return {"type": "cuda", "name": name, "capability": list(torch.cuda.get_device_capability(index))}
+    cpu = cpu_info()
+    isa = {"capability": cpu.torch_capability, "flags": list(cpu.flags), "forced": cpu.isa_limit}
+    return {"type": device.type, "name": cpu.model, "cores": cpu.available_cores, **isa}
+
+
+def _model(module: torch.nn.Module) -> dict[str, Any]:
+    """Module types and every parameter's and buffer's name, shape and dtype, hashed (a model can be large)."""
+    layout = [(name, type(sub).__name__) for name, sub in module.named_modules()]
+    tensors = [(name, list(t.shape), str(t.dtype)) for name, t in (*module.named_parameters(), *module.named_buffers())]
+    return {"class": type(module).__name__, "structure": fingerprint_key({"layout": layout, "tensors": tensors})}
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, Mapping):
+        return {str(k): _shapes(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_shapes(v) for v in value]
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return type(value).__name__
+    return type(value).__name__
+
+
+_SAMPLES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def _sample(trainer: pl.Trainer, dataset: Any) -> Any:
+    """One sample's shapes and dtypes, read once per fit and dataset (every lever's fingerprint shares the read)."""
+    seen = _SAMPLES.setdefault(trainer, {})
+    if id(dataset) not in seen:
+        try:
+            seen[id(dataset)] = _shapes(dataset[0]) if dataset is not None and len(dataset) > 0 else None
+        except Exception:  # an iterable dataset, or one that cannot be indexed: its type and settings must do
+            seen[id(dataset)] = None
+    return seen[id(dataset)]
+
+
+def _loader(trainer: pl.Trainer) -> dict[str, Any]:
+    """The train loader's settings and one sample's shapes (read without drawing from any RNG the run uses)."""
+    fit_loop = trainer.fit_loop
+    built = fit_loop._combined_loader is not None
+    with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
+        if not built:
+            fit_loop.setup_data()
+        combined = fit_loop._combined_loader
+        loaders = list(combined.flattened) if combined is not None else []
+        found: dict[str, Any] = {"loaders": len(loaders)}
+        if loaders:
+            loader = loaders[0]
+            found.update(
+                type=type(loader).__name__,
+                batch_size=getattr(loader, "batch_size", None),
+                num_workers=getattr(loader, "num_workers", None),
+                pin_memory=getattr(loader, "pin_memory", None),
+                persistent_workers=getattr(loader, "persistent_workers", None),
+                prefetch_factor=getattr(loader, "prefetch_factor", None),
+                drop_last=getattr(loader, "drop_last", None),
+                dataset=type(getattr(loader, "dataset", None)).__name__,
+            )
+            found["sample"] = _sample(trainer, getattr(loader, "dataset", None))
+    if not built and fit_loop._combined_loader is not None:
+        if fit_loop._data_fetcher is not None:
+            fit_loop._data_fetcher.teardown()
+            fit_loop._data_fetcher = None
+        fit_loop._combined_loader = None
+    return found
+
+
+def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
+    """What decides a lever's decision in this run (see the module docstring); ``lever`` is its ``state_key``."""
+    import lightning
+
+    return {
+        "lever": lever,
+        "model": _model(trainer.lightning_module),
+        "data": _loader(trainer),
+        "devices": {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes},
+        "precision": str(trainer.precision),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "device": _device(trainer),
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "speedkit": __version__},
+    }
+
+
+@dataclass
+class Recalled:
+    """What `DecisionMemory.recall` found: the decision (None when there is none to use) and why not, if so."""
+
+    decision: Decision | None
+    note: str = ""
+
+
+class DecisionMemory:
+    """Remembered decisions on disk: one directory per fingerprint, one JSON file per lever.
+
+    Args:
+        root: The directory (default `decisions_dir`).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root) if root is not None else decisions_dir()
+
+    def _file(self, print_: Mapping[str, Any]) -> Path:
+        lever = str(print_.get("lever", "lever")).split("{", 1)[0]
+        return self.root / fingerprint_key(print_) / f"{lever}.json"
+
+    def recall(self, print_: Mapping[str, Any]) -> Recalled:
+        """The decision remembered for this fingerprint, as ``source="remembered"``; a note when a file is unusable."""
+        path = self._file(print_)
+        if not path.exists():
+            return Recalled(None)
+        try:
+            entry = json.loads(path.read_text())
+            if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+                return Recalled(None, f"{path} is not a speedkit decision file (format {FORMAT}): probed again")
+            if entry.get("speedkit") != __version__:
+                return Recalled(
+                    None, f"{path} is from speedkit {entry.get('speedkit')}, not {__version__}: probed again"
+                )
+            if entry.get("fingerprint") != json.loads(json.dumps(print_, default=str)):
+                return Recalled(None, f"{path} belongs to another run's fingerprint: probed again")
+            decision = Decision.from_dict(entry["decision"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return Recalled(None, f"{path} cannot be read ({type(err).__name__}: {err}): probed again")
+        decision.source = "remembered"
+        decision.extra["remembered_at"] = entry.get("made", "")
+        decision.extra["remembered_in"] = str(path)
+        return Recalled(decision)
+
+    def remember(self, print_: Mapping[str, Any], decision: Decision) -> str:
+        """Write ``decision`` for this fingerprint atomically; ``""`` on success, else why not (nothing raised)."""
+        path = self._file(print_)
+        stored = {k: v for k, v in decision.as_dict().items() if k not in ("trials", "remembered_at", "remembered_in")}
+        entry = {
+            "format": FORMAT,
+            "speedkit": __version__,
+            "made": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": json.loads(json.dumps(print_, default=str)),
+            "decision": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stored.items()},
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(entry, path)
+        except OSError as err:
+            return f"cannot write {path} ({err.strerror or err})"
+        return ""
+
+    def forget(self) -> int:
+        """Remove every remembered decision; how many files there were."""
+        count = len(self.entries())
+        if self.root.exists():
+            shutil.rmtree(self.root)
+        return count
+
+    def entries(self) -> list[dict[str, Any]]:
+        """What is remembered, a dict per file: ``path``, ``lever``, ``decision``, ``reason``, ``made``, ``device``."""
+        found = []
+        for path in sorted(self.root.glob("*/*.json")) if self.root.exists() else []:
+            try:
+                entry = json.loads(path.read_text())
+                decision = entry["decision"]
+                found.append(
+                    {
+                        "path": str(path),
+                        "lever": path.stem,
+                        "decision": decision.get("decision"),
+                        "reason": decision.get("reason"),
+                        "made": entry.get("made"),
+                        "speedkit": entry.get("speedkit"),
+                        "device": entry.get("fingerprint", {}).get("device", {}).get("name"),
+                    }
+                )
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                found.append({"path": str(path), "lever": path.stem, "decision": None, "reason": "unreadable"})
+        return found
+
+
+_WARNED: set[Path] = set()
+
+
+def outside_band(live: float, remembered: float, band: float) -> bool:
+    """Whether a run's live step time is more than ``band`` times off the remembered one, either way.
+
+    Example:
+        >>> outside_band(0.030, 0.020, 1.5), outside_band(0.012, 0.020, 1.5), outside_band(0.012, 0.020, 2.0)
+        (False, True, False)
+    """
+    ratio = live / remembered
+    return not 1 / band <= ratio <= band
+
+
+class Remembering:
+    """One lever's use of the memory in one fit: recall before deciding, store a measured decision, check it live.
+
+    The check costs nothing: the training steps the run takes anyway are timed (``CHECK_STEPS`` steps after the first
+    ``CHECK_SKIP``). A measured decision stores their median as ``live_step_s``; a remembered one compares its run's
+    median with it, and outside a factor of ``BAND`` either way the entry is forgotten, so the next run probes again
+    (a decision made on a loaded machine, or a machine that changed, does not stick). The band is wide because the
+    same job on the same shared 2-core machine ran up to 1.45x slower under a second process's load; it catches that
+    and a wrong layout or loader setting (1.2-2x on the demo), not run-to-run jitter.
+
+    Args:
+        enabled: The lever's ``remember`` argument.
+        memory: Where decisions are kept (default `DecisionMemory()`).
+    """
+
+    CHECK_SKIP = 3
+    CHECK_STEPS = 20
+    BAND = 1.5
+
+    def __init__(self, enabled: bool, memory: DecisionMemory | None = None) -> None:
+        self.enabled = enabled
+        self.memory = memory or DecisionMemory()
+        self.print_: dict[str, Any] | None = None
+        self.source = ""
+        self.note = ""
+        self.check: dict[str, Any] = {}
+        self._times: list[float] = []
+        self._started = 0.0
+        self._steps = 0
+
+    def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
+        """Rank zero's remembered decision for this run, on every rank (None: probe), unless remembering is off."""
+        if not self.enabled:
+            return None
+        try:
+            self.print_ = fingerprint(trainer, lever_key)
+        except Exception as err:  # a model or loader the fingerprint cannot read: decide as without memory
+            self.note = f"no fingerprint ({type(err).__name__}: {err}); not remembered"
+            self.enabled = False
+            return None
+        found = self.memory.recall(self.print_) if trainer.is_global_zero else Recalled(None)
+        found = trainer.strategy.broadcast(found, src=0)
+        self.note = found.note
+        return found.decision
+
+    def store(self, trainer: pl.Trainer, decision: Decision) -> None:
+        """Remember a measured decision (rank zero); an unwritable cache is one warning, and the run goes on."""
+        if not self.enabled or self.print_ is None or decision.source != "measured" or not trainer.is_global_zero:
+            return
+        why = self.memory.remember(self.print_, decision)
+        if why:
+            self.note = f"not remembered: {why}"
+            self.enabled = False
+            if self.memory.root not in _WARNED:  # one warning per directory, whatever the number of levers
+                _WARNED.add(self.memory.root)
+                log.warning("lightning_speedkit: lever decisions are not remembered: %s", why)
+
+    def step_started(self) -> None:
+        """Start timing a training step (while the check still needs steps)."""
+        if self.enabled and self._steps < self.CHECK_SKIP + self.CHECK_STEPS:
+            self._started = time.perf_counter()
+
+    def step_ended(self, trainer: pl.Trainer, decision: Decision) -> None:
+        """Count a timed step; after the last one, record (measured) or check (remembered) the live median."""
+        if not self.enabled or self._started == 0.0:
+            return
+        self._steps += 1
+        if self._steps > self.CHECK_SKIP:
+            self._times.append(time.perf_counter() - self._started)
+        self._started = 0.0
+        if self._steps != self.CHECK_SKIP + self.CHECK_STEPS:
+            return
+        live = float(trainer.strategy.broadcast(statistics.median(self._times), src=0))
+        if decision.source == "measured":
+            decision.extra["live_step_s"] = live
+            self.store(trainer, decision)
+            return
+        expected = decision.extra.get("live_step_s")
+        if decision.source != "remembered" or not isinstance(expected, (int, float)) or expected <= 0:
+            return
+        ratio = live / float(expected)
+        stale = outside_band(live, float(expected), self.BAND)
+        self.check = {"live_step_s": live, "remembered_step_s": float(expected), "ratio": ratio, "stale": stale}
+        if stale and trainer.is_global_zero and self.print_ is not None:
+            path = self.memory._file(self.print_)
+            path.unlink(missing_ok=True)
+            self.note = (
+                f"the run's steps took {ratio:.2f}x the remembered {1e3 * expected:.1f} ms (outside {self.BAND}x either"
+                " way): the entry is forgotten, the next run probes again"
+            )
+
+    def report(self) -> dict[str, Any]:
+        """``remember`` (on or off), ``memory_note`` (why a file was not used or written) and ``memory_check``."""
+        out: dict[str, Any] = {"remember": self.enabled}
+        if self.note:
+            out["memory_note"] = self.note
+        if self.check:
+            out["memory_check"] = dict(self.check)
+        return out

@@ -1,0 +1,189 @@
+"""Counted trials: a lever whose settings keep the math probes on the fit's own first steps, and they all count."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+from typing_extensions import override
+
+from lightning_speedkit import trials
+from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Delayed(TinyClassifier):
+    """TinyClassifier whose training step waits ``delay`` seconds (a setting can make a step slower, not different)."""
+
+    delay = 0.0
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return super().training_step(batch, batch_idx)
+
+
+class _Slow(Setting):
+    """A setting that keeps the math and makes each step 30 ms slower."""
+
+    name = "slow"
+    changes_math = False
+
+    @override
+    def apply(self, trainer: L.Trainer) -> None:
+        trainer.lightning_module.delay = 0.03  # type: ignore[assignment]
+
+    @override
+    def revert(self, trainer: L.Trainer) -> None:
+        trainer.lightning_module.delay = 0.0  # type: ignore[assignment]
+
+
+class _Fast(_Slow):
+    """The same setting, with the step's own time: a candidate as fast as the setting in place."""
+
+    name = "fast"
+
+    @override
+    def apply(self, trainer: L.Trainer) -> None:
+        trainer.lightning_module.delay = 0.0  # type: ignore[assignment]
+
+
+class _TestLever(Lever):
+    """A lever over `_Slow` and `_Fast` (counted) or the same pair marked as changing the math (restored)."""
+
+    AREA = "test"
+    COUNTED = True
+
+    def __init__(self, probe_steps: int = 4, margin: float = 0.05, counted: bool = True) -> None:
+        self.probe_steps, self.margin, self.counted = probe_steps, margin, counted
+        self.applied: list[str] = []
+
+    @override
+    def plan(self, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
+        slow, fast = _Slow(), _Fast()
+        if not self.counted:
+            slow.changes_math = fast.changes_math = True
+        return AsIs(), [slow, fast]
+
+    @override
+    def apply(self, trainer: L.Trainer, pl_module: L.LightningModule, decision: Decision) -> None:
+        self.applied.append(decision.decision)
+
+
+class _Record(L.Callback):
+    """Records, per optimizer step, the LR, the first sample's first feature and the global step."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.samples: list[float] = []
+        self.steps: list[int] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+        self.samples.append(float(batch[0][0, 0]))
+        self.steps.append(trainer.global_step)
+
+
+class _Scheduled(_Delayed):
+    """With a step LR schedule, so the test sees that probing does not move it."""
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _fit(tmp_path: Path, callbacks: list[L.Callback], epochs: int = 4) -> tuple[_Scheduled, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    model = _Scheduled(num_samples=512)
+    trainer = tiny_trainer(tmp_path, max_epochs=epochs, callbacks=callbacks, limit_val_batches=0)
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_counted_trials_train_the_run_as_it_would_have_been(tmp_path: Path) -> None:
+    """Steps, epochs, LR schedule, sample order and final weights equal the run without the probe: nothing restored."""
+    plain_model, plain = _fit(tmp_path / "plain", [plain_record := _Record()])
+    lever = _TestLever()
+    model, trainer = _fit(tmp_path / "probed", [lever, record := _Record()])
+    report = lever.report()
+    assert (report["probed"], report["counted"], report["source"]) == (True, True, "measured")
+    assert (trainer.global_step, trainer.current_epoch) == (plain.global_step, plain.current_epoch)
+    assert record.steps == plain_record.steps
+    assert record.lrs == plain_record.lrs
+    assert record.samples == plain_record.samples
+    for a, b in zip(model.state_dict().values(), plain_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert lever.applied == [report["decision"]]
+
+
+def test_a_counted_probe_costs_only_the_slower_blocks_extra_seconds(tmp_path: Path) -> None:
+    """The slow setting loses its first round and is dropped; the probe's cost is its blocks' extra 30 ms a step."""
+    lever = _TestLever(probe_steps=4)
+    _fit(tmp_path, [lever])
+    report = lever.report()
+    assert report["decision"] in ("as is", "fast")
+    assert report["dropped"] == ["slow"]
+    blocks = [b["setting"] for b in report["blocks"]]
+    assert blocks == ["as is", "slow", "fast", "as is", "fast", "as is", "fast"]  # slow timed in round one only
+    assert report["steps"] == 4 * len(blocks)
+    slow_steps = 4
+    assert 0.03 * (slow_steps - 1) <= report["probe_s"] < report["probe_wall_s"]
+    assert report["step_ms"]["slow"] > report["step_ms"]["as is"] + 25
+
+
+def test_a_lever_whose_settings_change_the_math_measures_on_restored_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same lever over settings that change the math decides at fit start, through `measure`, not counted."""
+    called: list[bool] = []
+    original = trials.lever.Lever.decide
+
+    def spy(self: Lever, trainer: L.Trainer, pl_module: L.LightningModule) -> Decision | None:
+        decision = original(self, trainer, pl_module)
+        called.append(decision is not None)
+        return decision
+
+    monkeypatch.setattr(trials.lever.Lever, "decide", spy)
+    lever = _TestLever(counted=False)
+    _fit(tmp_path, [lever])
+    assert called == [True]
+    assert "counted" not in lever.report()
+
+
+def test_a_run_too_short_for_the_counted_probe_skips_it(tmp_path: Path) -> None:
+    """The payback rule holds for counted trials too (their worst case: every candidate block twice as slow)."""
+    lever = _TestLever(probe_steps=20)
+    _fit(tmp_path, [lever], epochs=1)
+    report = lever.report()
+    assert (report["source"], report["probed"]) == ("skipped", False)
+    assert report["reason"].startswith("skipped: the probe (120 steps) cannot pay back in 64 steps left")
+
+
+class _StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.should_stop = trainer.should_stop or trainer.global_step >= self.step
+
+
+def test_a_run_that_ends_inside_the_counted_window_keeps_the_setting_in_place(tmp_path: Path) -> None:
+    """Training stopped during the probe (early stopping, say): the setting in place is kept, and the report says so."""
+    lever = _TestLever(probe_steps=10)
+    _, trainer = _fit(tmp_path, [lever, _StopAt(5)], epochs=8)
+    assert trainer.global_step == 5
+    assert lever.report()["source"] == "skipped"
+    assert lever.report()["reason"].startswith("training ended before the counted trials did")
+    assert trainer.lightning_module.delay == 0.0

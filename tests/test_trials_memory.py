@@ -1,0 +1,224 @@
+"""Decisions remembered across runs: applied unprobed on the same fingerprint, probed again on a change or bad file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import ROOT, tiny_trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_speedkit as speedkit
+from lightning_speedkit.demo import DemoClassifier
+from lightning_speedkit.trials import Lever, TrialSession
+from lightning_speedkit.trials.memory import DecisionMemory, Remembering, fingerprint_key, outside_band
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # a shared 2-core machine: one thread steps steadily
+
+
+def _images(n: int = 256, size: int = 16) -> DataLoader[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, size, size, generator=generator)
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=generator)), batch_size=8)
+
+
+def _levers(**kwargs: Any) -> list[Lever]:
+    """Two levers that measure on this fit: the layout, and fp32 against bf16 (timed whatever the CPU)."""
+    precision = speedkit.PrecisionTuner(candidates=["32-true", "bf16-mixed"], probe_steps=3, **kwargs)
+    return [speedkit.ChannelsLast(probe_steps=3, **kwargs), precision]
+
+
+def _fit(tmp_path: Path, levers: list[Lever], width: int = 16, **kwargs: Any) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    model = DemoClassifier(width=width, crop_size=16)
+    trainer = tiny_trainer(tmp_path, max_epochs=6, callbacks=levers, limit_val_batches=0, **kwargs)
+    trainer.fit(model, _images())
+    return trainer
+
+
+def _no_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TrialSession, "__enter__", lambda self: pytest.fail("probed a remembered decision"))
+
+
+def test_the_same_job_again_applies_every_decision_without_probing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second fit with the same fingerprint recalls each lever's decision (source, where and when), unprobed."""
+    first = _levers()
+    _fit(tmp_path / "a", first)
+    assert all(lever.report()["source"] == "measured" for lever in first)
+    assert len(DecisionMemory().entries()) == 2
+    _no_probe(monkeypatch)
+    second = _levers()
+    _fit(tmp_path / "b", second)
+    for old, new in zip(first, second, strict=True):
+        report = new.report()
+        assert report["source"] == "remembered", report
+        assert (report["decision"], report["reason"]) == (old.report()["decision"], old.report()["reason"])
+        assert report["remembered_at"]
+        assert report["remembered_in"].startswith(str(DecisionMemory().root))
+        assert report["probe_s"] == old.report()["probe_s"]  # the figure of the run that measured it
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"width": 8}, {"accumulate_grad_batches": 2}, {"lever": {"margin": 0.2}}],
+    ids=["model", "accumulation", "arguments"],
+)
+def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict[str, Any]) -> None:
+    """Another model, another gradient accumulation or another lever argument: a new fingerprint, measured afresh."""
+    _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
+    lever = speedkit.ChannelsLast(probe_steps=3, **change.pop("lever", {}))
+    _fit(tmp_path / "b", [lever], **change)
+    assert lever.report()["source"] == "measured"
+    assert len(DecisionMemory().entries()) == 2
+
+
+@pytest.mark.parametrize(
+    ("damage", "note"),
+    [
+        (lambda entry: "{not json", "cannot be read"),
+        (lambda entry: json.dumps({**entry, "speedkit": "0.0.1"}), "is from speedkit 0.0.1"),
+        (lambda entry: json.dumps({**entry, "format": 99}), "is not a speedkit decision file"),
+        (lambda entry: json.dumps({**entry, "fingerprint": {"lever": "another"}}), "another run's fingerprint"),
+        (lambda entry: json.dumps({**entry, "decision": {**entry["decision"], "probed": "yes"}}), "cannot be read"),
+    ],
+    ids=["corrupt", "other version", "other format", "foreign", "damaged decision"],
+)
+def test_a_bad_or_foreign_file_is_ignored_with_a_note_and_probed_again(
+    tmp_path: Path, damage: Any, note: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A corrupt file, another version's, another format's or another fingerprint's: a note, a probe, no crash."""
+    _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
+    (path,) = DecisionMemory().root.glob("*/*.json")
+    path.write_text(damage(json.loads(path.read_text())))
+    lever = speedkit.ChannelsLast(probe_steps=3)
+    _fit(tmp_path / "b", [lever])
+    report = lever.report()
+    assert report["source"] == "measured"
+    assert note in report["memory_note"]
+    assert json.loads(path.read_text())["decision"]["decision"] == report["decision"]  # rewritten by the new probe
+
+
+def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decisions directory that cannot be made: one logged warning for the run, every decision still applied."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("SPEEDKIT_DECISIONS_DIR", str(blocker / "decisions"))
+    levers = _levers()
+    with caplog.at_level("WARNING", logger="lightning_speedkit.trials.memory"):
+        _fit(tmp_path, levers)
+    assert sum("lever decisions are not remembered" in r.getMessage() for r in caplog.records) == 1
+    assert all(lever.report()["source"] == "measured" for lever in levers)
+    assert all("not remembered: cannot write" in lever.report()["memory_note"] for lever in levers)
+
+
+def test_remember_false_neither_reads_nor_writes(tmp_path: Path) -> None:
+    """``remember=False`` on a lever (or ``preset(remember=False)``) probes every time and writes nothing."""
+    _fit(tmp_path / "a", _levers(remember=False))
+    assert DecisionMemory().entries() == []
+    _fit(tmp_path / "b", _levers())
+    levers = _levers(remember=False)
+    _fit(tmp_path / "c", levers)
+    assert all(lever.report()["source"] == "measured" for lever in levers)
+    trainer = speedkit.preset(logger=False, verbose=False, remember=False)
+    assert all(not c.remember for c in trainer.callbacks if isinstance(c, Lever))
+
+
+def test_a_remembered_decision_far_from_the_runs_steps_is_forgotten(tmp_path: Path) -> None:
+    """The live steps are timed at no cost; a remembered figure 10x off makes the next run probe again."""
+    _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
+    (path,) = DecisionMemory().root.glob("*/*.json")
+    entry = json.loads(path.read_text())
+    live = entry["decision"]["live_step_s"]
+    assert live > 0  # the measuring run recorded its own steps
+    entry["decision"]["live_step_s"] = live * 10  # as if remembered on a far slower (loaded) machine
+    path.write_text(json.dumps(entry))
+    lever = speedkit.ChannelsLast(probe_steps=3)
+    _fit(tmp_path / "b", [lever])
+    check = lever.report()["memory_check"]
+    assert check["stale"] is True
+    assert check["ratio"] < 1 / Remembering.BAND
+    assert not path.exists()
+    assert "the next run probes again" in lever.report()["memory_note"]
+
+
+@pytest.mark.parametrize(
+    ("live", "remembered", "stale"),
+    [(0.020, 0.020, False), (0.029, 0.020, False), (0.031, 0.020, True), (0.014, 0.020, False), (0.013, 0.020, True)],
+)
+def test_a_remembered_figure_is_stale_only_outside_the_band_either_way(
+    live: float, remembered: float, stale: bool
+) -> None:
+    """Within 1.5x either way a remembered decision stands; beyond it (slower, or faster: decided under load) not."""
+    assert outside_band(live, remembered, Remembering.BAND) is stale
+
+
+def test_doctor_lists_and_forget_clears_what_is_remembered(tmp_path: Path) -> None:
+    """``speedkit doctor`` names each remembered decision; ``speedkit forget`` removes them all."""
+    _fit(tmp_path, _levers())
+    script = Path(sys.executable).parent / "speedkit"
+    listed = subprocess.run([str(script), "doctor"], capture_output=True, text=True, check=True).stdout
+    assert "ChannelsLast" in listed
+    assert "PrecisionTuner" in listed
+    forgot = subprocess.run([str(script), "forget"], capture_output=True, text=True, check=True).stdout
+    assert forgot.startswith("speedkit forget: 2 remembered decision(s) removed")
+    assert DecisionMemory().entries() == []
+
+
+def test_the_fingerprint_key_is_stable_and_sensitive() -> None:
+    """The same fingerprint always maps to one directory; any field changed maps elsewhere."""
+    base = {"lever": "ChannelsLast{}", "device": {"name": "EPYC", "flags": ["avx2"]}, "versions": {"torch": "2.13"}}
+    assert fingerprint_key(base) == fingerprint_key(json.loads(json.dumps(base)))
+    assert fingerprint_key(base) != fingerprint_key({**base, "device": {"name": "EPYC", "flags": ["avx2", "avx512f"]}})
+
+
+DDP_SCRIPT = """
+import json, sys
+import lightning as L, torch
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_speedkit as speedkit
+from lightning_speedkit.demo import DemoClassifier
+
+out = sys.argv[1]
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(512, 3, 16, 16, generator=g)
+data = DataLoader(TensorDataset(x, torch.randint(0, 10, (512,), generator=g)), batch_size=8)
+lever = speedkit.ChannelsLast(probe_steps=3)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=8, logger=False, callbacks=[lever],
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+L.seed_everything(0, verbose=False)
+trainer.fit(DemoClassifier(width=16, crop_size=16), data)
+report = lever.report()
+with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"source": report["source"], "decision": report["decision"]}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_under_ddp_rank_zero_remembers_and_every_rank_applies_the_same(tmp_path: Path) -> None:
+    """Two gloo ranks: the first run measures and rank zero writes one file; the second run recalls it on both."""
+    script = tmp_path / "job.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    records = []
+    for run in ("first", "second"):
+        out = tmp_path / run
+        out.mkdir()
+        subprocess.run([sys.executable, str(script), str(out)], check=True, cwd=tmp_path, env=env, timeout=600)
+        records.append([json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
+    assert [r["source"] for r in records[0]] == ["measured", "measured"]
+    assert [r["source"] for r in records[1]] == ["remembered", "remembered"]
+    assert records[1][0]["decision"] == records[1][1]["decision"] == records[0][0]["decision"]
+    assert len(DecisionMemory().entries()) == 1
