@@ -6,7 +6,9 @@
   the same batch), so drift on a shared machine hits every setting alike; the figure is the median over the rounds.
   Whole fits take turns the same way: `alternated` (A B, B A, ...) and `rotated` (A B C, B C A, ...).
 - The timed fit: `quiet_trainer` is a real `lightning.Trainer` without logger, checkpoints, progress bar or summary;
-  `timed_fit` runs ``fit`` and returns its wall seconds, optimizer steps and final ``val_acc``.
+  `timed_fit` runs ``fit`` and returns its wall seconds, optimizer steps and final ``val_acc``. Every fit's levers
+  decide afresh (`fresh_decisions`): a benchmark times probes, so no decision is remembered from an earlier fit, and
+  nothing is written to the user's cache.
 - The table and JSON: `Column` and `table` print fixed-width text; `print_and_write` prints it and writes the JSON
   atomically.
 
@@ -16,7 +18,9 @@ own directory on ``sys.path`` before ``from _harness import ...``.
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -38,6 +42,7 @@ __all__ = [
     "alternated",
     "cell",
     "fixed_batch",
+    "fresh_decisions",
     "inference_step",
     "interleaved",
     "interleaved_ms",
@@ -170,8 +175,23 @@ QUIET: dict[str, Any] = {
 """The Trainer options every benchmark fit shares: nothing written, nothing printed but the benchmark's own lines."""
 
 
+def fresh_decisions() -> Path:
+    """Point lever memory (``SPEEDKIT_DECISIONS_DIR``) at a new empty directory: the next fit's levers probe afresh.
+
+    A benchmark compares probing with not probing, or times a lever's decision: a decision remembered from the fit
+    before would stand in for the probe being measured (`lightning_speedkit.trials.memory`).
+    """
+    directory = Path(tempfile.mkdtemp(prefix="speedkit-bench-decisions-"))
+    os.environ["SPEEDKIT_DECISIONS_DIR"] = str(directory)
+    return directory
+
+
 def quiet_trainer(device: torch.device | str = "cpu", **kwargs: Any) -> L.Trainer:
-    """A `lightning.Trainer` on ``device``'s accelerator with `QUIET`'s options; ``kwargs`` add to or override them."""
+    """A `lightning.Trainer` on ``device``'s accelerator with `QUIET`'s options; ``kwargs`` add to or override them.
+
+    Its levers decide afresh (`fresh_decisions`).
+    """
+    fresh_decisions()
     accelerator = "gpu" if torch.device(device).type == "cuda" else "cpu"
     return L.Trainer(**{"accelerator": accelerator, **QUIET, **kwargs})
 

@@ -51,7 +51,7 @@ from lightning_speedkit.oom import release_memory
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import print_and_write, rotated
+from _harness import fresh_decisions, print_and_write, rotated
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
 WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
@@ -86,6 +86,7 @@ def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
     """One demo run of ``way`` (the baseline, or the speedkit side changed one way); the figures compared."""
     if way == "baseline":
         return {"way": way, **_figures(train_variant(config, "baseline", progress=False))}
+    fresh_decisions()  # every way probes afresh: a decision remembered from another way would hide its probes
     callbacks: list[L.Callback] = [LRFinder(min_signal=0.0)] if way == "no_signal_rule" else []
     options: dict[str, Any] = {}
     if way in ("no_probes", "lr_x2"):

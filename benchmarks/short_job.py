@@ -29,7 +29,7 @@ import lightning_speedkit as speedkit
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import QUIET, alternated, print_and_write, quiet_trainer, timed_fit
+from _harness import QUIET, alternated, fresh_decisions, print_and_write, quiet_trainer, timed_fit
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "short_job.json"
 LEVERS = ("ChannelsLast", "PrecisionTuner", "DataLoaderTuner", "LRFinder")
@@ -75,6 +75,7 @@ def fit_once(kind: str, root: str, epochs: int) -> dict[str, Any]:
     if kind == "plain":
         trainer = quiet_trainer(devices=1, **options)
     else:
+        fresh_decisions()  # preset's levers decide afresh in every repeat (no decision remembered from the last)
         trainer = speedkit.preset(verbose=False, **QUIET, **options)
     fit = timed_fit(trainer, SmallCNN(), SmallData())
     row: dict[str, Any] = {"run": kind, "fit_s": fit.seconds, "steps": fit.steps}

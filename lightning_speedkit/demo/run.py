@@ -271,8 +271,13 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         "schedule": schedule,
         "rollbacks": reports.get("TrainingGuard", {}).get("rollbacks", 0),
         "callbacks": [type(c).__name__ for c in ours if type(c).__name__ not in _EVERY_RUN],
-        "probe_s": sum(float(r.get("probe_s") or 0.0) for r in reports.values()),
-        "probes": {name: float(r["probe_s"]) for name, r in reports.items() if r.get("probe_s")},
+        "probe_s": sum(float(r.get("probe_s") or 0.0) for r in reports.values() if r.get("source") != "remembered"),
+        "probes": {
+            name: float(r["probe_s"])
+            for name, r in reports.items()
+            if r.get("probe_s") and r.get("source") != "remembered"
+        },
+        "sources": {name: r["source"] for name, r in reports.items() if "source" in r},
     }
 
 
