@@ -165,8 +165,8 @@ def test_loader_settings_patch_the_hook_and_revert_removes_the_patch() -> None:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_tuner_leaves_a_fast_in_memory_loader_alone_and_says_why(tmp_path: Path) -> None:
-    """With samples already in memory, workers only add hand-over costs: the loader stays as built, with the reason."""
+def test_tuner_on_a_fast_in_memory_loader_keeps_it_unless_workers_win_by_the_margin(tmp_path: Path) -> None:
+    """With samples in memory, workers can only hide a little loading: the loader is rebuilt only for a 5% win."""
     L.seed_everything(0, verbose=False)
     tuner = DataLoaderTuner(max_workers=2, probe_steps=8)
     epochs = epochs_to_probe(settings=3, probe_steps=8, batches_per_epoch=128)
@@ -174,15 +174,17 @@ def test_tuner_leaves_a_fast_in_memory_loader_alone_and_says_why(tmp_path: Path)
     trainer.fit(Model(), SlowData(n=512))
     report = tuner.report()
     assert report["probed"]
-    assert report["rebuilt"] is False
-    assert report["decision"] == report["reason"].split(": kept ")[-1]
     assert "faster than" in report["reason"]
     assert [c["num_workers"] for c in report["candidates"]] == [1, 2]
     assert all(c["step_s"] > 0 for c in report["candidates"])
     assert report["baseline_step_s"] > 0
-    assert report["speedup"] == 1.0
-    assert report["probe_s"] > 0
-    assert trainer.train_dataloader.num_workers == 0
+    best = min(c["step_s"] for c in report["candidates"])
+    assert report["rebuilt"] is (best <= 0.95 * report["baseline_step_s"])
+    if not report["rebuilt"]:
+        assert report["decision"] == report["reason"].split(": kept ")[-1].removesuffix("; counted trials")
+        assert report["speedup"] == 1.0
+    assert trainer.train_dataloader.num_workers == report["chosen"]["num_workers"]
+    assert report["probe_s"] >= 0
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -206,6 +208,38 @@ def test_tuner_picks_workers_for_an_io_slow_dataset_and_keeps_the_loader(tmp_pat
     val = trainer.val_dataloaders
     assert val.num_workers == report["chosen"]["num_workers"]
     assert isinstance(val.sampler, SequentialSampler)
+
+
+class _RecordLabels(L.Callback):
+    def __init__(self) -> None:
+        self.labels: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        self.labels.append(batch[1].tolist())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_counted_probe_trains_on_the_runs_own_batches_in_order(tmp_path: Path) -> None:
+    """The probe's steps are the epoch's own: the first epoch's batches are the run's own, in order, none added.
+
+    Later epochs are shuffled from the main process's RNG, which a dataset's augmentation advances only when it runs
+    there (num_workers=0): as with any change of workers, their order is not the run without the tuner's.
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40)
+    runs, reports = [], []
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)]):
+        L.seed_everything(0, verbose=False)
+        recorder = _RecordLabels()
+        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(Model(), SlowData(n=160))
+        runs.append(recorder.labels)
+        reports.extend(c.report() for c in callbacks)
+    assert reports[0]["probed"]
+    assert reports[0]["reason"].endswith("counted trials")
+    assert len(runs[1]) == epochs * 40
+    assert runs[0][:40] == runs[1][:40]
+    epoch_labels = [sorted(y for batch in runs[1][e * 40 : (e + 1) * 40] for y in batch) for e in range(epochs)]
+    assert all(labels == sorted(y for batch in runs[0][:40] for y in batch) for labels in epoch_labels)
 
 
 def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:
@@ -318,7 +352,7 @@ class _RecordLoaders(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.train_dataloader
         tuner = next(c for c in trainer.callbacks if isinstance(c, DataLoaderTuner))  # type: ignore[attr-defined]
         report = tuner.report()

@@ -8,10 +8,11 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
+from lightning_speedkit.dataloader.counted import CountedBlock, CountedLoader, LiveSettings
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -26,6 +27,7 @@ from lightning_speedkit.dataloader.rebuild import (
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
+from lightning_speedkit.trials.counted import COUNTED_ROUNDS
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class DataLoaderTuner(Lever):
     WARMUP = 2
     """Untimed steps at the start of each trial: worker processes start and fill their prefetch queues."""
 
+    COUNTED = True
+
     def __init__(
         self,
         candidates: Sequence[dict[str, Any]] | None = None,
@@ -126,6 +130,8 @@ class DataLoaderTuner(Lever):
         self._applied: LoaderSettings | None = None
         self._left: list[str] = []
         self._planned: dict[str, Any] = {}
+        self._live: LiveSettings | None = None
+        self._serving: CountedLoader | None = None
 
     @override
     def plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Setting, Sequence[Setting]] | Decision:
@@ -138,11 +144,49 @@ class DataLoaderTuner(Lever):
             self._left_alone(plan["left_alone"])
             return Decision.skipped(_AS_IS, plan["left_alone"])
         self._planned = {**plan, "owner": owner}
-        current = AsIs(settings_name(plan["baseline"]))
-        if plan["batches"] is not None and plan["batches"] < self.probe_steps and plan["candidates"]:
+        baseline, candidates = plan["baseline"], plan["candidates"]
+        if plan["batches"] is not None and plan["batches"] < self.probe_steps and candidates:
             why = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
-            return Decision.skipped(current.name, why)
-        return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in plan["candidates"]]
+            return Decision.skipped(settings_name(baseline), why)
+        window = (1 + len(candidates)) * self.probe_steps * COUNTED_ROUNDS  # every setting's blocks, none dropped
+        loaders = trainer.fit_loop._combined_loader
+        single = loaders is None or len(loaders.flattened) == 1
+        counted = plan["map_style"] and single and baseline["num_workers"] == 0  # a single-process loader to serve
+        if plan["batches"] is not None and plan["batches"] >= window and counted:
+            self._live = live = LiveSettings(baseline)  # counted: the first epoch's steps are the probe
+            return CountedBlock(live, baseline), [CountedBlock(live, s) for s in candidates]
+        self._live = None  # restored trials: an epoch too short (or an iterable dataset) for the counted window
+        current = AsIs(settings_name(baseline))
+        return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in candidates]
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Counted trials: the first epoch's iterator (built, its first batch fetched) is served by `CountedLoader`."""
+        combined = trainer.fit_loop._combined_loader
+        if self._counted is None or self._live is None or self._serving is not None or combined is None:
+            return
+        iterators: list[Any] | None = getattr(combined._iterator, "iterators", None)
+        served = None
+        if iterators is not None and len(iterators) == 1:
+            (base,) = combined.flattened
+            self._serving = CountedLoader(base, self._live)
+            served = self._serving.take_over(iterators[0])
+        if served is None:  # not the single-process iterator the plan expected: settings cannot switch under it
+            self._serving = None
+            self._counted.stop(trainer)
+            self._counted = None
+            reason = "skipped: the first epoch's loader could not be served by the counted trials"
+            self._settle(trainer, pl_module, Decision.skipped(settings_name(self._live.settings), reason), store=False)
+            return
+        assert iterators is not None  # served is None otherwise
+        iterators[0] = served
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._serving is not None:  # the next epoch's loader comes from the (rebuilt) hooks again
+            self._serving.close()
+            self._serving = None
+            trainer.fit_loop._combined_loader = None
 
     @override
     def finish(self, decision: Decision) -> Decision:
@@ -171,10 +215,13 @@ class DataLoaderTuner(Lever):
         if chosen is None:
             return  # the loaders were left alone
         owner = self._owner(trainer, pl_module)
+        if self._live is not None and self._serving is not None:  # mid first epoch: its rest is served so
+            self._live.settings = dict(chosen)
         if decision.extra.get("rebuilt", True) and owner is not None:
             self._applied = LoaderSettings(owner, chosen, _HOOKS, self._left_alone)
             self._applied.apply(trainer)
-            trainer.fit_loop._combined_loader = None
+            if self._serving is None:  # a counted epoch's own loader is dropped at its end
+                trainer.fit_loop._combined_loader = None
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
     @override
@@ -242,7 +289,10 @@ class DataLoaderTuner(Lever):
             batches: int | None = len(loader) // trainer.world_size  # at most what a rank gets from its sampler
         except TypeError:
             batches = None
-        return {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
+        map_style = not isinstance(loader.dataset, IterableDataset)
+        return {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches} | {
+            "map_style": map_style
+        }
 
     def _left_alone(self, reason: str) -> None:
         if reason not in self._left:

@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from typing_extensions import override
 
 from lightning_speedkit.trials import Setting
@@ -95,8 +95,13 @@ def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[
     return [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
 
 
-def rebuild_dataloader(loader: DataLoader[Any], settings: dict[str, Any]) -> DataLoader[Any]:
+def rebuild_dataloader(
+    loader: DataLoader[Any], settings: dict[str, Any], batch_sampler: Sampler[list[int]] | None = None
+) -> DataLoader[Any]:
     """A new DataLoader like ``loader`` (dataset, sampler, batch size, collate_fn, ...) with other worker settings.
+
+    With ``batch_sampler``, it serves those batches of indices instead of drawing its own (counted trials serve
+    an epoch's batches, drawn once, through several loaders: `lightning_speedkit.dataloader.counted`).
 
     Raises:
         NotRebuildableError: For a DataLoader subclass (its extra behaviour would be lost) or an IterableDataset
@@ -131,6 +136,8 @@ def rebuild_dataloader(loader: DataLoader[Any], settings: dict[str, Any]) -> Dat
     if workers > 0:
         kwargs["persistent_workers"] = bool(settings.get("persistent_workers", loader.persistent_workers))
         kwargs["prefetch_factor"] = settings.get("prefetch_factor") or 2
+    if batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
     if isinstance(loader.dataset, IterableDataset):
         return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
     if loader.batch_size is not None and type(loader.batch_sampler) is BatchSampler:

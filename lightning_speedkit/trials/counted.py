@@ -78,6 +78,7 @@ class CountedTrials:
         self._active: Setting | None = None
         self._left = 0
         self._started = 0.0
+        self._last_end = 0.0
         self._round = 1
         self._dropped: list[str] = []
         self._began = 0.0
@@ -94,11 +95,22 @@ class CountedTrials:
             self._began = self._began or time.perf_counter()
         self._started = time.perf_counter()
 
+    def _step_seconds(self) -> float:
+        """The step just ended, timed from the previous step's end.
+
+        That is the wait for its batch (prefetched while the step before ran) and its compute, as a restored trial
+        times a step (`lightning_speedkit.timing.StepTimer`).
+        """
+        now = time.perf_counter()
+        since = self._last_end or self._started
+        self._last_end = now
+        return now - since
+
     def step_ended(self, trainer: pl.Trainer) -> Decision | None:
         """After a training step: record its time; after the last block, the decision (every rank the same)."""
         if self._active is None:
             return None
-        self.blocks[-1][1].append(time.perf_counter() - self._started)
+        self.blocks[-1][1].append(self._step_seconds())
         self._left -= 1
         if self._left > 0:
             return None

@@ -311,6 +311,7 @@ class Remembering:
         self.check: dict[str, Any] = {}
         self._times: list[float] = []
         self._started = 0.0
+        self._last_end = 0.0
         self._steps = 0
 
     def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
@@ -349,10 +350,11 @@ class Remembering:
         """Count a timed step; after the last one, record (measured) or check (remembered) the live median."""
         if not self.enabled or self._started == 0.0:
             return
+        now = time.perf_counter()
         self._steps += 1
-        if self._steps > self.CHECK_SKIP:
-            self._times.append(time.perf_counter() - self._started)
-        self._started = 0.0
+        if self._steps > self.CHECK_SKIP:  # from the previous step's end: its batch's wait and its compute
+            self._times.append(now - (self._last_end or self._started))
+        self._started, self._last_end = 0.0, now
         if self._steps != self.CHECK_SKIP + self.CHECK_STEPS:
             return
         live = float(trainer.strategy.broadcast(statistics.median(self._times), src=0))

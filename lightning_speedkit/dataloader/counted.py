@@ -1,0 +1,121 @@
+"""The loader tuner's counted trials: the first epoch's batches, in the user's order, served by each setting in turn.
+
+Loader settings change how batches arrive, never which: so their trials can be the fit's first training steps
+(`lightning_speedkit.trials.counted`). `CountedLoader` takes over the first epoch's iterator: the epoch's batches of
+indices are the ones the fit's own loader drew (so the sample order is the run's), served through a loader rebuilt
+with the settings in force (`LiveSettings`); when the counted trials switch to another setting, the loader is rebuilt
+over the batches left. After the decision the rest of the epoch is served with the settings kept, and later epochs
+by the rebuilt loaders themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils.data import DataLoader, Sampler
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+from typing_extensions import override
+
+from lightning_speedkit.dataloader.rebuild import rebuild_dataloader, settings_name
+from lightning_speedkit.trials import Setting
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["CountedBlock", "CountedLoader", "LiveSettings"]
+
+
+class _Batches(Sampler[list[int]]):
+    """A batch sampler over fixed batches of indices."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class LiveSettings:
+    """The loader settings in force during the first epoch: the counted trials' block's, then the decision's."""
+
+    def __init__(self, baseline: dict[str, Any]) -> None:
+        self.settings = dict(baseline)
+
+
+class CountedBlock(Setting):
+    """A loader setting for a counted block: it only changes which settings `CountedLoader` serves with."""
+
+    changes_math = False
+
+    def __init__(self, live: LiveSettings, settings: dict[str, Any], name: str | None = None) -> None:
+        self.live, self.settings = live, dict(settings)
+        self.name = name or settings_name(settings)
+        self._was: dict[str, Any] = {}
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        self._was, self.live.settings = self.live.settings, dict(self.settings)
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        self.live.settings = self._was
+
+
+class CountedLoader:
+    """Serves the rest of the first epoch's batches, in the fit's own order, through the settings in force.
+
+    `take_over` replaces the single-process iterator the fit built for the epoch: its batches of indices still to
+    come are drawn from its own sampler iterator (already seeded for the epoch, so the order is the run's), and
+    served through a loader rebuilt with the settings in force, rebuilt again over the batches left whenever the
+    counted trials switch.
+
+    Args:
+        base: The train loader as the fit built it (its sampler already injected for DDP).
+        live: The settings in force, switched by the counted trials.
+    """
+
+    def __init__(self, base: DataLoader[Any], live: LiveSettings) -> None:
+        self.base, self.live = base, live
+        self.loaders_built = 0
+        self._served: Generator[Any, None, None] | None = None
+
+    def take_over(self, iterator: Any) -> Iterator[Any] | None:
+        """The generator to put in place of the epoch's ``iterator`` (None when it is not a single-process one)."""
+        if not isinstance(iterator, _SingleProcessDataLoaderIter):
+            return None
+        batches = [list(batch) for batch in iterator._sampler_iter]
+        self._served = self._serve(batches)
+        return self._served
+
+    def close(self) -> None:
+        """End the serving (and its workers) at the epoch's end."""
+        if self._served is not None:
+            self._served.close()
+            self._served = None
+
+    def _serve(self, batches: list[list[int]]) -> Generator[Any, None, None]:
+        position = 0
+        while position < len(batches):
+            settings = dict(self.live.settings)
+            loader = rebuild_dataloader(self.base, settings, batch_sampler=_Batches(batches[position:]))
+            self.loaders_built += 1
+            generator = loader.generator
+            state = generator.get_state() if generator is not None else None
+            with isolate_rng(include_cuda=torch.cuda.is_available()):  # this iterator's seed draw is not the run's
+                iterator = iter(loader)
+            if generator is not None and state is not None:
+                generator.set_state(state)
+            try:
+                for batch in iterator:
+                    position += 1
+                    yield batch
+                    if self.live.settings != settings:
+                        break
+            finally:
+                del iterator  # its workers shut down here, at the switch
