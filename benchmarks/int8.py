@@ -1,31 +1,37 @@
-"""INT8 ONNX (Int8Export) vs FP32 ONNX vs eager torch FP32 on four workloads, in one run.
+"""INT8 ONNX (`export_int8`) vs FP32 ONNX on conv, depthwise and two-input nets: this CPU and a forced AVX2 ISA.
 
-Workloads: ``conv`` (the demo ResNet), ``linear`` (a Linear-heavy head), ``depthwise`` (a MobileNetV3-style net of
-inverted residuals with depthwise convolutions, squeeze-excitation and hard-swish, the kind whose plain INT8 loses
-the most) and ``encoder`` (a small two-input BERT-style encoder, ``input_ids`` and ``attention_mask``, on a
-synthetic token task, exported with ``inputs_from_batch``). Each is trained briefly with Lightning, with
-`Int8Export` attached (``max_metric_drop=0.005``, so accuracy-aware mode keeps the most sensitive layers in FP32 when
-plain INT8 loses more): at the end of fit it exports FP32 and static QDQ INT8 ONNX models calibrated on validation
-batches and compares them on the validation set. The script then times all three (eager torch FP32, ORT FP32, ORT
-INT8) at batch 1 and a larger batch, with 1 thread and with all threads (median of repeated runs, contender after
-contender). Ratios are against ORT FP32 of the same run (size, speedup) and against eager torch (speedup).
+Workloads: ``conv`` (the demo ResNet), ``depthwise`` (a MobileNetV3-style net of inverted residuals with depthwise
+convolutions, squeeze-excitation and hard-swish) and ``encoder`` (a small two-input BERT-style encoder, ``input_ids``
+and ``attention_mask``, on a synthetic token task). Each is trained once with Lightning (seeded), then exported in two
+passes, each in a process of its own:
 
-    python benchmarks/int8.py            # 2000 images / sequences, 8 epochs per workload (minutes on 2 CPU cores)
-    python benchmarks/int8.py --quick    # seconds: a smoke run for the tests
+- ``native``: this CPU as it is;
+- ``avx2``: under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, what an AVX2-only user gets:
+  `lightning_speedkit.hardware.cpu_info` hides AVX-512, VNNI and bf16, so the INT8 format is chosen for an AVX2 CPU.
+  ONNX Runtime has no such switch (its kernels follow cpuid): on an AVX2 machine the two passes run the same kernels.
+
+Each pass runs `export_int8` with ``min_agreement=0.97`` and ``max_metric_drop=0.005`` (accuracy-aware mode keeps the
+most sensitive layers in FP32 where plain INT8 falls short), calibrated on 16 validation batches and verified on the
+whole validation set; it records `cpu_info` (model, flags, ``isa_limit``) and the load average (the machine may be
+shared), and times ORT FP32 and INT8 at 1 thread (batch 1 and ``batch``) and all threads (``batch``): the median of
+interleaved rounds (`_harness.interleaved_ms`). The native pass also compares the five INT8 formats on each workload
+(``formats``): U8S8, U8S8+reduce_range, S8S8, S8S8+reduce_range and U8U8, each plainly quantized (for the encoder,
+with the nodes its native row kept in FP32 left in FP32 for every format, so that only the format differs).
+
+    python benchmarks/int8.py            # 2000 images / sequences, 8 epochs per workload (tens of minutes, 2 cores)
+    python benchmarks/int8.py --quick    # a smoke run for the tests
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import os
-import statistics
+import platform
+import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import lightning as L
@@ -35,73 +41,43 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_speedkit.batch import forward_example
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
-from lightning_speedkit.int8 import Int8Export
-from lightning_speedkit.int8.steps import ort_session
-from lightning_speedkit.report import write_json_atomic
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.int8 import Int8Format, export_int8
+from lightning_speedkit.int8.inputs import feeds, named_inputs
+from lightning_speedkit.int8.steps import export_onnx, files_of, ort_session, preprocess, quantize_qdq, verify_outputs
 from lightning_speedkit.warmup import WarmupScheduler
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and _models, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import interleaved_ms, print_and_write, quiet_trainer, timed_fit
+from _models import TextClassifier
+
 DEFAULT_OUT = Path(__file__).parent / "results" / "int8.json"
-
-
-def _sibling(name: str) -> ModuleType:
-    """Another benchmark script of this directory as a module (the text encoder is shared with the pruning one)."""
-    if f"benchmark_{name}" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[f"benchmark_{name}"]
+WORKLOADS = ("conv", "depthwise", "encoder")
+ISA_PASSES: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+FORMATS = {  # name -> (activations, weights, reduce_range)
+    "U8S8": ("uint8", "int8", False),
+    "U8S8+reduce_range": ("uint8", "int8", True),
+    "S8S8": ("int8", "int8", False),
+    "S8S8+reduce_range": ("int8", "int8", True),
+    "U8U8": ("uint8", "uint8", False),
+}
 
 
 def _settings(quick: bool) -> dict[str, Any]:
-    if quick:
-        return {
-            "num_images": 200,
-            "epochs": 1,
-            "train_batches": 3,
-            "width": 8,
-            "blocks": 1,
-            "hidden": 128,
-            "batch": 16,
-            "repeats": 2,
-            "text_samples": 128,
-            "max_metric_drop": 0.005,
-        }
-    return {
-        "num_images": 2000,
-        "epochs": 8,
-        "train_batches": None,
-        "width": 32,
-        "blocks": 2,
-        "hidden": 1024,
-        "batch": 32,
-        "repeats": 20,
-        "text_samples": 2000,
-        "max_metric_drop": 0.005,
-    }
-
-
-class MlpClassifier(DemoClassifier):
-    """The demo classifier with a Linear-heavy head: the last feature map flattened into two ``hidden``-unit layers.
-
-    VGG-style: the Linear layers hold most of the weights (96% at width 16, hidden 1024).
-    """
-
-    def __init__(self, hidden: int = 1024, width: int = 16, crop_size: int = 56, lr: float = 1e-3) -> None:
-        super().__init__(width=width, lr=lr, crop_size=crop_size)
-        side = -(-crop_size // 8)  # the stem and two stages halve the side
-        self.model.pool = nn.Identity()
-        self.model.classifier = nn.Sequential(
-            nn.Linear(4 * width * side * side, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 10),
-        )
+    """The workloads' sizes, the batch, the timing rounds and the accuracy budget."""
+    full = {"num_images": 2000, "epochs": 8, "train_batches": None, "width": 32, "blocks": 2, "depthwise_width": 16}
+    full |= {"text_samples": 2000, "batch": 32, "calibration_batches": 16, "rounds": 5, "runs_per_round": 5}
+    full |= {"min_agreement": 0.97, "max_metric_drop": 0.005}
+    if not quick:
+        return full
+    quick_sizes = {"num_images": 200, "epochs": 1, "train_batches": 3, "width": 8, "blocks": 1, "depthwise_width": 8}
+    return full | quick_sizes | {"text_samples": 128, "batch": 16, "calibration_batches": 2, "rounds": 1}
 
 
 class SqueezeExcite(nn.Module):
@@ -176,39 +152,13 @@ class DepthwiseClassifier(DemoClassifier):
         self.model = DepthwiseNet(width)
 
 
-def _eager_run(model: nn.Module, x: Any) -> Callable[[], None]:
-    def run() -> None:
-        with torch.inference_mode():
-            forward_example(model, x)
-
-    return run
-
-
-def _timings(runners: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median ms of each runner over ``repeats`` runs after 3 warm-up runs, one runner after the other.
-
-    Not interleaved run by run: ORT's and torch's thread pools spin-wait after each run, and on a small machine
-    the idle pool of one starves the other (eager torch at 2 threads measured 400 ms instead of 5 ms).
-    """
-    result = {}
-    for name, run in runners.items():
-        times = []
-        for index in range(repeats + 3):
-            start = time.perf_counter()
-            run()
-            if index >= 3:
-                times.append((time.perf_counter() - start) * 1000.0)
-        result[name] = statistics.median(times)
-    return result
-
-
-def _eager_accuracy(model: nn.Module, loader: Any) -> float:
-    correct = total = 0
-    with torch.inference_mode():
-        for *x, y in loader:
-            correct += int((model(*x).argmax(1) == y).sum())
-            total += len(y)
-    return correct / total
+def _model(name: str, s: dict[str, Any], crop_size: int) -> L.LightningModule:
+    L.seed_everything(0, verbose=False)
+    if name == "conv":
+        return DemoClassifier(width=s["width"], blocks_per_stage=s["blocks"], crop_size=crop_size)
+    if name == "depthwise":
+        return DepthwiseClassifier(s["depthwise_width"], crop_size)
+    return TextClassifier(s["text_samples"], s["batch"])
 
 
 def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,108 +166,182 @@ def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[0], batch[1]
 
 
-def _workload(name: str, model: L.LightningModule, dm: Any, s: dict[str, Any], out: Path) -> dict[str, Any]:
-    text = name == "encoder"
-    export = Int8Export(
-        out / name,
-        calibration_batches=16,
-        latency_repeats=s["repeats"],  # the report's own latency, and what layers kept in FP32 cost
-        max_metric_drop=s["max_metric_drop"],
-        inputs_from_batch=_text_inputs if text else None,
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+def _train(name: str, model: L.LightningModule, dm: DemoDataModule, s: dict[str, Any], root: Path) -> float:
+    """Fit ``model`` (warmup + cosine) and return the seconds it took."""
+    trainer = quiet_trainer(
         max_epochs=s["epochs"],
         limit_train_batches=s["train_batches"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
-        default_root_dir=out,
-        callbacks=[WarmupScheduler(warmup=0.05), export],  # warmup + cosine: both nets train reliably at LR 1e-3
+        default_root_dir=root,
+        callbacks=[WarmupScheduler(warmup=0.05)],
     )
-    trainer.fit(model, datamodule=dm)
-    report = export.report()
-    if not report["exported"]:
-        raise RuntimeError(f"Int8Export wrote no report for {name}")
-    model.eval()
-    loader = model.val_dataloader() if text else dm.val_dataloader()
-    first = next(iter(loader))
-    sample = [t[:1] for t in _text_inputs(first)] if text else [first[0][:1]]
-    all_threads = os.cpu_count() or 1
-    latency: dict[str, dict[str, float]] = {}
-    previous = torch.get_num_threads()
-    try:
-        for threads in sorted({1, all_threads}):
-            torch.set_num_threads(threads)  # once per setting: switching per call rebuilds the thread pool
-            sessions = {k: ort_session(ort, Path(report[f"{k}_path"]), threads) for k in ("fp32", "int8")}
-            for batch in (1, s["batch"]):
-                x = [t.expand(batch, *t.shape[1:]).contiguous() for t in sample]
-                feed = {n: t.numpy() for n, t in zip(report["input_names"], x, strict=True)}
-                runners: dict[str, Callable[[], None]] = {
-                    f"ort_{k}": (lambda sess=sess, feed=feed: sess.run(None, feed)) for k, sess in sessions.items()
-                }
-                runners["eager_fp32"] = _eager_run(model, tuple(x))
-                latency[f"t{threads}_b{batch}"] = _timings(runners, s["repeats"])
-    finally:
-        torch.set_num_threads(previous)
-    verification = report["verification"]
-    aware = report["accuracy_aware"]
+    return timed_fit(trainer, model, None if name == "encoder" else dm).seconds
+
+
+def _timings(sessions: dict[str, Any], feed: dict[str, np.ndarray], s: dict[str, Any]) -> dict[str, float]:
+    """Median ms per session over interleaved rounds (each: the median of ``runs_per_round`` runs after a warm-up)."""
+    runs = {name: (lambda session=session: session.run(None, feed)) for name, session in sessions.items()}
+    return interleaved_ms(runs, s["rounds"], s["runs_per_round"], warmup=1)
+
+
+def _latency(paths: dict[str, str], sample: dict[str, np.ndarray], c: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """ORT FP32 and INT8 latency at 1 thread (batch 1 and ``batch``) and all threads (``batch``)."""
+    result = {}
+    for threads, batch in ((1, 1), (1, c["batch"]), (os.cpu_count() or 1, c["batch"])):
+        sessions = {f"ort_{k}": ort_session(ort, Path(p), threads) for k, p in paths.items()}
+        feed = {k: np.ascontiguousarray(np.repeat(v[:1], batch, axis=0)) for k, v in sample.items()}
+        result[f"t{threads}_b{batch}"] = _timings(sessions, feed, c)
+    return result
+
+
+def _row(name: str, model: L.LightningModule, loader: Any, c: dict[str, Any], out: Path) -> dict[str, Any]:
+    text = name == "encoder"
+    report = export_int8(
+        model,
+        loader,
+        out / name / "model.onnx",
+        inputs_from_batch=_text_inputs if text else None,
+        calibration_batches=c["calibration_batches"],
+        validation_data=loader,
+        metric=None if text else model.val_acc,
+        min_agreement=c["min_agreement"],
+        max_metric_drop=c["max_metric_drop"],
+        latency_repeats=0,  # timed below, interleaved
+        overwrite=True,
+    )
+    v, q, aware = report["verification"], report["quantization"], report["accuracy_aware"]
+    kept = [] if aware is None else aware["fp32_layers"]
+    sample = next(feeds(model, loader, _example(model, loader, text), _text_inputs if text else None))[0]
+    latency = _latency({"fp32": report["fp32_path"], "int8": report["int8_path"]}, sample, c)
     return {
         "workload": name,
         "input_names": report["input_names"],
-        "dynamic_axes": report["dynamic_axes"],
         "params": sum(p.numel() for p in model.parameters()),
+        "int8_format": q["int8_format"],
+        "reduce_range": q["reduce_range"],
+        "format_reason": q["format_reason"],
+        "symbolic_shape_inference": report["preprocess"]["symbolic_shape_inference"],
+        "fp32_layers": [f"{k['layer'] or k['node']} ({k['op']})" for k in kept],
+        "fp32_nodes": [k["node"] for k in kept],
+        "fp32_layers_cost": None if aware is None else aware["cost"],
+        "all_int8": None if aware is None else aware["all_int8"],
+        "top1_agreement": v["top1_agreement"],
+        "val_acc_fp32": v["metric_fp32"],
+        "val_acc_int8": v["metric_int8"],
+        "acc_delta_points": 100.0 * (v["metric_int8"] - v["metric_fp32"]),
+        "relative_error": v["relative_error"],
+        "val_samples": v["samples"],
         "fp32_mb": report["fp32_bytes"] / 1e6,
         "int8_mb": report["int8_bytes"] / 1e6,
         "size_ratio": report["size_ratio"],
-        "val_acc_eager": _eager_accuracy(model, loader),
-        "val_acc_fp32": verification["metric_fp32"],
-        "val_acc_int8": verification["metric_int8"],
-        "acc_delta_points": 100.0 * (verification["metric_int8"] - verification["metric_fp32"]),
-        "top1_agreement": verification["top1_agreement"],
-        "relative_error": verification["relative_error"],
-        "all_int8": None if aware is None else aware["all_int8"],
-        "fp32_layers": None
-        if aware is None
-        else [f"{k['layer'] or k['node']} ({k['op']})" for k in aware["fp32_layers"]],
-        "fp32_tensors": None if aware is None else aware["fp32_tensors"],
-        "fp32_layers_cost": None if aware is None else aware["cost"],
         "passed": report["passed"],
+        "status": report["status"],
         "latency_ms": latency,
-        "speedup_vs_ort_fp32": {k: v["ort_fp32"] / v["ort_int8"] for k, v in latency.items()},
-        "speedup_vs_eager": {k: v["eager_fp32"] / v["ort_int8"] for k, v in latency.items()},
+        "speedup": {k: t["ort_fp32"] / t["ort_int8"] for k, t in latency.items()},
+    }
+
+
+def _example(model: nn.Module, loader: Any, text: bool) -> dict[str, torch.Tensor]:
+    first = next(iter(loader))
+    return named_inputs(model, _text_inputs(first) if text else first[0])
+
+
+def _formats(
+    name: str, model: L.LightningModule, loader: Any, row: dict[str, Any], c: dict[str, Any], out: Path
+) -> Any:
+    """Agreement, latency and size of each of `FORMATS` for one workload (see the module docstring)."""
+    text = name == "encoder"
+    example = _example(model, loader, text)
+    pairs = list(feeds(model, loader, example, _text_inputs if text else None))
+    calibration = [feed for feed, _ in pairs[: c["calibration_batches"]]]
+    directory = out / "formats" / name
+    directory.mkdir(parents=True)
+    fp32, pre = directory / "fp32.onnx", directory / "pre.onnx"
+    model.eval()
+    with torch.no_grad():
+        export_onnx(model, example, fp32)
+    preprocess(fp32, pre)
+    excluded = row["fp32_nodes"] if text else []
+    fp32_session = ort_session(ort, fp32, 1)
+    outputs: list[np.ndarray] = []
+    result: dict[str, Any] = {"nodes_kept_in_fp32": excluded}
+    for fmt, (activations, weights, reduce_range) in FORMATS.items():
+        path = directory / f"{fmt}.onnx"
+        quantize_qdq(pre, path, calibration, Int8Format(activations, weights, reduce_range, ""), False, excluded)
+        v = verify_outputs((fp32_session, ort_session(ort, path, 1)), pairs, fp32_outputs=outputs)
+        result[fmt] = {
+            "top1_agreement": v["top1_agreement"],
+            "relative_error": v["relative_error"],
+            "int8_mb": sum(p.stat().st_size for p in files_of(path)) / 1e6,
+        }
+    for batch in (1, c["batch"]):
+        feed = {k: np.ascontiguousarray(np.repeat(v[:1], batch, axis=0)) for k, v in calibration[0].items()}
+        sessions = {"FP32": fp32_session} | {fmt: ort_session(ort, directory / f"{fmt}.onnx", 1) for fmt in FORMATS}
+        for fmt, ms in _timings(sessions, feed, c).items():
+            result.setdefault(fmt, {})[f"t1_b{batch}_ms"] = ms
+    return result
+
+
+def _run_pass(args: argparse.Namespace) -> dict[str, Any]:
+    """One ISA pass in this process: export, verify and time every workload from the saved weights."""
+    s = c = _settings(args.quick)
+    dm = DemoDataModule(num_images=s["num_images"], batch_size=c["batch"], root=args.cache_dir)
+    dm.prepare_data()
+    dm.setup("fit")
+    cpu = cpu_info()
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None  # the machine may be shared: say how busy
+    rows, formats = [], {}
+    for name in WORKLOADS:
+        model = _model(name, s, dm.crop_size)
+        model.load_state_dict(torch.load(Path(args.models) / f"{name}.pt", weights_only=True))
+        model.eval()
+        loader = model.val_dataloader() if name == "encoder" else dm.val_dataloader()
+        rows.append(_row(name, model, loader, c, Path(args.models) / args.isa_pass))
+        if args.formats:
+            formats[name] = _formats(name, model, loader, rows[-1], c, Path(args.models) / args.isa_pass)
+    return {
+        "isa_pass": args.isa_pass,
+        "environment": ISA_PASSES[args.isa_pass],
+        "cpu": {
+            "model": cpu.model,
+            "flags": list(cpu.flags),
+            "isa_limit": cpu.isa_limit,
+            "torch": cpu.torch_capability,
+        },
+        "rows": rows,
+        "formats": formats or None,
+        "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
     }
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """A plain-text table of the results."""
+    """A plain-text table of the results: one block per ISA pass, then the formats comparison."""
     lines = []
-    for row in results["rows"]:
-        lines.append(
-            f"{row['workload']}: {row['params']:,} params, FP32 {row['fp32_mb']:.2f} MB -> INT8 {row['int8_mb']:.2f} MB"
-            f" ({row['size_ratio']:.2f}x smaller); val acc eager {row['val_acc_eager']:.4f}, ORT FP32"
-            f" {row['val_acc_fp32']:.4f}, ORT INT8 {row['val_acc_int8']:.4f}"
-            f" (INT8 - FP32: {row['acc_delta_points']:+.2f} points), top-1 agreement {row['top1_agreement']:.4f}"
-        )
-        if row["fp32_layers"] is not None:
-            cost, first = row["fp32_layers_cost"], row["all_int8"]
-            latency = "n/a" if cost["latency_ms_b1"] is None else f"{cost['latency_ms_b1']:+.3f} ms at batch 1"
+    for run in results["runs"]:
+        cpu = run["cpu"]
+        lines.append(f"[{run['isa_pass']}] {cpu['model']}, flags {' '.join(cpu['flags']) or '-'}, {cpu['isa_limit']}")
+        for row in run["rows"]:
+            lat = row["latency_ms"]
+            t1b1, t1b, tnb = (lat[k] for k in lat)
+            kept = ", ".join(row["fp32_layers"]) or "none"
             lines.append(
-                f"  accuracy-aware: all-INT8 agreement {first['top1_agreement']:.4f}, metric drop"
-                f" {first['metric_drop']:.4f}; kept in FP32: {', '.join(row['fp32_layers']) or 'none'}"
-                f" ({cost['int8_bytes'] / 1e3:+.1f} KB, {latency}){'' if row['passed'] else '; budget missed'}"
+                f"  {row['workload']}: {row['int8_format']}, agreement {row['top1_agreement']:.4f}, val acc"
+                f" {row['val_acc_fp32']:.4f} -> {row['val_acc_int8']:.4f}, {row['fp32_mb']:.2f} -> {row['int8_mb']:.2f}"
+                f" MB, ORT ms FP32/INT8 {t1b1['ort_fp32']:.2f}/{t1b1['ort_int8']:.2f} (1 thread b1),"
+                f" {t1b['ort_fp32']:.1f}/{t1b['ort_int8']:.1f} (1 thread b{results['settings']['batch']}),"
+                f" {tnb['ort_fp32']:.1f}/{tnb['ort_int8']:.1f} (all threads); FP32 kept: {kept};"
+                f" {'passed' if row['passed'] else 'FAILED'}"
             )
-        lines.append(
-            f"  {'threads/batch':<14}{'eager FP32':>12}{'ORT FP32':>12}{'ORT INT8':>12}{'vs ORT':>9}{'vs eager':>10}"
-        )
-        for key, ms in row["latency_ms"].items():
-            lines.append(
-                f"  {key:<14}{ms['eager_fp32']:>10.3f}ms{ms['ort_fp32']:>10.3f}ms{ms['ort_int8']:>10.3f}ms"
-                f"{row['speedup_vs_ort_fp32'][key]:>8.2f}x{row['speedup_vs_eager'][key]:>9.2f}x"
-            )
+        for name, table in (run["formats"] or {}).items():
+            lines.append(f"  formats, {name}:")
+            batch = results["settings"]["batch"]
+            for fmt in ("FP32", *FORMATS):
+                entry = table[fmt]
+                agreement = "" if fmt == "FP32" else f"agreement {entry['top1_agreement']:.4f}, "
+                lines.append(
+                    f"    {fmt:<18} {agreement}1 thread b1 {entry['t1_b1_ms']:.2f} ms, b{batch}"
+                    f" {entry[f't1_b{batch}_ms']:.1f} ms"
+                )
     return "\n".join(lines)
 
 
@@ -326,34 +350,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="a small, fast run (for the tests)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--cache-dir", default=None, help="where the demo images are generated")
+    parser.add_argument("--isa-pass", choices=tuple(ISA_PASSES), help=argparse.SUPPRESS)  # internal: one pass
+    parser.add_argument("--models", help=argparse.SUPPRESS)
+    parser.add_argument("--formats", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    s = _settings(args.quick)
-    L.seed_everything(0, verbose=False)
-    dm = DemoDataModule(num_images=s["num_images"], batch_size=s["batch"], root=args.cache_dir)
+    if args.isa_pass:
+        part = _run_pass(args)
+        args.out.write_text(json.dumps(part))
+        return part
+    s = c = _settings(args.quick)
+    dm = DemoDataModule(num_images=s["num_images"], batch_size=c["batch"], root=args.cache_dir)
     dm.prepare_data()
-    rows = []
+    runs, train_s = [], {}
     with tempfile.TemporaryDirectory(prefix="speedkit-int8-") as tmp:
-        conv = DemoClassifier(width=s["width"], blocks_per_stage=s["blocks"], crop_size=dm.crop_size)
-        rows.append(_workload("conv", conv, dm, s, Path(tmp)))
-        linear = MlpClassifier(s["hidden"], 16, dm.crop_size)
-        rows.append(_workload("linear", linear, dm, s, Path(tmp)))
-        depthwise = DepthwiseClassifier(16, dm.crop_size)
-        rows.append(_workload("depthwise", depthwise, dm, s, Path(tmp)))
-        encoder = _sibling("pruning").TextClassifier(s["text_samples"], s["batch"])
-        rows.append(_workload("encoder", encoder, None, s, Path(tmp)))
+        for name in WORKLOADS:
+            model = _model(name, s, dm.crop_size)
+            train_s[name] = _train(name, model, dm, s, Path(tmp))
+            torch.save(model.state_dict(), Path(tmp) / f"{name}.pt")
+        for isa_pass, environment in ISA_PASSES.items():
+            part = Path(tmp) / f"{isa_pass}.json"
+            command = [sys.executable, __file__, "--isa-pass", isa_pass, "--models", tmp, "--out", str(part)]
+            command += ["--quick"] * args.quick + ["--formats"] * (isa_pass == "native")
+            command += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+            subprocess.run(command, env=os.environ | environment, check=True)
+            runs.append(json.loads(part.read_text()))
     results = {
         "settings": s | {"quick": args.quick},
         "machine": {
             "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
             "torch": torch.__version__,
             "onnxruntime": ort.__version__,
             "numpy": np.__version__,
         },
-        "rows": rows,
+        "train_s": train_s,
+        "runs": runs,
     }
-    print(format_table(results))
-    write_json_atomic(results, args.out)
-    print(f"wrote {args.out}")
+    print_and_write(format_table(results), results, args.out)
     return results
 
 

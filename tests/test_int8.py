@@ -106,6 +106,11 @@ def listing(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def visible(directory: Path) -> list[str]:
+    """The names in ``directory`` a user sees (not the hidden pointer and export directories)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
 def zero_points(path: str | Path) -> list[np.ndarray]:
     """The zero-point initializers of every QuantizeLinear / DequantizeLinear node."""
     model = onnx.load(str(path))
@@ -203,10 +208,9 @@ def test_export_int8_runs_end_to_end_in_onnx_runtime(pure: dict[str, Any], datam
     """A conv net becomes a QDQ INT8 model with a dynamic batch that matches FP32 in ORT, with a complete report."""
     report, path = pure["report"], pure["path"]
     paths = export_paths(path)
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
-        p.name for key, p in paths.items() if key != "int8_data"
-    )
-    assert report["fp32_bytes"] == paths["fp32"].stat().st_size + paths["fp32_data"].stat().st_size
+    assert visible(path.parent) == sorted(p.name for key, p in paths.items() if not key.endswith("_data"))
+    assert report["manifest"].keys() == {paths["fp32"].name, path.name}  # weights inline: no sidecars
+    assert report["fp32_bytes"] == paths["fp32"].stat().st_size
     assert report["int8_bytes"] == path.stat().st_size
     assert report["size_ratio"] == pytest.approx(report["fp32_bytes"] / report["int8_bytes"])
     assert json.loads(paths["report"].read_text()) == report
@@ -290,7 +294,7 @@ def test_existing_export_is_kept_unless_overwrite(tmp_path: Path) -> None:
     assert listing(tmp_path) == before
 
     second = export_int8(net, calibration, path, symmetric=True, keep_fp32=False, overwrite=True, latency_repeats=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.json", "mlp.onnx"]  # the old FP32 files went too
+    assert visible(tmp_path) == ["mlp.json", "mlp.onnx"]  # the old FP32 files went too
     assert first["fp32_path"] is not None
     assert second["fp32_path"] is None
     assert json.loads((tmp_path / "mlp.json").read_text())["quantization"]["activation_symmetric"] is True
@@ -487,7 +491,7 @@ def test_callback_reports_a_metric_drop_once_or_fails(tmp_path: Path, on_metric_
         trainer.fit(OutlierClassifier())
     drops = [str(w.message) for w in caught if "max_metric_drop" in str(w.message)]
     assert len(drops) == 1
-    assert drops[0].startswith("Int8Export: INT8 top1_accuracy is ")
+    assert drops[0].startswith("Int8Export: FAILED its accuracy target: INT8 top1_accuracy is ")
     assert export.report()["exported"] is True
     assert export.report()["passed"] is False
     assert (tmp_path / "int8" / "model.onnx").is_file()
@@ -527,12 +531,7 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
         devices=2,
         callbacks=[Int8Export(tmp_path / "int8", latency_repeats=1), ReportRecorder(tmp_path)],
     ).fit(TinyClassifier())
-    assert sorted(p.name for p in (tmp_path / "int8").iterdir()) == [
-        "model.fp32.onnx",
-        "model.fp32.onnx.data",
-        "model.json",
-        "model.onnx",
-    ]
+    assert visible(tmp_path / "int8") == ["model.fp32.onnx", "model.json", "model.onnx"]
     reports = rank_records(tmp_path, prefix="report_rank")
     assert reports[0] == reports[1] == json.loads((tmp_path / "int8" / "model.json").read_text()) | {"exported": True}
     assert reports[0]["verification"]["samples"] == 64  # the whole validation set, not rank 0's shard
@@ -543,13 +542,21 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
 
 @pytest.mark.slow
 def test_benchmark_quick_mode_writes_its_table(tmp_path: Path, demo_cache: Path) -> None:
-    """``benchmarks/int8.py --quick`` runs all four workloads and writes the JSON it prints."""
+    """``benchmarks/int8.py --quick`` runs every workload on this CPU and under a forced AVX2 ISA, and the formats."""
     module = load_benchmark("int8")
     out = tmp_path / "int8.json"
     results = module.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
     assert json.loads(out.read_text()) == results
-    assert [row["workload"] for row in results["rows"]] == ["conv", "linear", "depthwise", "encoder"]
-    for row in results["rows"]:
-        assert row["size_ratio"] > 1.5
-        assert 0.0 <= row["top1_agreement"] <= 1.0
-    assert results["rows"][-1]["input_names"] == ["input_ids", "attention_mask"]
+    assert [run["isa_pass"] for run in results["runs"]] == ["native", "avx2"]
+    assert results["runs"][1]["environment"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "avx512f" not in results["runs"][1]["cpu"]["flags"]
+    for run in results["runs"]:
+        assert [row["workload"] for row in run["rows"]] == ["conv", "depthwise", "encoder"]
+        for row in run["rows"]:
+            assert row["size_ratio"] > 1.2
+            assert 0.0 <= row["top1_agreement"] <= 1.0
+            assert row["int8_format"].startswith(("U8S8", "S8S8"))
+        assert run["rows"][-1]["input_names"] == ["input_ids", "attention_mask"]
+    formats = results["runs"][0]["formats"]
+    assert set(formats) == {"conv", "depthwise", "encoder"}
+    assert set(formats["conv"]) >= set(module.FORMATS) | {"FP32"}

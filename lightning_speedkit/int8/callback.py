@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool
-from lightning_speedkit.int8.export import check_export_args, drop_message, export_int8, export_paths
+from lightning_speedkit.int8.args import check_export_args, check_metric
+from lightning_speedkit.int8.export import Int8VerificationError, export_int8
 from lightning_speedkit.int8.inputs import InputsFromBatch
-from lightning_speedkit.int8.report import int8_metrics, summary_line
+from lightning_speedkit.int8.place import export_exists
+from lightning_speedkit.int8.report import drop_message, int8_metrics, summary_line
+from lightning_speedkit.int8.sources import metrics_of, module_to_export, unwritable, validation_loader
 from lightning_speedkit.int8.steps import import_export_deps
 from lightning_speedkit.report import log_rank_zero
 
@@ -43,17 +43,18 @@ class Int8Export(Callback):
     metric: ``metric`` if given, else the torchmetrics ``Metric`` attribute named like a ``ModelCheckpoint``'s
     ``monitor``, else the only one whose name starts with ``val``; without one, top-1 accuracy when the targets
     are class indices. The validation batches come from the datamodule's (or module's) ``val_dataloader()``, not
-    sharded; they must be ``(input, target, ...)`` or an input tensor, unless ``inputs_from_batch`` picks the
-    model's inputs out of them (a text model's ``input_ids`` and ``attention_mask``, say). When the INT8 model
-    misses ``max_metric_drop`` (or ``min_agreement``), the most sensitive layers are kept in FP32 until it holds
-    (at most ``max_fp32_layers``); the report lists them and their cost in size and latency.
+    sharded; they must be ``(input, target, ...)``, an input tensor or a dict keyed by ``forward``'s parameters
+    (``input_ids``, ``attention_mask``, ``labels``), unless ``inputs_from_batch`` picks the model's inputs out of
+    them. When the INT8 model misses ``max_metric_drop`` (or ``min_agreement``), the most sensitive layers are kept
+    in FP32 until it holds (at most ``max_fp32_layers``); the report lists them and their cost in size and latency.
+    If it still misses, `report` has ``passed: False`` and a ``status`` starting with ``FAILED``.
 
-    Files in ``dirpath``: ``model.onnx`` (INT8), ``model.fp32.onnx`` + ``model.fp32.onnx.data`` and
-    ``model.json`` (the report), named after ``filename``. They are written into a temporary directory and moved
-    into place when complete. An existing export is never replaced unless ``overwrite=True``: the new one gets
-    the next free name ``model-v1.onnx``, ``model-v2.onnx``, ... Only global rank zero exports; the other ranks
-    wait for it (a broadcast of the report, which every rank then returns from `report`), and a failure on rank zero
-    is raised on every rank. The report is uploaded as a W&B artifact when a ``WandbLogger`` is attached.
+    Files in ``dirpath``: ``model.onnx`` (INT8), ``model.fp32.onnx`` and ``model.json`` (the report), named after
+    ``filename``, switched into place as a whole when complete (`lightning_speedkit.int8.place`). An existing
+    export is never replaced unless ``overwrite=True``: the new one gets the next free name ``model-v1.onnx``,
+    ``model-v2.onnx``, ... Only global rank zero exports; the other ranks wait for it (a broadcast of the report,
+    which every rank then returns from `report`), and a failure on rank zero is raised on every rank. The report
+    is uploaded as a W&B artifact when a ``WandbLogger`` is attached.
 
     Args:
         dirpath: Directory for the files (default: ``<trainer.default_root_dir>/int8``).
@@ -61,10 +62,12 @@ class Int8Export(Callback):
         symmetric: Symmetric activations too, so all zero points are 0 (what TensorRT needs); QInt8 activations.
         verify: Compare FP32 and INT8 on the validation set.
         max_metric_drop: Allowed absolute drop of the metric (0.01: one point of accuracy); None: no check.
-        activation_type: ``"int8"`` or ``"uint8"``; None: ``"int8"`` if ``symmetric`` else ``"uint8"`` (ONNX
-            Runtime's fast U8S8 kernels on x86).
+        activation_type: ``"int8"`` or ``"uint8"``; None: chosen from the CPU (`lightning_speedkit.int8.int8_format`:
+            U8S8 on x86, with 7-bit weights where the CPU lacks VNNI; int8 if ``symmetric``).
+        reduce_range: 7-bit weights (ONNX Runtime's ``reduce_range``); None: chosen from the CPU.
         filename: Name of the INT8 model, ending in ``.onnx``.
-        metric: Name of the module's torchmetrics attribute to compare, or a metric; None: found as above.
+        metric: Name of the module's torchmetrics attribute to compare, or a torchmetrics ``Metric``; None: found as
+            above.
         on_metric_drop: ``"warn"``: write and warn by how much; ``"raise"``: write nothing and fail the fit.
         overwrite: Replace an existing export instead of writing a new version beside it.
         use_best_checkpoint: Export the best checkpoint's weights when a ``ModelCheckpoint`` monitors one.
@@ -72,7 +75,9 @@ class Int8Export(Callback):
         latency_batch_size: The larger batch of the latency comparison (the other is 1).
         latency_repeats: Timed runs per model and batch size; 0 skips latency.
         inputs_from_batch: ``batch -> inputs`` (a tensor, a tuple in ``forward`` order or a dict by parameter
-            name) for calibration and verification; the target is the batch's last item (or its ``labels``).
+            name) for calibration and verification; the target is the batch's last item (or its ``labels``). Not
+            needed for dict batches whose keys are ``forward``'s parameters (``input_ids``, ``attention_mask``,
+            ``labels``): those keys are the inputs, ``labels`` the target.
         min_agreement: Required FP32/INT8 top-1 agreement, in (0, 1]; None: no check.
         max_fp32_layers: Most layers kept in FP32 to meet the budget (None: half the Conv/Gemm/MatMul; 0: never).
 
@@ -102,6 +107,7 @@ class Int8Export(Callback):
         max_metric_drop: float | None = 0.01,
         *,
         activation_type: str | None = None,
+        reduce_range: bool | None = None,
         filename: str = "model.onnx",
         metric: str | Metric | None = None,
         on_metric_drop: str = "warn",
@@ -122,6 +128,7 @@ class Int8Export(Callback):
             verify=verify,
             overwrite=overwrite,
             activation_type=activation_type,
+            reduce_range=reduce_range,
             calibration_batches=calibration_batches,
             max_metric_drop=max_metric_drop,
             on_metric_drop=on_metric_drop,
@@ -132,14 +139,21 @@ class Int8Export(Callback):
             min_agreement=min_agreement,
             max_fp32_layers=max_fp32_layers,
         )
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+        check_metric(metric, names=True)
+        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):
             raise ValueError(f"`dirpath` must be a directory path or None, got {dirpath!r}.")
-        if not isinstance(filename, str) or not filename.endswith(".onnx") or Path(filename).name != filename:
+        if (
+            not isinstance(filename, str)
+            or not filename.endswith(".onnx")
+            or Path(filename).name != filename
+            or filename == ".onnx"
+        ):
             raise ValueError(f"`filename` must be a file name ending in '.onnx', got {filename!r}.")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.calibration_batches = calibration_batches
         self.symmetric = symmetric
         self.activation_type = activation_type
+        self.reduce_range = reduce_range
         self.verify = verify
         self.max_metric_drop = max_metric_drop
         self.filename = filename
@@ -155,6 +169,7 @@ class Int8Export(Callback):
         self.max_fp32_layers = max_fp32_layers
         self._resolved_dir: Path | None = None
         self._report: dict[str, Any] | None = None
+        self._failure: dict[str, Any] | None = None
 
     @property
     @override
@@ -162,15 +177,19 @@ class Int8Export(Callback):
         return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
 
     def report(self) -> dict[str, Any]:
-        """The last export's report (on every rank) with ``exported: True``, or ``exported: False`` before one.
+        """The last export's report (on every rank) with ``exported``; ``passed`` and ``status`` say if it failed.
 
         After an export: `lightning_speedkit.int8.export_int8`'s report (what ``model.json`` holds: paths, sizes,
-        latency, verification, ``passed``, ``weights``, ...) plus ``exported``. Before one: ``exported`` and
-        ``reason``.
+        latency, verification, ``passed``, ``status``, ``weights``, ...) plus ``exported: True``. An export that
+        missed its accuracy target has ``passed: False`` and a ``status`` starting with ``FAILED``; with
+        ``on_metric_drop="raise"`` nothing was written and the report has ``exported: False`` and the numbers.
+        Before any export: ``exported: False`` and ``reason``.
         """
-        if self._report is None:
-            return {"exported": False, "reason": "Int8Export exports at the end of fit; no fit has ended yet"}
-        return {"exported": True, **self._report}
+        if self._report is not None:
+            return {"exported": True, **self._report}
+        if self._failure is not None:
+            return {"exported": False, **self._failure}
+        return {"exported": False, "reason": "Int8Export exports at the end of fit; no fit has ended yet"}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,7 +197,7 @@ class Int8Export(Callback):
             return
         import_export_deps()  # fail before training, not after it
         self._resolved_dir = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "int8"
-        problem = _unwritable(self._resolved_dir) if trainer.is_global_zero else None
+        problem = unwritable(self._resolved_dir) if trainer.is_global_zero else None
         problem = trainer.strategy.broadcast(problem, src=0)  # every rank fails together, before training
         if problem:
             raise ValueError(
@@ -186,7 +205,7 @@ class Int8Export(Callback):
                 " choose another `dirpath` before training."
             )
         if isinstance(self.metric, str):
-            metrics = _metrics_of(pl_module)
+            metrics = metrics_of(pl_module)
             if self.metric not in metrics:
                 raise ValueError(
                     f"Int8Export: `metric={self.metric!r}` names no torchmetrics Metric of {type(pl_module).__name__};"
@@ -202,13 +221,17 @@ class Int8Export(Callback):
                 report = self._export(trainer, pl_module)
             except Exception as error:  # raised below, after the other ranks have heard of it
                 failure = error
+                report = error.report if isinstance(error, Int8VerificationError) else None
         message = None if failure is None else f"{type(failure).__name__}: {failure}"
         report, message = trainer.strategy.broadcast((report, message), src=0)  # the other ranks wait here
-        if failure is not None:
-            raise failure
         if message is not None:
+            self._failure = {**(report or {}), "reason": f"the export failed, nothing was written: {message}"}
+            if report is not None:
+                self._failure["status"] = f"FAILED: {drop_message(report)}; nothing was written (on_metric_drop=raise)"
+            if failure is not None:
+                raise failure
             raise RuntimeError(f"Int8Export: the export on rank 0 failed: {message}")
-        self._report = report
+        self._report, self._failure = report, None
         if report is None or not trainer.is_global_zero:
             return
         log_rank_zero(trainer, int8_metrics(report))
@@ -217,20 +240,24 @@ class Int8Export(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"report": self._report}
+        return {"report": self._report, "failure": self._failure}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._report = state_dict.get("report", self._report)
+        self._failure = state_dict.get("failure", self._failure)
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        module, weights = self._module_to_export(trainer, pl_module)
-        loader = _validation_loader(trainer, pl_module)
+        module, weights = module_to_export(trainer, pl_module, self.use_best_checkpoint)
+        loader = validation_loader(trainer, pl_module)
         with warnings.catch_warnings():  # the drop is reported below, once, in this class's name
-            warnings.filterwarnings("ignore", message="export_int8: INT8 ")
+            warnings.filterwarnings("ignore", message="export_int8: FAILED ")
             report = self._run_export(trainer, module, loader, weights)
         if not report["passed"]:
-            rank_zero_warn(f"Int8Export: {drop_message(report)}.")
+            rank_zero_warn(
+                f"Int8Export: FAILED its accuracy target: {drop_message(report)}; {report['int8_path']}"
+                " was written but is not verified to that target."
+            )
         return report
 
     def _run_export(self, trainer: pl.Trainer, module: nn.Module, loader: Any, weights: str) -> dict[str, Any]:
@@ -240,6 +267,7 @@ class Int8Export(Callback):
             self._target(),
             symmetric=self.symmetric,
             activation_type=self.activation_type,
+            reduce_range=self.reduce_range,
             calibration_batches=self.calibration_batches,
             validation_data=loader,
             metric=self._find_metric(trainer, module),
@@ -261,51 +289,15 @@ class Int8Export(Callback):
         directory = self._resolved_dir or Path("int8")
         stem = Path(self.filename).stem
         candidate, version = directory / self.filename, 0
-        while not self.overwrite and any(p.exists() for p in export_paths(candidate).values()):
+        while not self.overwrite and export_exists(candidate.absolute()):
             version += 1
             candidate = directory / f"{stem}-v{version}.onnx"
         return candidate
 
-    def _module_to_export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[nn.Module, str]:
-        """A CPU FP32 copy of the module with the best checkpoint's weights, and where those weights came from."""
-        callbacks, datamodule = getattr(trainer, "callbacks", []), getattr(trainer, "datamodule", None)
-        keep = [trainer, trainer.strategy, *callbacks, *trainer.loggers, datamodule]
-        memo: dict[int, Any] = {id(o): o for o in keep if o is not None}  # hooks may point at them: share, not copy
-        module = copy.deepcopy(pl_module, memo).to("cpu", torch.float32)
-        best = self._best_checkpoint(trainer) if self.use_best_checkpoint else None
-        if best is None:
-            return module, "final weights"
-        try:
-            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
-        except Exception as error:  # e.g. a type that weights_only refuses
-            rank_zero_warn(
-                f"Int8Export: cannot read the weights of the best checkpoint {best} with weights_only=True,"
-                f" exporting the final weights instead: {type(error).__name__}: {_first_line(error)}"
-            )
-            return module, "final weights"
-        try:
-            module.load_state_dict(state)
-        except RuntimeError as error:
-            rank_zero_warn(
-                f"Int8Export: the best checkpoint {best} does not fit the module any more (saved before pruning?),"
-                f" exporting the final weights instead: {_first_line(error)}"
-            )
-            return module, "final weights"
-        return module, f"best checkpoint {best}"
-
-    @staticmethod
-    def _best_checkpoint(trainer: pl.Trainer) -> str | None:
-        for callback in trainer.checkpoint_callbacks:
-            if not isinstance(callback, ModelCheckpoint) or callback.monitor is None:
-                continue
-            if callback.best_model_path and Path(callback.best_model_path).is_file():
-                return callback.best_model_path
-        return None
-
     def _find_metric(self, trainer: pl.Trainer, module: nn.Module) -> Metric | None:
         if self.metric is not None and not isinstance(self.metric, str):
             return self.metric
-        metrics = _metrics_of(module)
+        metrics = metrics_of(module)
         if isinstance(self.metric, str):
             return metrics[self.metric]
         for callback in trainer.checkpoint_callbacks:
@@ -329,49 +321,3 @@ class Int8Export(Callback):
                 for name in [*report["files"], Path(report["report_path"]).name]:
                     artifact.add_file(str(directory / name))
                 run.log_artifact(artifact)
-
-
-def _unwritable(directory: Path) -> str | None:
-    """Why an export could not be written into ``directory`` (created if missing), or None if it could."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an error, or its first ``size mismatch`` line (``load_state_dict`` puts those second)."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
-
-
-def _metrics_of(module: nn.Module) -> dict[str, Metric]:
-    from torchmetrics import Metric
-
-    return {name: m for name, m in module.named_modules() if name and isinstance(m, Metric)}
-
-
-def _validation_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """The full (unsharded) validation loader: the datamodule's or the module's, else the Trainer's first."""
-    loaders: Any = None
-    datamodule = getattr(trainer, "datamodule", None)
-    if datamodule is not None and is_overridden("val_dataloader", datamodule):
-        loaders = datamodule.val_dataloader()
-    elif is_overridden("val_dataloader", pl_module):
-        loaders = pl_module.val_dataloader()
-    else:
-        loaders = trainer.val_dataloaders
-    if isinstance(loaders, dict):
-        loaders = next(iter(loaders.values()), None)
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[0] if loaders else None
-    if loaders is None:
-        raise RuntimeError(
-            "Int8Export: there is no validation data to calibrate and verify on; define `val_dataloader` in the"
-            " LightningModule or DataModule, or pass `val_dataloaders` to `fit`."
-        )
-    return loaders

@@ -1,4 +1,4 @@
-"""`export_int8`: ONNX, static QDQ INT8 calibrated on real batches, verified in ONNX Runtime, written atomically."""
+"""`export_int8`: ONNX, static QDQ INT8 calibrated on real batches, verified in ONNX Runtime, switched in atomically."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import itertools
 import json
 import logging
 import os
-import shutil
-import tempfile
+import platform
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,17 +15,38 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_speedkit.checks import check_bool, check_choice, check_int, is_int, is_number
-from lightning_speedkit.int8.inputs import InputsFromBatch, batch_inputs, feeds, named_inputs
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.int8.args import (
+    ACTIONS_ON_METRIC_DROP,
+    ACTIVATION_TYPES,
+    check_batches,
+    check_export_args,
+    check_export_path,
+    check_metadata,
+    check_metric,
+)
+from lightning_speedkit.int8.formats import int8_format
+from lightning_speedkit.int8.inputs import InputsFromBatch, batch_inputs, check_runs, feeds, named_inputs
+from lightning_speedkit.int8.place import (
+    can_link,
+    clean_stale,
+    export_exists,
+    export_paths,
+    sha256_of,
+    staging,
+    switch_into_place,
+    version_dir_of,
+)
+from lightning_speedkit.int8.report import drop_message, verdict
 from lightning_speedkit.int8.sensitivity import budget_shortfall, keep_layers_in_fp32, metric_drop
 from lightning_speedkit.int8.steps import (
     export_onnx,
     files_of,
     import_export_deps,
-    move_into_place,
     opset_of,
     ort_latency_ms,
     ort_session,
+    preprocess,
     quantize_qdq,
     verify_outputs,
 )
@@ -41,17 +61,9 @@ __all__ = [
     "ACTIONS_ON_METRIC_DROP",
     "ACTIVATION_TYPES",
     "Int8VerificationError",
-    "check_export_args",
-    "drop_message",
     "export_int8",
     "export_paths",
 ]
-
-ACTIONS_ON_METRIC_DROP = ("raise", "warn")
-"""What `export_int8` and `Int8Export` do when the INT8 metric drops more than allowed."""
-
-ACTIVATION_TYPES = ("int8", "uint8")
-"""Activation types of the INT8 model; weights are always per-channel symmetric int8."""
 
 
 class Int8VerificationError(RuntimeError):
@@ -60,68 +72,6 @@ class Int8VerificationError(RuntimeError):
     def __init__(self, message: str, report: dict[str, Any]) -> None:
         super().__init__(message)
         self.report = report
-
-
-def _check_batches(name: str, value: object) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an iterable of batches (not a string)."""
-    if not isinstance(value, Iterable) or isinstance(value, (str, bytes)):
-        raise ValueError(f"`{name}` must be an iterable of batches (e.g. a DataLoader), got {value!r}.")
-
-
-def check_export_args(**values: Any) -> None:
-    """Raise ``ValueError`` naming the first argument of `export_int8` / `Int8Export` that is out of range.
-
-    Example:
-        >>> check_export_args(calibration_batches=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `calibration_batches` must be a positive int or None, got 0.
-    """
-    for name in ("calibration_batches", "verify_batches"):
-        check_int(name, values.get(name), optional=True)
-    drop = values.get("max_metric_drop")
-    if drop is not None and not is_number(drop, 0):
-        raise ValueError(f"`max_metric_drop` must be a number >= 0 or None, got {drop!r}.")
-    agreement = values.get("min_agreement")
-    if agreement is not None and not is_number(agreement, 0, 1, open_low=True):
-        raise ValueError(f"`min_agreement` must be a number in (0, 1] or None, got {agreement!r}.")
-    check_int("max_fp32_layers", values.get("max_fp32_layers"), low=0, optional=True)
-    if values.get("inputs_from_batch") is not None and not callable(values["inputs_from_batch"]):
-        raise ValueError(
-            f"`inputs_from_batch` must be a function of the batch or None, got {values['inputs_from_batch']!r}."
-        )
-    check_choice("on_metric_drop", values.get("on_metric_drop", "warn"), ACTIONS_ON_METRIC_DROP)
-    for name in ("symmetric", "verify", "keep_fp32", "overwrite"):
-        if name in values:
-            check_bool(name, values[name])
-    activation_type = values.get("activation_type")
-    if activation_type is not None and activation_type not in ACTIVATION_TYPES:
-        choices = ", ".join(map(repr, ACTIVATION_TYPES))
-        raise ValueError(f"`activation_type` must be one of {choices} or None, got {activation_type!r}.")
-    if values.get("symmetric") and activation_type == "uint8":
-        raise ValueError("`activation_type` must be 'int8' or None with symmetric=True (zero points 0), got 'uint8'.")
-    for name, low in (("latency_batch_size", 1), ("latency_repeats", 0), ("num_threads", 0)):
-        value = values.get(name, low)
-        if not is_int(value, low):
-            raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-
-
-def export_paths(path: str | os.PathLike[str]) -> dict[str, Path]:
-    """The files an export to ``path`` may write, in the order they are moved into place (the report last).
-
-    Example:
-        >>> [p.name for p in export_paths("out/model.onnx").values()]
-        ['model.fp32.onnx.data', 'model.fp32.onnx', 'model.onnx.data', 'model.onnx', 'model.json']
-    """
-    int8 = Path(path)
-    fp32 = int8.with_name(f"{int8.stem}.fp32.onnx")
-    return {
-        "fp32_data": fp32.with_name(fp32.name + ".data"),
-        "fp32": fp32,
-        "int8_data": int8.with_name(int8.name + ".data"),
-        "int8": int8,
-        "report": int8.with_suffix(".json"),
-    }
 
 
 def _latencies(
@@ -136,25 +86,6 @@ def _latencies(
     return result
 
 
-def drop_message(report: Mapping[str, Any]) -> str:
-    """What a failed verification says: the metric (or top-1 agreement) for FP32 and INT8 and the bound it missed."""
-    v = report["verification"]
-    drop, limit = report.get("metric_drop"), report.get("max_metric_drop")
-    parts = []
-    if drop is not None and limit is not None and drop > limit:
-        parts.append(
-            f"INT8 {v['metric']} is {v['metric_int8']:.4f} vs FP32 {v['metric_fp32']:.4f} on {v['samples']} samples:"
-            f" a drop of {drop:.4f}, more than max_metric_drop={limit}"
-        )
-    agreement, required = v.get("top1_agreement"), report.get("min_agreement")
-    if agreement is not None and required is not None and agreement < required:
-        parts.append(f"INT8 top-1 agreement with FP32 is {agreement:.4f}, less than min_agreement={required}")
-    kept = report.get("accuracy_aware") or {}
-    if kept.get("fp32_layers") is not None:
-        parts.append(f"even with {len(kept['fp32_layers'])} layer(s) kept in FP32 (max_fp32_layers={kept['limit']})")
-    return "; ".join(parts)
-
-
 def export_int8(
     model: nn.Module,
     calibration_data: Iterable[Any],
@@ -164,6 +95,7 @@ def export_int8(
     *,
     inputs_from_batch: InputsFromBatch | None = None,
     activation_type: str | None = None,
+    reduce_range: bool | None = None,
     calibration_batches: int | None = 32,
     validation_data: Iterable[Any] | None = None,
     metric: Metric | None = None,
@@ -183,26 +115,32 @@ def export_int8(
     """Export ``model`` to ONNX, quantize it to static QDQ INT8 calibrated on real batches, verify it and report.
 
     Steps: ``eval()``; ``torch.export`` with a dynamic batch axis (and sequence axis: dimension 1 of 2-D and 3-D
-    inputs, where the model allows) and the dynamo ONNX exporter (opset 20 in torch 2.13, weights in a ``.data``
-    sidecar, inputs named after ``forward``'s parameters); ``quant_pre_process``; ``quantize_static`` in QDQ format
-    with per-channel symmetric QInt8 weights and activations MinMax-calibrated on the first ``calibration_batches``
-    batches. ``symmetric=True`` makes every zero point 0 with QInt8 activations (TensorRT's rule, S8S8);
-    otherwise activations are asymmetric QUInt8 (U8S8), the form ONNX Runtime's x86 kernels fuse and run fast
-    (a demo ResNet on an AVX2 CPU: U8S8 3.0x faster than FP32, S8S8 no faster). Both models then run in ONNX Runtime
-    on the validation data: max and mean abs difference, top-1 agreement, and ``metric`` (a torchmetrics metric,
-    updated with the model's outputs and the batch targets) for FP32 and INT8; without one, top-1 accuracy when
-    the targets are class indices. Latency is the median ORT time of each model at batch 1 and
-    ``latency_batch_size``.
+    inputs, where the model allows) and the dynamo ONNX exporter (opset 20 in torch 2.13, weights inline up to
+    1.5 GB and in a ``.data`` sidecar past that, inputs named after ``forward``'s parameters);
+    ``quant_pre_process`` (without symbolic shape inference where ORT's cannot finish the graph:
+    `lightning_speedkit.int8.steps.preprocess`); ``quantize_static`` in QDQ format with per-channel symmetric
+    weights and activations MinMax-calibrated on the first ``calibration_batches`` batches. The types come from
+    the CPU this runs on (`lightning_speedkit.int8.formats.int8_format`, ONNX Runtime's guidance): U8S8 where the
+    CPU has VNNI or AMX-INT8; U8S8 with 7-bit weights (``reduce_range``) on x86 without them, where 8-bit products
+    can saturate; S8S8 on Arm. ``symmetric=True`` makes every zero point 0 with int8 activations (TensorRT's
+    rule); an explicit ``activation_type`` or ``reduce_range`` is kept. Both models then run in ONNX Runtime on the
+    validation data: max and mean abs difference, top-1 agreement, and ``metric`` (a torchmetrics metric, updated
+    with the model's outputs and the batch targets) for FP32 and INT8; without one, top-1 accuracy when the targets
+    are class indices. Latency is the median ORT time of each model at batch 1 and ``latency_batch_size``.
 
     Accuracy-aware: when ``max_metric_drop`` or ``min_agreement`` is given and the INT8 model misses it, every
-    Conv/Gemm/MatMul node is ranked by how much leaving it alone in FP32 helps (ORT's ``nodes_to_exclude``), and
-    the most sensitive are kept in FP32 one at a time until the budget holds or ``max_fp32_layers`` are
-    (`lightning_speedkit.int8.sensitivity`). The report's ``accuracy_aware`` lists them and their size and
-    latency cost. This costs one quantization and one verification per node: ``verify_batches`` bounds it.
+    quantized activation tensor is ranked by how much leaving it (and the nodes around it) in FP32 helps (ORT's
+    ``nodes_to_exclude``), and the most sensitive are kept in FP32 one at a time until the budget holds or
+    ``max_fp32_layers`` nodes are (`lightning_speedkit.int8.sensitivity`). The report's ``accuracy_aware`` lists
+    them and their size and latency cost. If the budget still fails, the export has failed: ``passed`` is False,
+    ``status`` starts with ``FAILED``, a warning says by how much, and with ``on_metric_drop="raise"`` nothing is
+    written.
 
-    Everything is written into a temporary directory beside ``path`` and moved into place only when complete:
-    ``path`` (INT8), ``<stem>.fp32.onnx`` with its ``.data`` sidecar (if ``keep_fp32``) and ``<stem>.json`` (the
-    report). A failure leaves nothing behind and any previous export untouched.
+    The export is one unit (`lightning_speedkit.int8.place`): every file is written into a hidden staging
+    directory beside ``path`` and switched into place with one rename when complete: ``path`` (INT8),
+    ``<stem>.fp32.onnx`` (if ``keep_fp32``) and ``<stem>.json`` (the report), each a symbolic link through
+    ``.<name>.export`` (`lightning_speedkit.int8.place` says how a reader knows an export is complete). A failure,
+    or a kill, leaves any previous export complete; what a killed run left is removed by the next export there.
 
     Args:
         model: The model, batch first; one input or several. Its training mode is restored afterwards.
@@ -214,12 +152,15 @@ def export_int8(
         symmetric: Symmetric activations too, so that all zero points are 0 (QInt8 activations).
         inputs_from_batch: ``batch -> inputs`` (tensor, tuple or dict, as ``example_input``) for calibration and
             verification; the target is then a sequence batch's last item, or a dict batch's ``labels``/``label``/
-            ``targets``/``target``/``y``. Default: a tensor batch, or a sequence batch's first item.
-        activation_type: ``"int8"`` or ``"uint8"``; None: ``"int8"`` if ``symmetric`` else ``"uint8"``.
+            ``targets``/``target``/``y``. Default: a tensor batch, a sequence batch's first item, or a dict batch's
+            keys that are ``forward``'s parameters (a target key such as ``labels`` is the target, not an input,
+            unless ``forward`` requires it).
+        activation_type: ``"int8"`` or ``"uint8"``; None: from the CPU (``"int8"`` if ``symmetric``).
+        reduce_range: 7-bit weights (ORT's ``reduce_range``); None: from the CPU.
         calibration_batches: How many batches of ``calibration_data`` to calibrate on (None: all).
         validation_data: Batches to verify on (default: the calibration batches).
-        metric: A torchmetrics metric to compare (cloned, never synced; its ``higher_is_better`` sets which way
-            is a drop).
+        metric: A torchmetrics ``Metric`` to compare (cloned, never synced; its ``higher_is_better`` sets which
+            way is a drop), or None.
         max_metric_drop: Allowed drop of the metric (absolute: 0.01 is one point of accuracy); None: no check.
         min_agreement: Required FP32/INT8 top-1 agreement, in (0, 1]; None: no check.
         max_fp32_layers: Most layers accuracy-aware mode may keep in FP32 (None: half the candidates; 0: off).
@@ -231,21 +172,29 @@ def export_int8(
         latency_batch_size: The larger batch of the latency comparison.
         latency_repeats: Timed runs per model and batch size; 0 skips the latency comparison.
         num_threads: ONNX Runtime intra-op threads (0: all cores).
-        metadata: Extra entries for the report (e.g. which checkpoint the weights came from).
+        metadata: Extra entries for the report (e.g. which checkpoint the weights came from): str keys, JSON
+            values, none of the report's own keys (`lightning_speedkit.int8.args.REPORT_KEYS`).
 
     Returns:
-        The report, also written as ``<stem>.json``: ``int8_path``, ``fp32_path``, ``report_path``, ``files``,
+        The report, also written as ``<stem>.json``: ``int8_path``, ``fp32_path``, ``report_path``,
+        ``version_dir`` (the directory the names resolve into) and ``switch``, ``files`` and ``manifest`` (each
+        file's ``bytes`` and ``sha256``),
         ``fp32_bytes`` and ``int8_bytes`` (sidecars included), ``size_ratio`` (FP32 / INT8), ``opset``,
-        ``input_names``, ``dynamic_axes``, ``quantization`` (settings), ``latency`` (``batch_<n>``: ``fp32_ms``,
-        ``int8_ms``, ``speedup``), ``verification`` (see `lightning_speedkit.int8.steps.verify_outputs`),
-        ``metric_drop``, ``accuracy_aware`` (None unless it ran), ``passed`` and library ``versions``.
+        ``input_names``, ``dynamic_axes``, ``quantization`` (settings: ``int8_format``, ``activation_type``,
+        ``weight_type``, ``reduce_range``, ``format_reason``, the ``cpu`` they were chosen for, ...),
+        ``preprocess`` (``symbolic_shape_inference``: ``"done"`` or ``"skipped"``, ``fallback_reason``),
+        ``latency`` (``batch_<n>``: ``fp32_ms``, ``int8_ms``, ``speedup``), ``verification`` (see
+        `lightning_speedkit.int8.steps.verify_outputs`), ``metric_drop``, ``accuracy_aware`` (None unless it ran),
+        ``passed`` (False when the budget was missed), ``status`` (one line, ``FAILED: ...`` then) and ``versions``.
 
     Raises:
-        ValueError: For a bad argument (the message names it), an ``example_input`` or batch inputs that do not
-            match ``forward``'s signature, or data that yields no batch.
-        TypeError: For a batch that is neither a tensor nor a sequence starting with one (without
+        ValueError: For a bad argument (the message names it and the value), an ``example_input`` or batch inputs
+            that do not fit ``forward`` (its signature, or its shapes: the model's own error is quoted), a dict
+            batch with no key that is a parameter of ``forward``, or data that yields no batch.
+        ExportPathError: A ``ValueError`` and ``NotADirectoryError`` if ``path`` is a directory or lies under a file.
+        TypeError: For a batch that is none of a tensor, a sequence starting with one or a dict (without
             ``inputs_from_batch``).
-        FileExistsError: If a file of the export exists and ``overwrite`` is False.
+        FileExistsError: If an export exists at ``path`` and ``overwrite`` is False.
         RuntimeError: If the model cannot be exported; the message names the operator and the layer.
         Int8VerificationError: If ``on_metric_drop="raise"`` and the budget is missed.
         ImportError: Without the ``export`` extra.
@@ -260,15 +209,16 @@ def export_int8(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be a torch.nn.Module, got {model!r}.")
-    _check_batches("calibration_data", calibration_data)
+    check_batches("calibration_data", calibration_data)
     if validation_data is not None:
-        _check_batches("validation_data", validation_data)
+        check_batches("validation_data", validation_data)
     check_export_args(
         symmetric=symmetric,
         verify=verify,
         keep_fp32=keep_fp32,
         overwrite=overwrite,
         activation_type=activation_type,
+        reduce_range=reduce_range,
         calibration_batches=calibration_batches,
         max_metric_drop=max_metric_drop,
         min_agreement=min_agreement,
@@ -280,43 +230,54 @@ def export_int8(
         latency_repeats=latency_repeats,
         num_threads=num_threads,
     )
-    if not str(path).endswith(".onnx"):
-        raise ValueError(f"`path` must end in '.onnx', got {str(path)!r}.")
+    check_metric(metric)
+    check_metadata(metadata)
+    target = check_export_path(path)
     onnx, onnxruntime = import_export_deps()
-    targets = export_paths(Path(path).absolute())
-    existing = [p for p in targets.values() if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"export_int8: {existing[0]} exists; pass overwrite=True to replace that export.")
+    if example_input is not None:  # before any data is read: a wrong example is named as such
+        example = named_inputs(model, example_input, "example_input")
+        check_runs(model, example, "example_input", example_input)
+    cpu = cpu_info()
+    fmt = int8_format(cpu, symmetric, activation_type, reduce_range=reduce_range, machine=platform.machine())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    removed = clean_stale(target)
+    if removed:
+        log.info("export_int8: removed what killed exports to %s left: %s", target, ", ".join(removed))
+    if export_exists(target) and not overwrite:
+        raise FileExistsError(f"export_int8: an export exists at {target}; pass overwrite=True to replace it.")
     calibration = list(itertools.islice(calibration_data, calibration_batches))
     if not calibration:
         raise ValueError("`calibration_data` must yield at least one batch, got none.")
-    if example_input is not None:
-        example = named_inputs(model, example_input, "example_input")
-    else:  # the first batch's inputs: a mismatch is the batches' (or `inputs_from_batch`'s) fault
+    if example_input is None:  # the first batch's inputs: a mismatch is the batches' (or `inputs_from_batch`'s) fault
         source = "inputs_from_batch" if inputs_from_batch is not None else "calibration_data"
-        example = named_inputs(model, batch_inputs(calibration[0], inputs_from_batch), source)
+        first = batch_inputs(calibration[0], inputs_from_batch, model, source)
+        example = named_inputs(model, first, source)
+        check_runs(model, example, source, first)
     example = {k: v.detach().cpu() for k, v in example.items()}
     arrays = [feed for feed, _ in feeds(model, calibration, example, inputs_from_batch)]
     budget = verify and (max_metric_drop is not None or min_agreement is not None) and max_fp32_layers != 0
-
-    targets["int8"].parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{targets['int8'].name}.tmp-", dir=targets["int8"].parent))
+    links = can_link(target.parent)
     was_training = model.training
-    try:
-        fp32, int8 = staging / targets["fp32"].name, staging / targets["int8"].name
-        model.eval()
-        with torch.no_grad():
-            device = next(iter(model.parameters()), torch.empty(0)).device
-            layers = export_onnx(model, {k: v.to(device) for k, v in example.items()}, fp32)
-        model.train(was_training)
+    with staging(target) as stage:
+        fp32, int8, pre = stage / f"{target.stem}.fp32.onnx", stage / target.name, stage / ".pre.onnx"
+        try:
+            model.eval()
+            with torch.no_grad():
+                device = next(iter(model.parameters()), torch.empty(0)).device
+                layers = export_onnx(model, {k: v.to(device) for k, v in example.items()}, fp32)
+        finally:
+            model.train(was_training)
         fp32_session = ort_session(onnxruntime, fp32, num_threads)
-        activations = activation_type or ("int8" if symmetric else "uint8")
-        settings = quantize_qdq(fp32, int8, arrays, symmetric, activations)
+        prepared = preprocess(fp32, pre)
+        settings = quantize_qdq(pre, int8, arrays, fmt, symmetric)
+        settings["cpu"] = {"model": cpu.model, "flags": list(cpu.flags), "isa_limit": cpu.isa_limit}
         sessions = (fp32_session, ort_session(onnxruntime, int8, num_threads))
         report: dict[str, Any] = {
-            "int8_path": str(targets["int8"]),
-            "fp32_path": str(targets["fp32"]) if keep_fp32 else None,
-            "report_path": str(targets["report"]),
+            "int8_path": str(target),
+            "fp32_path": str(export_paths(target)["fp32"]) if keep_fp32 else None,
+            "report_path": str(export_paths(target)["report"]),
+            "version_dir": str(version_dir_of(target, stage)) if links else None,
+            "switch": "pointer rename" if links else "file by file (no symbolic links here)",
             "opset": opset_of(onnx, fp32),
             "input_name": fp32_session.get_inputs()[0].name,
             "input_names": [i.name for i in fp32_session.get_inputs()],
@@ -325,6 +286,7 @@ def export_int8(
                 for i in fp32_session.get_inputs()
             },
             "quantization": settings,
+            "preprocess": prepared,
             "verification": None,
             "metric_drop": None,
             "max_metric_drop": max_metric_drop,
@@ -343,10 +305,10 @@ def export_int8(
             if budget and budget_shortfall(verification, max_metric_drop, min_agreement) > 0:
 
                 def quantize(source: Path, out: Path, excluded: list[str]) -> Any:
-                    return quantize_qdq(source, out, arrays, symmetric, activations, excluded, preprocessed=True)
+                    return quantize_qdq(source, out, arrays, fmt, symmetric, excluded)
 
                 found = keep_layers_in_fp32(
-                    fp32,
+                    pre,
                     int8,
                     quantize,
                     sessions,
@@ -367,10 +329,17 @@ def export_int8(
                 report["accuracy_aware"] = found
             report["metric_drop"] = metric_drop(verification)
             report["passed"] = budget_shortfall(verification, max_metric_drop, min_agreement) == 0
+        for file in files_of(pre):
+            file.unlink()
         fp32_bytes = sum(p.stat().st_size for p in files_of(fp32))
         int8_bytes = sum(p.stat().st_size for p in files_of(int8))
+        if not keep_fp32:
+            for file in files_of(fp32):
+                file.unlink()
+        kept = files_of(int8) + files_of(fp32)
         report.update(
-            files=[p.name for p in files_of(int8) + (files_of(fp32) if keep_fp32 else [])],
+            files=[p.name for p in kept],
+            manifest={p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in kept},
             fp32_bytes=fp32_bytes,
             int8_bytes=int8_bytes,
             size_ratio=fp32_bytes / int8_bytes,
@@ -378,17 +347,13 @@ def export_int8(
             **dict(metadata or {}),
             versions={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         )
+        report["status"] = verdict(report)
         del sessions, fp32_session
-        (staging / targets["report"].name).write_text(json.dumps(report, indent=2))
+        (stage / export_paths(target)["report"].name).write_text(json.dumps(report, indent=2))
         if not report["passed"] and on_metric_drop == "raise":
             raise Int8VerificationError(f"export_int8: {drop_message(report)}; nothing was written.", report)
-        kept = [key for key in targets if keep_fp32 or not key.startswith("fp32")]
-        staged = {staging / targets[k].name: targets[k] for k in kept if (staging / targets[k].name).is_file()}
-        move_into_place(staged, list(targets.values()))
-    finally:
-        model.train(was_training)
-        shutil.rmtree(staging, ignore_errors=True)
+        switch_into_place(stage, target, links)
     if not report["passed"]:
-        rank_zero_warn(f"export_int8: {drop_message(report)}.")
-    log.info("export_int8: wrote %s (%.1fx smaller than FP32)", targets["int8"], report["size_ratio"])
+        rank_zero_warn(f"export_int8: FAILED its accuracy target: {drop_message(report)}.")
+    log.info("export_int8: wrote %s (%.1fx smaller than FP32)", target, report["size_ratio"])
     return report

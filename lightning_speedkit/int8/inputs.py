@@ -23,6 +23,8 @@ __all__ = [
     "InputsFromBatch",
     "batch_inputs",
     "batch_target",
+    "check_runs",
+    "dict_inputs",
     "dynamic_shapes",
     "feeds",
     "forward_names",
@@ -34,7 +36,7 @@ InputsFromBatch = Callable[[Any], Any]
 """A user function: batch -> the model's inputs (a tensor, a tuple in ``forward`` order, or a dict by name)."""
 
 TARGET_KEYS = ("labels", "label", "targets", "target", "y")
-"""Keys read as the target of a dict batch when ``inputs_from_batch`` is given (the first one present)."""
+"""Keys read as the target of a dict batch (the first one present that is not an input)."""
 
 
 def forward_names(model: nn.Module) -> tuple[list[str], int]:
@@ -79,6 +81,8 @@ def named_inputs(model: nn.Module, value: Any, argument: str = "example_input") 
         ...
         ValueError: `example_input` must match forward(input) of Linear: it has no parameter 'x', got a dict ...
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"`model` must be a torch.nn.Module, got {model!r}.")
     names, required = forward_names(model)
     signature = f"forward({', '.join(names[: max(required, 1)])}) of {type(model).__name__}"
     if isinstance(value, torch.Tensor):
@@ -107,8 +111,48 @@ def named_inputs(model: nn.Module, value: Any, argument: str = "example_input") 
     return dict(pairs)
 
 
-def batch_inputs(batch: Any, inputs_from_batch: InputsFromBatch | None) -> Any:
-    """The model inputs of ``batch``: ``inputs_from_batch(batch)``, else a tensor batch or a sequence's first item.
+def dict_inputs(model: nn.Module, batch: Mapping[str, Any], argument: str = "calibration_data") -> dict[str, Any]:
+    """The entries of a dict batch that are ``forward``'s parameters, by name; a target key stays out unless required.
+
+    ``{"input_ids", "attention_mask", "labels"}`` for ``forward(input_ids, attention_mask)`` gives the first two;
+    ``labels`` is then the target (`batch_target`). A `TARGET_KEYS` key that ``forward`` takes with a default (a
+    Hugging Face model's ``labels=None``) is left out too, so that the ONNX model does not need labels.
+
+    Raises:
+        ValueError: Naming ``argument``, the batch's keys and ``forward``'s parameters, if no key is one of them.
+
+    Example:
+        >>> class Text(nn.Module):
+        ...     def forward(self, input_ids, attention_mask=None, labels=None): ...
+        >>> batch = {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2), "idx": torch.zeros(2)}
+        >>> list(dict_inputs(Text(), batch))
+        ['input_ids']
+        >>> dict_inputs(Text(), {"ids": torch.zeros(2, 4)})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `calibration_data` must give dict batches whose keys are forward's parameters (input_ids, ...
+    """
+    required = {
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    names, _ = forward_names(model)
+    inputs = {name: batch[name] for name in names if name in batch and (name not in TARGET_KEYS or name in required)}
+    if not inputs:
+        raise ValueError(
+            f"`{argument}` must give dict batches whose keys are forward's parameters ({', '.join(names)}) of"
+            f" {type(model).__name__}, got {_describe(batch)}; or pass `inputs_from_batch`."
+        )
+    return inputs
+
+
+def batch_inputs(
+    batch: Any, inputs_from_batch: InputsFromBatch | None, model: nn.Module | None = None, argument: str = ""
+) -> Any:
+    """The model inputs of ``batch``: ``inputs_from_batch(batch)``, a tensor batch, a sequence's first item, or a dict.
+
+    A dict batch (given ``model``) gives its entries named after ``forward``'s parameters (`dict_inputs`).
 
     Example:
         >>> batch_inputs((torch.zeros(2, 3), torch.tensor([0, 1])), None).shape
@@ -120,29 +164,61 @@ def batch_inputs(batch: Any, inputs_from_batch: InputsFromBatch | None) -> Any:
         return inputs_from_batch(batch)
     if isinstance(batch, torch.Tensor):
         return batch
+    if isinstance(batch, Mapping) and model is not None:
+        return dict_inputs(model, batch, argument or "calibration_data")
     if isinstance(batch, Sequence) and len(batch) > 0 and isinstance(batch[0], torch.Tensor):
         return batch[0]
     raise TypeError(
-        "INT8 export takes batches that are a tensor or a sequence (input, target, ...) with a tensor input, or"
-        f" any batch with `inputs_from_batch` to pick the model's inputs out of it, got {type(batch).__name__}."
+        "INT8 export takes batches that are a tensor, a sequence (input, target, ...) with a tensor input or a dict"
+        " keyed by forward's parameters, or any batch with `inputs_from_batch` to pick the model's inputs out of"
+        f" it, got {type(batch).__name__}."
     )
 
 
-def batch_target(batch: Any, inputs_from_batch: InputsFromBatch | None) -> Any:
+def batch_target(batch: Any, inputs_from_batch: InputsFromBatch | None, inputs: Iterable[str] = ()) -> Any:
     """The target of ``batch``, or None.
 
-    Without ``inputs_from_batch``: the second item of a sequence (``(input, target, ...)``). With it: the last item
-    of a sequence of two or more (``(input_ids, attention_mask, labels)``), or the first of `TARGET_KEYS` in a dict.
+    A dict batch: the first of `TARGET_KEYS` present that is not one of the ``inputs``. A sequence: without
+    ``inputs_from_batch`` its second item (``(input, target, ...)``); with it, the last item of a sequence of two or
+    more (``(input_ids, attention_mask, labels)``).
 
     Example:
         >>> batch_target((torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([0, 1])), lambda b: b[:2]).tolist()
         [0, 1]
+        >>> batch_target({"input_ids": torch.zeros(2, 3), "labels": torch.tensor([1, 0])}, None, ["input_ids"])
+        tensor([1, 0])
     """
     if isinstance(batch, Mapping):
-        return next((batch[key] for key in TARGET_KEYS if key in batch), None) if inputs_from_batch else None
+        used = set(inputs)
+        return next((batch[key] for key in TARGET_KEYS if key in batch and key not in used), None)
     if isinstance(batch, Sequence) and not isinstance(batch, torch.Tensor) and len(batch) > 1:
         return batch[-1] if inputs_from_batch is not None else batch[1]
     return None
+
+
+def check_runs(model: nn.Module, example: Mapping[str, torch.Tensor], argument: str, value: Any) -> None:
+    """Run ``forward`` once on ``example`` (eval mode, no grad): if it fails, ``argument`` is named as the cause.
+
+    Raises:
+        ValueError: ``"`example_input` must be inputs that forward(x) of Net accepts, got ...: forward raised
+            RuntimeError: mat1 and mat2 shapes cannot be multiplied ..."``, with the model's error as the cause.
+    """
+    names, required = forward_names(model)
+    signature = f"forward({', '.join(names[: max(required, 1)])}) of {type(model).__name__}"
+    was_training = model.training
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**{k: v.to(device) for k, v in with_batch_of_two(example).items()})
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        raise ValueError(
+            f"`{argument}` must be inputs that {signature} accepts, got {_describe(value)}: forward raised"
+            f" {type(error).__name__}: {lines[0] if lines else ''}"
+        ) from error
+    finally:
+        model.train(was_training)
 
 
 def feeds(
@@ -163,14 +239,14 @@ def feeds(
     for index, batch in enumerate(batches):
         if limit is not None and index >= limit:
             return
-        named = named_inputs(model, batch_inputs(batch, inputs_from_batch), argument)
+        named = named_inputs(model, batch_inputs(batch, inputs_from_batch, model, argument), argument)
         shown = ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}" for k, v in named.items())
         wanted = ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}" for k, v in expected.items())
         sizes = {len(v) if v.dim() else -1 for v in named.values()}
         if shown != wanted or len(sizes) != 1:
             problem = "inputs with one batch size" if shown == wanted else f"the inputs ({wanted})"
             raise ValueError(f"`{argument}` must give {problem} for every batch, got ({shown}) for batch {index}.")
-        yield {k: v.detach().cpu().numpy() for k, v in named.items()}, batch_target(batch, inputs_from_batch)
+        yield {k: v.detach().cpu().numpy() for k, v in named.items()}, batch_target(batch, inputs_from_batch, named)
 
 
 def dynamic_shapes(named: Mapping[str, torch.Tensor]) -> dict[str, dict[int, Any]]:

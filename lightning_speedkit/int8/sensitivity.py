@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_speedkit.checks import check_int
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -144,6 +146,13 @@ def keep_sensitive_layers(
         >>> result["fp32_layers"], result["fp32_tensors"], result["met"], result["trials"]
         (['c'], ['t2'], True, 2)
     """
+    if not callable(evaluate):
+        raise ValueError(f"`evaluate` must be a function of the nodes kept in FP32, got {evaluate!r}.")
+    if isinstance(units, (str, bytes)) or not all(
+        isinstance(u, (tuple, list)) and len(u) == 2 and isinstance(u[0], str) for u in units
+    ):
+        raise ValueError(f"`units` must be a sequence of (tensor name, node names) pairs, got {units!r}.")
+    check_int("max_layers", max_layers, low=0)
 
     def score(verification: Mapping[str, Any]) -> tuple[float, float]:
         return budget_shortfall(verification, max_metric_drop, min_agreement), verification.get("relative_error", 0.0)
@@ -183,7 +192,7 @@ def keep_sensitive_layers(
 
 
 def keep_layers_in_fp32(
-    fp32: Path,
+    pre: Path,
     int8: Path,
     quantize: Callable[[Path, Path, list[str]], Any],
     sessions: tuple[Any, Any],
@@ -203,9 +212,9 @@ def keep_layers_in_fp32(
     """Accuracy-aware INT8 on files: `keep_sensitive_layers`, then ``int8`` quantized again with them in FP32.
 
     Args:
-        fp32: The FP32 ONNX model.
+        pre: The FP32 ONNX model after `lightning_speedkit.int8.steps.preprocess` (``int8`` was quantized from it).
         int8: The all-INT8 model, replaced by the result when layers are kept in FP32.
-        quantize: ``(preprocessed FP32 path, out path, nodes to exclude) -> settings``, calibrated as ``int8`` was.
+        quantize: ``(pre-processed FP32 path, out path, nodes to exclude) -> settings``, calibrated as ``int8`` was.
         sessions: ONNX Runtime sessions of ``fp32`` and ``int8``.
         validation: The verification feeds and targets (a list: it is run once per trial).
         first: The verification of ``int8``.
@@ -228,10 +237,9 @@ def keep_layers_in_fp32(
     import onnx
     import onnxruntime
 
-    from lightning_speedkit.int8.steps import files_of, ort_latency_ms, ort_session, preprocess, verify_outputs
+    from lightning_speedkit.int8.steps import files_of, ort_latency_ms, ort_session, verify_outputs
 
-    pre, trial = int8.with_name(".sensitivity-pre.onnx"), int8.with_name(".sensitivity-trial.onnx")
-    preprocess(fp32, pre)
+    trial = int8.with_name(".sensitivity-trial.onnx")
     ops = {n.name: n.op_type for n in onnx.load(str(pre), load_external_data=False).graph.node}
     units = quantized_tensors(onnx, int8, pre)
     limit = default_fp32_limit(len(candidate_nodes(onnx, pre))) if max_layers is None else max_layers
@@ -252,7 +260,7 @@ def keep_layers_in_fp32(
     if result["fp32_layers"]:
         quantize(pre, int8, result["fp32_layers"])
     after = cost()
-    for path in [*files_of(pre), *files_of(trial)]:
+    for path in files_of(trial):
         path.unlink()
     return {
         "fp32_layers": [{"node": n, "op": ops.get(n), "layer": (layers or {}).get(n)} for n in result["fp32_layers"]],

@@ -1,13 +1,13 @@
-"""The steps of an INT8 export, each a plain function: ONNX export, QDQ quantization, ORT checks, atomic moves.
+"""The steps of an INT8 export, each a plain function: ONNX export, pre-processing, QDQ quantization, ORT checks.
 
 `lightning_speedkit.int8.export_int8` chains them; they are public so that a pipeline can reuse one step. The ONNX
-step lives in `lightning_speedkit.int8.to_onnx` and the inputs in `lightning_speedkit.int8.inputs`.
+step lives in `lightning_speedkit.int8.to_onnx`, the inputs in `lightning_speedkit.int8.inputs` and the switch into
+place in `lightning_speedkit.int8.place`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lightning_speedkit.int8.to_onnx import describe_failure, export_onnx
+from lightning_speedkit.int8.formats import Int8Format
+from lightning_speedkit.int8.to_onnx import EXTERNAL_DATA_BYTES, describe_failure, export_onnx
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import median_ms
 
@@ -31,7 +32,6 @@ __all__ = [
     "export_onnx",
     "files_of",
     "import_export_deps",
-    "move_into_place",
     "opset_of",
     "ort_latency_ms",
     "ort_session",
@@ -43,8 +43,6 @@ __all__ = [
 
 EXPORT_EXTRA = 'pip install "lightning-speedkit[export]"'
 """How to install what the INT8 export needs (onnx, onnxruntime, onnxscript)."""
-
-_EXTERNAL_DATA_BYTES = 1_500_000_000  # protobuf's 2 GB limit, with room: larger models keep their weights in a sidecar
 
 
 def import_export_deps() -> tuple[types.ModuleType, types.ModuleType]:
@@ -101,44 +99,114 @@ class _Reader:
         return next(self._items, None)
 
 
-def preprocess(fp32: Path, out: Path) -> None:
-    """ONNX Runtime's ``quant_pre_process`` (shape inference, graph clean-up) of ``fp32`` into ``out``."""
+def preprocess(fp32: Path, out: Path) -> dict[str, Any]:
+    """ONNX Runtime's ``quant_pre_process`` (shape inference, graph clean-up) of ``fp32`` into ``out``.
+
+    ORT's symbolic shape inference cannot finish some graphs ("Incomplete symbolic shape inference": a position-id
+    buffer sliced to the sequence length, as in Hugging Face's BERT, gives ``Min(512, sequence)`` where the rest of
+    the graph has ``sequence``). Then it runs again with ``skip_symbolic_shape=True`` (ONNX's own shape inference
+    only), and the file ORT dumps into the current directory on that failure is removed.
+
+    Returns:
+        ``symbolic_shape_inference``: ``"done"`` or ``"skipped"``, and ``fallback_reason`` (None, or why).
+    """
     from onnxruntime.quantization import quant_pre_process
 
-    large = sum(p.stat().st_size for p in files_of(fp32)) > _EXTERNAL_DATA_BYTES
+    large = sum(p.stat().st_size for p in files_of(fp32)) > EXTERNAL_DATA_BYTES
+    dump = Path(_ORT_SYMBOLIC_DUMP).absolute()
+    dumped_before = dump.exists()
     with quiet_logger(None):  # ONNX Runtime notes each 1-D weight on the root logger
-        quant_pre_process(str(fp32), str(out), save_as_external_data=large)
+        try:
+            quant_pre_process(str(fp32), str(out), save_as_external_data=large)
+        except Exception as error:
+            if not _raised_in_symbolic_shape_inference(error):
+                raise
+            if not dumped_before:
+                _remove_onnx_files(dump)
+            for path in files_of(out):
+                path.unlink()
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+            log.info("INT8 export: ORT's symbolic shape inference failed (%s); pre-processing without it", reason)
+            # ORT's optimizer output points at the input's sidecar unless it writes its own (external data here)
+            quant_pre_process(
+                str(fp32),
+                str(out),
+                skip_symbolic_shape=True,
+                save_as_external_data=True,
+                external_data_location=out.name + ".data",
+            )
+            return {"symbolic_shape_inference": "skipped", "fallback_reason": reason}
+    return {"symbolic_shape_inference": "done", "fallback_reason": None}
+
+
+_ORT_SYMBOLIC_DUMP = "sym_shape_infer_temp.onnx"  # where ORT saves the half-inferred model, in the current directory
+
+
+def _raised_in_symbolic_shape_inference(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ORT's symbolic shape inference (``symbolic_shape_infer.py``)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).name == "symbolic_shape_infer.py":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _remove_onnx_files(path: Path) -> None:
+    """Remove the ONNX model at ``path`` and the external-data files it names (those beside it), if they exist."""
+    import onnx
+
+    if not path.is_file():
+        return
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        names = {
+            entry.value
+            for tensor in model.graph.initializer
+            for entry in tensor.external_data
+            if entry.key == "location"
+        }
+    except Exception:  # a damaged dump: remove the model file alone
+        names = set()
+    for name in names:
+        candidate = path.parent / name
+        if candidate.parent == path.parent and candidate.is_file():
+            candidate.unlink()
+    path.unlink()
 
 
 def quantize_qdq(
-    fp32: Path,
+    pre: Path,
     out: Path,
     feeds: Sequence[Mapping[str, np.ndarray]],
+    fmt: Int8Format,
     symmetric: bool,
-    activation_type: str = "int8",
     nodes_to_exclude: Sequence[str] = (),
-    preprocessed: bool = False,
 ) -> dict[str, Any]:
-    """``quant_pre_process``, then static QDQ: per-channel symmetric int8 weights, MinMax-calibrated activations.
+    """Static QDQ of the pre-processed model ``pre`` (see `preprocess`): per-channel weights, MinMax activations.
 
     Args:
-        fp32: The FP32 ONNX model (with its sidecar beside it).
-        out: Where the INT8 model goes; the pre-processed model is written beside it and removed.
+        pre: The FP32 ONNX model after `preprocess` (with its sidecar beside it).
+        out: Where the INT8 model goes.
         feeds: Calibration inputs, one ``{input name: array}`` per batch.
-        symmetric: Symmetric activations too, so that every zero point is 0 (TensorRT's rule; needs ``"int8"``).
-        activation_type: ``"int8"`` (QInt8) or ``"uint8"`` (QUInt8, ORT's fast U8S8 kernels on x86).
+        fmt: Activation and weight types and ``reduce_range`` (see `lightning_speedkit.int8.formats.int8_format`).
+        symmetric: Symmetric activations too, so that every zero point is 0 (TensorRT's rule; needs int8).
         nodes_to_exclude: ONNX node names left in FP32 (their weights and their own computation).
-        preprocessed: ``fp32`` has been through `preprocess` already.
 
     Returns:
         The quantization settings, for the report.
     """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    large = sum(p.stat().st_size for p in files_of(fp32)) > _EXTERNAL_DATA_BYTES
-    pre = fp32 if preprocessed else out.with_name(".pre-" + out.name)
-    if not preprocessed:
-        preprocess(fp32, pre)
+    if isinstance(nodes_to_exclude, str):
+        raise ValueError(f"`nodes_to_exclude` must be a sequence of node names, got {nodes_to_exclude!r}.")
+    types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
+    large = sum(p.stat().st_size for p in files_of(pre)) > EXTERNAL_DATA_BYTES
     with quiet_logger(None):  # ONNX Runtime notes each 1-D weight on the root logger
         quantize_static(
             str(pre),
@@ -146,21 +214,18 @@ def quantize_qdq(
             _Reader(feeds),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
-            activation_type=QuantType.QInt8 if activation_type == "int8" else QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
+            reduce_range=fmt.reduce_range,
+            activation_type=types[fmt.activation_type],
+            weight_type=types[fmt.weight_type],
             calibrate_method=CalibrationMethod.MinMax,
             use_external_data_format=large,
             nodes_to_exclude=list(nodes_to_exclude),
             extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True},
         )
-    if not preprocessed:
-        for path in files_of(pre):
-            path.unlink()
     return {
         "format": "QDQ",
         "per_channel": True,
-        "activation_type": "QInt8" if activation_type == "int8" else "QUInt8",
-        "weight_type": "QInt8",
+        **fmt.settings(),
         "calibrate_method": "MinMax",
         "activation_symmetric": symmetric,
         "weight_symmetric": True,
@@ -258,30 +323,3 @@ def verify_outputs(
     elif labelled:
         result.update(metric="top1_accuracy", metric_fp32=correct32 / labelled, metric_int8=correct8 / labelled)
     return result
-
-
-def move_into_place(staged: Mapping[Path, Path], owned: Sequence[Path]) -> None:
-    """Move staged files (source -> target, in order) into place, replacing the previous export in ``owned``.
-
-    Put sidecars before the models that reference them and the report last. Files of the previous export that the
-    new one does not write (a sidecar it no longer has) are removed. If any move fails, the new files are removed
-    and the previous export is put back, so the targets hold either the old export or the new one.
-    """
-    backup = next(iter(staged)).parent / ".previous"
-    backup.mkdir()
-    saved: list[tuple[Path, Path]] = []
-    moved: list[Path] = []
-    try:
-        for target in owned:
-            if target.exists():
-                os.replace(target, backup / target.name)
-                saved.append((backup / target.name, target))
-        for source, target in staged.items():
-            os.replace(source, target)
-            moved.append(target)
-    except BaseException:
-        for target in moved:
-            target.unlink(missing_ok=True)
-        for source, target in saved:
-            os.replace(source, target)
-        raise

@@ -20,7 +20,13 @@ from lightning_speedkit.report import quiet_logger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["describe_failure", "export_onnx"]
+__all__ = ["EXTERNAL_DATA_BYTES", "describe_failure", "export_onnx"]
+
+EXTERNAL_DATA_BYTES = 1_500_000_000
+"""Models with more weight bytes keep them in a ``.data`` sidecar (protobuf's 2 GB limit, with room); others inline.
+
+Inline weights keep an export one file per model: ONNX refuses external data reached through a symbolic link, which
+is how `lightning_speedkit.int8.place` exposes the files of an export."""
 
 
 def _layer_of(model: nn.Module, error: BaseException) -> str | None:
@@ -101,7 +107,7 @@ def _name_dimensions(graph: Any) -> None:
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor | Mapping[str, torch.Tensor], path: Path) -> dict[str, str]:
-    """``torch.export`` with dynamic batch (and sequence) axes, then the dynamo ONNX exporter (weights in a sidecar).
+    """``torch.export`` with dynamic batch (and sequence) axes, then the dynamo ONNX exporter.
 
     ``example`` is a tensor or ``{forward parameter: tensor}`` (see `lightning_speedkit.int8.inputs.named_inputs`);
     the ONNX inputs take those names. A batch of 1 is doubled (``torch.export`` would fix it to 1). The exporter's
@@ -141,7 +147,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor | Mapping[str, torch.Ten
     except Exception as error:
         raise RuntimeError(f"INT8 export: cannot convert to ONNX, {describe_failure(error, model, program)}") from error
     try:
-        onnx_program.save(str(path), external_data=True)
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        onnx_program.save(str(path), external_data=weights > EXTERNAL_DATA_BYTES)
     except OSError as error:  # a full or read-only disk: say so, not "cannot convert"
         raise OSError(error.errno, f"INT8 export: cannot write the ONNX model ({error.strerror})", str(path)) from error
     return layers
