@@ -18,7 +18,9 @@ own directory on ``sys.path`` before ``from _harness import ...``.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -175,15 +177,30 @@ QUIET: dict[str, Any] = {
 """The Trainer options every benchmark fit shares: nothing written, nothing printed but the benchmark's own lines."""
 
 
+_DECISIONS: Path | None = None
+"""This process's decisions directory: one at a time, removed when the next is made and at exit."""
+
+
+def _remove_decisions() -> None:
+    if _DECISIONS is not None:
+        shutil.rmtree(_DECISIONS, ignore_errors=True)
+
+
 def fresh_decisions() -> Path:
     """Point lever memory (``SPEEDKIT_DECISIONS_DIR``) at a new empty directory: the next fit's levers probe afresh.
 
     A benchmark compares probing with not probing, or times a lever's decision: a decision remembered from the fit
-    before would stand in for the probe being measured (`lightning_speedkit.trials.memory`).
+    before would stand in for the probe being measured (`lightning_speedkit.trials.memory`). The directory before is
+    removed, and the last one at exit.
     """
-    directory = Path(tempfile.mkdtemp(prefix="speedkit-bench-decisions-"))
-    os.environ["SPEEDKIT_DECISIONS_DIR"] = str(directory)
-    return directory
+    global _DECISIONS
+    if _DECISIONS is not None:
+        shutil.rmtree(_DECISIONS, ignore_errors=True)
+    else:
+        atexit.register(_remove_decisions)
+    _DECISIONS = Path(tempfile.mkdtemp(prefix="speedkit-bench-decisions-"))
+    os.environ["SPEEDKIT_DECISIONS_DIR"] = str(_DECISIONS)
+    return _DECISIONS
 
 
 def quiet_trainer(device: torch.device | str = "cpu", **kwargs: Any) -> L.Trainer:
