@@ -405,3 +405,21 @@ def test_counted_layout_trials_leave_the_runs_steps_schedule_and_order_as_they_w
     )
     assert (trainer.global_step, trainer.current_epoch) == (plain.global_step, plain.current_epoch) == (140, 1)
     assert order.seen == plain_order.seen
+
+
+@pytest.mark.slow
+def test_stability_benchmark_quick_mode_decides_afresh_and_judges_against_the_reference(
+    tmp_path: Path, demo_cache: Path
+) -> None:
+    """``benchmarks/layout_stability.py --quick``: each run probes (nothing remembered), and the verdict counts them."""
+    benchmark = load_benchmark("layout_stability")
+    out = tmp_path / "layout_stability.json"
+    result = benchmark.main(["--quick", "--out", str(out), "--cache-dir", str(demo_cache)])
+    assert json.loads(out.read_text()) == result
+    assert [run["decision"] in ("channels_last", "default") for run in result["runs"]] == [True, True]
+    assert all("counted trials" in run["reason"] for run in result["runs"])
+    assert result["reference"]["steps_per_layout"] == 6
+    verdict = result["verdict"]
+    assert verdict["runs"] == 2
+    assert 0 <= verdict["agree"] <= 2
+    assert verdict["most_common"] >= 1
