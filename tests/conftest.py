@@ -7,8 +7,10 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -177,6 +179,23 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return module
+
+
+_DECISIONS = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's decisions directory, for session- and module-scoped fixtures too: never ~/.cache.
+
+    Set here, in pytest's own process only: a spawned DDP rank that imports this module keeps its test's directory.
+    """
+    config.stash[_DECISIONS] = tempfile.mkdtemp(prefix="speedkit-test-decisions-")
+    os.environ["SPEEDKIT_DECISIONS_DIR"] = config.stash[_DECISIONS]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _DECISIONS in config.stash:
+        shutil.rmtree(config.stash[_DECISIONS], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -99,6 +99,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "verify": False,
         "max_metric_drop": None,
         "activation_type": "int8",
+        "reduce_range": True,
         "filename": "tiny.onnx",
         "metric": "val_acc",
         "on_metric_drop": "raise",
