@@ -187,3 +187,27 @@ def test_a_run_that_ends_inside_the_counted_window_keeps_the_setting_in_place(tm
     assert lever.report()["source"] == "skipped"
     assert lever.report()["reason"].startswith("training ended before the counted trials did")
     assert trainer.lightning_module.delay == 0.0
+
+
+class _Active(L.Callback):
+    """Records, per training step, which levers' counted trials time it."""
+
+    def __init__(self, levers: Sequence[Lever]) -> None:
+        self.levers, self.active = levers, []  # type: ignore[var-annotated]
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.active.append([i for i, lever in enumerate(self.levers) if lever._counted and lever._counted._active])
+
+
+def test_two_levers_probe_one_after_the_other_never_in_the_same_steps(tmp_path: Path) -> None:
+    """The second lever's counted blocks start after the first has decided: neither times the other's switches."""
+    first, second = _TestLever(probe_steps=4), _TestLever(probe_steps=5)
+    _fit(tmp_path, [first, second, active := _Active([first, second])])
+    assert first.report()["probed"]
+    assert second.report()["probed"]
+    assert all(len(levers) <= 1 for levers in active.active)
+    timed = [levers[0] for levers in active.active if levers]
+    assert timed == sorted(timed)  # the first lever's steps, then the second's
+    assert 0 in timed
+    assert 1 in timed

@@ -27,7 +27,7 @@ from lightning_speedkit.dataloader.rebuild import (
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
-from lightning_speedkit.trials.counted import COUNTED_ROUNDS
+from lightning_speedkit.trials.counted import COUNTED_ROUNDS, queued_steps
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class DataLoaderTuner(Lever):
         loaders = trainer.fit_loop._combined_loader
         single = loaders is None or len(loaders.flattened) == 1
         counted = plan["map_style"] and single and baseline["num_workers"] == 0  # a single-process loader to serve
+        window += queued_steps(trainer)  # the counted probes before this one run first, in the same epoch
         if plan["batches"] is not None and plan["batches"] >= window and counted:
             self._live = live = LiveSettings(baseline)  # counted: the first epoch's steps are the probe
             return CountedBlock(live, baseline), [CountedBlock(live, s) for s in candidates]

@@ -11,12 +11,17 @@ than the setting kept (``probe_s``), so blocks can be longer than a restored tri
 steadier on a noisy machine.
 
 Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
+
+Levers probe one at a time: two counted probes in the same steps would each time the other's switches (a loader's
+workers starting while the layout is timed). Each joins its Trainer's queue (`CountedTrials.join`) and starts on the
+step after the one before it has decided; `queued_steps` tells a lever how many steps the probes before it can take.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
 
     from lightning_speedkit.trials.settings import Setting
 
-__all__ = ["COUNTED_ROUNDS", "CountedTrials", "counted_cost"]
+__all__ = ["COUNTED_ROUNDS", "CountedTrials", "counted_cost", "queued_steps"]
 
 COUNTED_ROUNDS = 3
 """Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted."""
@@ -46,6 +51,15 @@ def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS) -> int
         (30, 48)
     """
     return (settings - 1) * steps * rounds
+
+
+_QUEUES: weakref.WeakKeyDictionary[Any, list[CountedTrials]] = weakref.WeakKeyDictionary()
+"""Per Trainer, the counted probes not yet decided, in the order they joined: the first one runs."""
+
+
+def queued_steps(trainer: pl.Trainer) -> int:
+    """The most training steps the counted probes already queued on ``trainer`` can still take (their windows)."""
+    return sum(trials.window for trials in _QUEUES.get(trainer, []))
 
 
 class CountedTrials:
@@ -83,8 +97,28 @@ class CountedTrials:
         self._dropped: list[str] = []
         self._began = 0.0
 
+    @property
+    def window(self) -> int:
+        """The most training steps this probe takes: every setting's blocks, every round."""
+        return len(self.settings) * self.steps * self.rounds
+
+    def join(self, trainer: pl.Trainer) -> None:
+        """Queue on ``trainer``: this probe starts once the counted probes that joined before have decided."""
+        _QUEUES.setdefault(trainer, []).append(self)
+
+    def _leave(self, trainer: pl.Trainer) -> None:
+        queue = _QUEUES.get(trainer, [])
+        if self in queue:
+            queue.remove(self)
+
+    def _waiting(self, trainer: pl.Trainer) -> bool:
+        queue = _QUEUES.get(trainer) or []
+        return self in queue and queue[0] is not self
+
     def step_started(self, trainer: pl.Trainer) -> None:
         """Before a training step: start the next block when the last one is over, then start the clock."""
+        if self._waiting(trainer):
+            return
         if self._left == 0:
             if self._active is not None:
                 self._active.revert(trainer)
@@ -108,7 +142,7 @@ class CountedTrials:
 
     def step_ended(self, trainer: pl.Trainer) -> Decision | None:
         """After a training step: record its time; after the last block, the decision (every rank the same)."""
-        if self._active is None:
+        if self._active is None or self._waiting(trainer):
             return None
         self.blocks[-1][1].append(self._step_seconds())
         self._left -= 1
@@ -134,7 +168,8 @@ class CountedTrials:
         self._queue = kept if len(kept) > 1 else []
 
     def stop(self, trainer: pl.Trainer) -> None:
-        """Put the setting in place back (the caller then applies the decision, or keeps it)."""
+        """Put the setting in place back (the caller then applies the decision, or keeps it); leave the queue."""
+        self._leave(trainer)
         if self._active is not None:
             self._active.revert(trainer)
             self._active = None

@@ -294,6 +294,7 @@ class Lever(Callback):
             if not pays:
                 return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
             self._counted = CountedTrials(current, others, block, self.margin, warmup=min(self.WARMUP, block - 1))
+            self._counted.join(trainer)
             return None
         return measure(
             trainer,
