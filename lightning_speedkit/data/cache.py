@@ -2,8 +2,8 @@
 
 Format, chosen by measurement (``benchmarks/dataloader.py``): one ``.npy`` file of fixed-size rows, a sample a row
 with its checksum (`lightning_speedkit.data.packed`), read with one positional read a sample. A random read of a
-decoded 64x64 RGB sample, its checksum checked, costs about 1/30 of opening and decoding its JPEG (11 us against
-330 us of CPU on a busy 2-core EPYC, ``benchmarks/results/dataloader.json``); the format needs no extra dependency,
+decoded 64x64 RGB sample, its checksum checked, costs about 1/30 of opening and decoding its JPEG (10.6 us against
+323 us of CPU on a 2-core EPYC, ``benchmarks/results/dataloader.json``); the format needs no extra dependency,
 the OS page cache shares it between worker processes and DDP ranks, and opening it in each worker is free (nothing
 is pickled but the path).
 """
