@@ -135,6 +135,34 @@ def short_job_reason(lever: str) -> str:
     return "skipped: the probe"
 
 
+class OutlierClassifier(TinyClassifier):
+    """TinyClassifier whose first validation batch is 1000x larger: calibrated on it alone, INT8 loses accuracy."""
+
+    @override
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        x, y = self._data(1).tensors
+        x = x.clone()
+        x[:8] *= 1000.0
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def outlier_mlp() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An MLP whose first hidden layer has one channel ~1000x the others (same function as without it).
+
+    MinMax calibration then spends the whole INT8 range of that activation on the one channel and rounds the
+    others to nothing: INT8 agrees with FP32 on ~16% of the samples. Labels are FP32's argmax (accuracy 1.0).
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    with torch.no_grad():
+        net[0].weight[0] *= 1000.0
+        net[0].bias[0] = 1000.0 * net[0].bias[0].abs() + 100.0
+        net[2].weight[:, 0] /= 1000.0
+        x = torch.randn(256, 8)
+        y = net(x).argmax(1)
+    return net, [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)]
+
+
 def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
     """A quiet CPU Trainer for tests; keyword arguments override the defaults (``ddp_spawn`` adds `SpawnedRank`)."""
     defaults: dict[str, object] = {

@@ -13,12 +13,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import OutlierClassifier, TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from onnx import numpy_helper
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -76,17 +75,6 @@ class StampedClassifier(DemoClassifier):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)
         self.log("stamp", float(self.current_epoch))
-
-
-class OutlierClassifier(TinyClassifier):
-    """TinyClassifier whose first validation batch is 1000x larger: calibrated on it alone, INT8 loses accuracy."""
-
-    @override
-    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        x, y = self._data(1).tensors
-        x = x.clone()
-        x[:8] *= 1000.0
-        return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
 class ReportRecorder(L.Callback):

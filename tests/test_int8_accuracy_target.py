@@ -9,27 +9,10 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
-from conftest import TinyClassifier, tiny_trainer
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from typing_extensions import override
+from conftest import OutlierClassifier, outlier_mlp, tiny_trainer
 
 from lightning_speedkit.int8 import Int8Export, export_int8
 from lightning_speedkit.int8.report import summary_line
-
-
-def outlier_mlp() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """An MLP with one hidden channel ~1000x the others: plain INT8 agrees with FP32 on few samples."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
-    with torch.no_grad():
-        net[0].weight[0] *= 1000.0
-        net[0].bias[0] = 1000.0 * net[0].bias[0].abs() + 100.0
-        net[2].weight[:, 0] /= 1000.0
-        x = torch.randn(256, 8)
-        y = net(x).argmax(1)
-    return net, [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)]
 
 
 def test_an_accuracy_aware_export_that_misses_its_target_reports_passed_false(tmp_path: Path) -> None:
@@ -53,17 +36,6 @@ def test_a_met_target_says_what_held(tmp_path: Path) -> None:
     assert re.fullmatch(r"passed: top-1 agreement (0\.9[89]|1\.0)\d* >= min_agreement=0\.98", report["status"])
 
 
-class OutlierModule(TinyClassifier):
-    """TinyClassifier whose first validation batch is 1000x larger: calibrated on it alone, INT8 loses accuracy."""
-
-    @override
-    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        x, y = self._data(1).tensors
-        x = x.clone()
-        x[:8] *= 1000.0
-        return DataLoader(TensorDataset(x, y), batch_size=8)
-
-
 def test_the_callback_and_its_summary_say_a_missed_target_failed(tmp_path: Path) -> None:
     """Int8Export's report (what the run summary gets) has ``passed: False`` and a FAILED status; one warning."""
     L.seed_everything(0, verbose=False)
@@ -71,7 +43,7 @@ def test_the_callback_and_its_summary_say_a_missed_target_failed(tmp_path: Path)
     trainer = tiny_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[export])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(OutlierModule())
+        trainer.fit(OutlierClassifier())
     failed = [str(w.message) for w in caught if "FAILED" in str(w.message)]
     assert len(failed) == 1
     assert failed[0].startswith("Int8Export: FAILED its accuracy target: INT8 top1_accuracy is ")
@@ -89,7 +61,7 @@ def test_with_raise_the_callback_reports_the_failure_and_writes_nothing(tmp_path
     export = Int8Export(tmp_path / "int8", calibration_batches=1, latency_repeats=0, on_metric_drop="raise")
     trainer = tiny_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[export])
     with pytest.raises(RuntimeError, match="more than max_metric_drop"):
-        trainer.fit(OutlierModule())
+        trainer.fit(OutlierClassifier())
     assert list((tmp_path / "int8").iterdir()) == []
     report = export.report()
     assert report["exported"] is False

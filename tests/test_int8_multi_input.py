@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_trainer
+from conftest import outlier_mlp, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -241,23 +241,6 @@ def test_callback_exports_a_model_fed_dict_batches(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- accuracy-aware INT8
-
-
-def outlier_mlp() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """An MLP whose first hidden layer has one channel ~1000x the others (same function as without it).
-
-    MinMax calibration then spends the whole INT8 range of that activation on the one channel and rounds the
-    others to nothing: INT8 agrees with FP32 on ~16% of the samples. Labels are FP32's argmax (accuracy 1.0).
-    """
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
-    with torch.no_grad():
-        net[0].weight[0] *= 1000.0
-        net[0].bias[0] = 1000.0 * net[0].bias[0].abs() + 100.0
-        net[2].weight[:, 0] /= 1000.0
-        x = torch.randn(256, 8)
-        y = net(x).argmax(1)
-    return net, [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)]
 
 
 @pytest.mark.parametrize("budget", [{"max_metric_drop": 0.01}, {"min_agreement": 0.98}])
