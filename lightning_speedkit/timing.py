@@ -19,7 +19,44 @@ import torch
 
 from lightning_speedkit.checks import check_int
 
-__all__ = ["StepTime", "StepTimer", "WindowStats", "median_fractions", "median_ms", "summarize"]
+__all__ = ["StepClock", "StepTime", "StepTimer", "WindowStats", "median_fractions", "median_ms", "summarize"]
+
+
+class StepClock:
+    """Times training steps end to end: each from the previous step's end (its batch's wait and its compute).
+
+    The first step, with no step before it, is timed from its `start`. Restored trials time a step the same way
+    (`StepTimer`); counted trials and the remembered-decision check use this lighter clock.
+
+    Example:
+        >>> clock = StepClock()
+        >>> clock.running
+        False
+        >>> clock.start(); clock.running
+        True
+        >>> clock.stop() >= 0.0, clock.running
+        (True, False)
+    """
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._last_end = 0.0
+
+    @property
+    def running(self) -> bool:
+        """Whether a step was started and not yet stopped."""
+        return self._started != 0.0
+
+    def start(self) -> None:
+        """A step begins (its clock starts here only if no step ended before it)."""
+        self._started = time.perf_counter()
+
+    def stop(self) -> float:
+        """The step ends: its seconds from the previous step's end (or from its `start`)."""
+        now = time.perf_counter()
+        seconds = now - (self._last_end or self._started)
+        self._started, self._last_end = 0.0, now
+        return seconds
 
 
 class StepTime(NamedTuple):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import choose_setting, clearly_slower
+from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.lever import Decision
 
 if TYPE_CHECKING:
@@ -91,8 +92,7 @@ class CountedTrials:
         self._queue: list[Setting] = list(self.settings)
         self._active: Setting | None = None
         self._left = 0
-        self._started = 0.0
-        self._last_end = 0.0
+        self._clock = StepClock()
         self._round = 1
         self._dropped: list[str] = []
         self._began = 0.0
@@ -127,24 +127,13 @@ class CountedTrials:
             self._left = self.steps
             self.blocks.append((self._active.name, []))
             self._began = self._began or time.perf_counter()
-        self._started = time.perf_counter()
-
-    def _step_seconds(self) -> float:
-        """The step just ended, timed from the previous step's end.
-
-        That is the wait for its batch (prefetched while the step before ran) and its compute, as a restored trial
-        times a step (`lightning_speedkit.timing.StepTimer`).
-        """
-        now = time.perf_counter()
-        since = self._last_end or self._started
-        self._last_end = now
-        return now - since
+        self._clock.start()
 
     def step_ended(self, trainer: pl.Trainer) -> Decision | None:
         """After a training step: record its time; after the last block, the decision (every rank the same)."""
         if self._active is None or self._waiting(trainer):
             return None
-        self.blocks[-1][1].append(self._step_seconds())
+        self.blocks[-1][1].append(self._clock.stop())
         self._left -= 1
         if self._left > 0:
             return None

@@ -29,7 +29,6 @@ import math
 import os
 import shutil
 import statistics
-import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import cache_dir, quiet_logger, write_json_atomic
+from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.session import LIGHTNING_INFO
 
@@ -310,8 +310,7 @@ class Remembering:
         self.note = ""
         self.check: dict[str, Any] = {}
         self._times: list[float] = []
-        self._started = 0.0
-        self._last_end = 0.0
+        self._clock = StepClock()
         self._steps = 0
 
     def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
@@ -344,17 +343,16 @@ class Remembering:
     def step_started(self) -> None:
         """Start timing a training step (while the check still needs steps)."""
         if self.enabled and self._steps < self.CHECK_SKIP + self.CHECK_STEPS:
-            self._started = time.perf_counter()
+            self._clock.start()
 
     def step_ended(self, trainer: pl.Trainer, decision: Decision) -> None:
         """Count a timed step; after the last one, record (measured) or check (remembered) the live median."""
-        if not self.enabled or self._started == 0.0:
+        if not self.enabled or not self._clock.running:
             return
-        now = time.perf_counter()
+        seconds = self._clock.stop()  # from the previous step's end: its batch's wait and its compute
         self._steps += 1
-        if self._steps > self.CHECK_SKIP:  # from the previous step's end: its batch's wait and its compute
-            self._times.append(now - (self._last_end or self._started))
-        self._started, self._last_end = 0.0, now
+        if self._steps > self.CHECK_SKIP:
+            self._times.append(seconds)
         if self._steps != self.CHECK_SKIP + self.CHECK_STEPS:
             return
         live = float(trainer.strategy.broadcast(statistics.median(self._times), src=0))
