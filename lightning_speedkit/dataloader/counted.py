@@ -10,6 +10,7 @@ by the rebuilt loaders themselves.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,17 +29,45 @@ if TYPE_CHECKING:
 __all__ = ["CountedBlock", "CountedLoader", "LiveSettings"]
 
 
-class _Batches(Sampler[list[int]]):
-    """A batch sampler over fixed batches of indices."""
+class _Epoch:
+    """The epoch's batches of indices, drawn from its sampler iterator as loaders ask for them.
 
-    def __init__(self, batches: list[list[int]]) -> None:
-        self.batches = batches
+    Drawn lazily, as the fit's own iterator would draw them, so an epoch of millions of batches is never held;
+    batches served are dropped, and those a loader prefetched but did not serve stay for the next loader.
+    """
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._held: deque[list[int]] = deque()
+        self._first = 0  # the position of _held[0]
+
+    def batch(self, position: int) -> list[int] | None:
+        """The batch at ``position`` in the epoch (None past its end)."""
+        while position >= self._first + len(self._held):
+            drawn = next(self._source, None)
+            if drawn is None:
+                return None
+            self._held.append(list(drawn))
+        return self._held[position - self._first]
+
+    def served(self, position: int) -> None:
+        """The batches before ``position`` are served: no loader asks for them again."""
+        while self._first < position and self._held:
+            self._held.popleft()
+            self._first += 1
+
+
+class _Batches(Sampler[list[int]]):
+    """A batch sampler over the epoch's batches from ``start`` on."""
+
+    def __init__(self, epoch: _Epoch, start: int) -> None:
+        self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        position = self.start
+        while (batch := self.epoch.batch(position)) is not None:
+            yield batch
+            position += 1
 
 
 class LiveSettings:
@@ -89,8 +118,7 @@ class CountedLoader:
         """The generator to put in place of the epoch's ``iterator`` (None when it is not a single-process one)."""
         if not isinstance(iterator, _SingleProcessDataLoaderIter):
             return None
-        batches = [list(batch) for batch in iterator._sampler_iter]
-        self._served = self._serve(batches)
+        self._served = self._serve(_Epoch(iterator._sampler_iter))
         return self._served
 
     def close(self) -> None:
@@ -99,23 +127,28 @@ class CountedLoader:
             self._served.close()
             self._served = None
 
-    def _serve(self, batches: list[list[int]]) -> Generator[Any, None, None]:
-        position = 0
-        while position < len(batches):
+    def _serve(self, epoch: _Epoch) -> Generator[Any, None, None]:
+        position, switched = 0, True
+        while switched:
             settings = dict(self.live.settings)
-            loader = rebuild_dataloader(self.base, settings, batch_sampler=_Batches(batches[position:]))
+            loader = rebuild_dataloader(self.base, settings, batch_sampler=_Batches(epoch, position))
             self.loaders_built += 1
+            # the batches its workers prefetch at once are drawn here, from the run's RNG as the fit's iterator would
+            epoch.batch(position + loader.num_workers * (loader.prefetch_factor or 0))
             generator = loader.generator
             state = generator.get_state() if generator is not None else None
             with isolate_rng(include_cuda=torch.cuda.is_available()):  # this iterator's seed draw is not the run's
                 iterator = iter(loader)
             if generator is not None and state is not None:
                 generator.set_state(state)
+            switched = False
             try:
                 for batch in iterator:
                     position += 1
+                    epoch.served(position)
                     yield batch
                     if self.live.settings != settings:
+                        switched = True
                         break
             finally:
                 del iterator  # its workers shut down here, at the switch
