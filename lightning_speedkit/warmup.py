@@ -7,14 +7,15 @@ import math
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_speedkit.checks import check_choice, is_int, is_number
+from lightning_speedkit.checks import is_int
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec, check_checkpoints
+from lightning_speedkit.schedule import DECAYS, check_cooldown, check_schedule, check_warmup, warmup_factor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -25,85 +26,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
 
-DECAYS = ("constant", "cosine", "linear")
-"""The decays after warmup that `warmup_factor` and `WarmupScheduler` accept."""
-
-
-def _check_warmup(warmup: int | float) -> None:
-    """Raise ``ValueError`` unless ``warmup`` is an int >= 0 (steps) or a float in (0, 1) (fraction)."""
-    if not is_int(warmup, low=0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
-        raise ValueError(f"`warmup` must be an int >= 0 (steps) or a float in (0, 1) (fraction), got {warmup!r}.")
-
-
-def _check_schedule(
-    warmup_steps: int,
-    total_steps: int | None,
-    decay: str,
-    min_lr_ratio: float,
-    start_factor: float,
-    warmup_name: str = "warmup_steps",
-) -> None:
-    """Raise ``ValueError`` naming the argument and its value if the schedule is not valid."""
-    if not is_int(warmup_steps, low=0):
-        raise ValueError(f"`{warmup_name}` must be a non-negative int, got {warmup_steps!r}.")
-    if total_steps is not None and not is_int(total_steps, low=1):
-        raise ValueError(f"`total_steps` must be a positive int or None, got {total_steps!r}.")
-    if total_steps is not None and warmup_steps > total_steps:
-        raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
-    check_choice("decay", decay, DECAYS)
-    if not is_number(min_lr_ratio, 0, 1):
-        raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
-    if not is_number(start_factor, 0, 1):
-        raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
-
-
-def warmup_factor(
-    step: int,
-    warmup_steps: int,
-    total_steps: int | None = None,
-    decay: str = "cosine",
-    min_lr_ratio: float = 0.0,
-    start_factor: float = 0.0,
-) -> float:
-    """LR multiplier at optimizer step ``step`` of a linear warmup followed by a decay.
-
-    For ``step < warmup_steps`` it is ``start_factor + (1 - start_factor) * step / warmup_steps`` (torch's
-    ``LinearLR``). After that, with ``p = (step - warmup_steps) / (total_steps - warmup_steps)`` (held at 1 past
-    ``total_steps``), it is ``min_lr_ratio + (1 - min_lr_ratio) * d`` with ``d = (1 + cos(pi * p)) / 2`` for
-    ``"cosine"`` (torch's ``CosineAnnealingLR``) or ``d = 1 - p`` for ``"linear"``; ``"constant"`` gives 1.
-
-    Args:
-        step: Optimizer steps since the schedule started (0 for the first step).
-        warmup_steps: Steps of linear warmup; 0 for none.
-        total_steps: Steps of warmup plus decay; may be None only for ``decay="constant"``.
-        decay: One of `DECAYS`.
-        min_lr_ratio: Floor of the decay, as a fraction of the base LR.
-        start_factor: Multiplier at step 0 of the warmup.
-
-    Raises:
-        ValueError: If an argument is out of range (the message names it and its value).
-
-    Example:
-        >>> [round(warmup_factor(k, warmup_steps=2, total_steps=6), 3) for k in range(7)]
-        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
-        >>> warmup_factor(1, warmup_steps=4, decay="constant", start_factor=0.2)
-        0.4
-        >>> warmup_factor(5, warmup_steps=4, total_steps=6, decay="linear", min_lr_ratio=0.5)
-        0.75
-    """
-    _check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor)
-    if total_steps is None and decay != "constant":
-        raise ValueError(f"`total_steps` is needed for decay={decay!r}, got None.")
-    if not is_int(step, low=0):
-        raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
-    if step < warmup_steps:
-        return start_factor + (1.0 - start_factor) * step / warmup_steps
-    if decay == "constant" or total_steps is None:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    remaining = (1.0 + math.cos(math.pi * progress)) / 2.0 if decay == "cosine" else 1.0 - progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
-
 
 class _Schedule(NamedTuple):
     warmup_steps: int
@@ -112,7 +34,7 @@ class _Schedule(NamedTuple):
 
 
 class WarmupScheduler(Callback):
-    """Linear LR warmup over optimizer steps, then a cosine, linear or constant decay, on every param group.
+    """Linear LR warmup over optimizer steps, then warmup-stable-decay (or cosine, linear, constant), on every group.
 
     The step is ``trainer.global_step`` (optimizer steps), so gradient accumulation is counted right and an epoch
     ``interval`` cannot stretch the warmup. The multiplier is `warmup_factor` of the steps since the schedule
@@ -140,9 +62,11 @@ class WarmupScheduler(Callback):
     Args:
         warmup: Warmup length: an int (optimizer steps, 0 for none) or a float in (0, 1) (fraction of total steps,
             rounded up).
-        decay: After warmup: ``"cosine"``, ``"linear"`` or ``"constant"``.
+        decay: After warmup: ``"wsd"`` (hold the LR, then cool down over the last ``cooldown`` of the budget;
+            `lightning_speedkit.schedule`), ``"cosine"``, ``"linear"`` or ``"constant"``.
         total_steps: Steps of warmup plus decay; None for the Trainer's estimate of the remaining steps.
         min_lr_ratio: Floor of the decay as a fraction of the base LR, in [0, 1].
+        cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
         start_factor: Multiplier at the first warmup step, in [0, 1].
 
     Raises:
@@ -162,14 +86,17 @@ class WarmupScheduler(Callback):
     def __init__(
         self,
         warmup: int | float = 0.05,
-        decay: str = "cosine",
+        decay: str = "wsd",
         total_steps: int | None = None,
         min_lr_ratio: float = 0.0,
         start_factor: float = 0.0,
+        cooldown: float = 0.2,
     ) -> None:
-        _check_warmup(warmup)
+        check_warmup(warmup)
         steps = warmup if isinstance(warmup, int) else 0
-        _check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup")
+        check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown))
+        self.cooldown = float(cooldown)
+        self._time_fraction: float | None = None
         self.warmup = warmup
         self.decay = decay
         self.total_steps = total_steps
@@ -192,6 +119,7 @@ class WarmupScheduler(Callback):
             total_steps=self.total_steps,
             min_lr_ratio=self.min_lr_ratio,
             start_factor=self.start_factor,
+            cooldown=self.cooldown,
         )
 
     state_spec: ClassVar[StateSpec] = {
@@ -214,6 +142,7 @@ class WarmupScheduler(Callback):
     ) -> None:
         if self._schedule is None:
             self._resolve(trainer)
+        self._time_fraction = _time_fraction(trainer, self._time_fraction)
         if len(self._attached) != len(trainer.optimizers) or any(
             a is not b for a, b in zip(self._attached, trainer.optimizers, strict=False)
         ):
@@ -264,6 +193,7 @@ class WarmupScheduler(Callback):
             "decay": self.decay,
             "min_lr_ratio": self.min_lr_ratio,
             "start_factor": self.start_factor,
+            "cooldown": self.cooldown,
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
         }
 
@@ -273,7 +203,14 @@ class WarmupScheduler(Callback):
         if s is None:
             return 1.0
         return warmup_factor(
-            max(0, step - s.start_step), s.warmup_steps, s.total_steps, self.decay, self.min_lr_ratio, self.start_factor
+            max(0, step - s.start_step),
+            s.warmup_steps,
+            s.total_steps,
+            self.decay,
+            self.min_lr_ratio,
+            self.start_factor,
+            self.cooldown,
+            self._time_fraction,
         )
 
     def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None:
@@ -283,17 +220,17 @@ class WarmupScheduler(Callback):
     def set_warmup_steps(self, warmup_steps: int) -> None:
         """Make the warmup ``warmup_steps`` optimizer steps long (from the schedule's start), keeping its total."""
         total = None if self._schedule is None else self._schedule.total_steps
-        _check_schedule(warmup_steps, total, "constant", 0.0, 0.0)
+        check_schedule(warmup_steps, total, "constant", 0.0, 0.0)
         self._warmup_spec = warmup_steps
         if self._schedule is not None:
             self._schedule = self._schedule._replace(warmup_steps=warmup_steps)
 
     def restart(self, warmup: int | float, total_steps: int | None = None) -> None:
         """Start a new warmup and decay at the next training batch (``total_steps`` None: the remaining steps)."""
-        _check_warmup(warmup)
+        check_warmup(warmup)
         if total_steps is not None:
             steps = warmup if isinstance(warmup, int) else 0
-            _check_schedule(steps, total_steps, "constant", 0.0, 0.0, "warmup")
+            check_schedule(steps, total_steps, "constant", 0.0, 0.0, "warmup")
         self._warmup_spec, self._total_spec, self._schedule = warmup, total_steps, None
 
     def _resolve(self, trainer: pl.Trainer) -> None:
@@ -305,15 +242,18 @@ class WarmupScheduler(Callback):
             if total is None:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
             warmup = math.ceil(warmup * total)
-        if total is None and self.decay != "constant":
+        timed = _timer(trainer) is not None
+        if total is None and self.decay != "constant" and not timed:
             raise ValueError(
                 f"`total_steps` is needed for decay={self.decay!r}, got None, and the Trainer cannot estimate it"
-                " (max_steps=-1 with an endless dataloader): pass total_steps or set max_steps."
+                " (max_steps=-1 with an endless dataloader and no max_time): pass total_steps, max_steps or max_time."
             )
-        _check_schedule(int(warmup), total, self.decay, self.min_lr_ratio, self.start_factor, "warmup")
+        check_schedule(int(warmup), total, self.decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
         self._schedule = _Schedule(int(warmup), total, start)
+        budget = f"{total} steps" + (" or the time budget, whichever ends first" if timed else "")
+        shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self.decay == "wsd" else self.decay
         rank_zero_info(
-            f"WarmupScheduler: {int(warmup)} warmup steps, then {self.decay} decay over {total} steps in all"
+            f"WarmupScheduler: {int(warmup)} warmup steps, then {shape} decay over {budget}"
             f" (floor {self.min_lr_ratio} x base LR), from global step {start}."
         )
         names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
@@ -356,3 +296,24 @@ class WarmupScheduler(Callback):
             handle.remove()
         self._handles, self._attached = [], []
         self._inflight.clear()
+
+
+_TIME_EVERY = 20
+"""Optimizer steps between readings of a time budget's clock: rank zero reads it and every rank gets its value, so
+every rank applies the same LR."""
+
+
+def _timer(trainer: pl.Trainer) -> Timer | None:
+    """The Trainer's ``max_time`` timer, when it has a time budget."""
+    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration), None)  # type: ignore[attr-defined]
+
+
+def _time_fraction(trainer: pl.Trainer, last: float | None) -> float | None:
+    """The share of the Trainer's time budget spent (None without one), read every `_TIME_EVERY` steps on rank zero."""
+    timer = _timer(trainer)
+    if timer is None:
+        return None
+    if last is not None and trainer.global_step % _TIME_EVERY:
+        return last
+    spent = timer.time_elapsed("train") / float(timer._duration or 1.0)
+    return float(trainer.strategy.broadcast(spent, src=0))

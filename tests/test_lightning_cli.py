@@ -146,7 +146,14 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "sampler": None,
         "summary": False,
     },
-    "WarmupScheduler": {"warmup": 10, "decay": "linear", "total_steps": 100, "min_lr_ratio": 0.1, "start_factor": 0.2},
+    "WarmupScheduler": {
+        "warmup": 10,
+        "decay": "linear",
+        "total_steps": 100,
+        "min_lr_ratio": 0.1,
+        "start_factor": 0.2,
+        "cooldown": 0.3,
+    },
 }
 
 

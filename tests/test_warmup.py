@@ -150,8 +150,11 @@ def test_warmup_factor_matches_torch_sequential_lr(
         ({"warmup_steps": -1}, "`warmup_steps` must be a non-negative int, got -1"),
         ({"warmup_steps": 11}, "`warmup_steps` must not exceed `total_steps` \\(10\\), got 11"),
         ({"total_steps": 0}, "`total_steps` must be a positive int or None, got 0"),
-        ({"total_steps": None}, "`total_steps` is needed for decay='cosine', got None"),
-        ({"decay": "exp"}, "`decay` must be one of 'constant', 'cosine', 'linear', got 'exp'"),
+        ({"total_steps": None}, "`total_steps` is needed for decay='wsd', got None"),
+        ({"decay": "exp"}, "`decay` must be one of 'wsd', 'constant', 'cosine', 'linear', got 'exp'"),
+        ({"cooldown": 1.0}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got 1.0"),
+        ({"cooldown": -0.1}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got -0.1"),
+        ({"time_fraction": -1.0}, "`time_fraction` must be a number >= 0 or None, got -1.0"),
         ({"min_lr_ratio": 1.5}, "`min_lr_ratio` must be in \\[0, 1\\], got 1.5"),
         ({"start_factor": -0.1}, "`start_factor` must be in \\[0, 1\\], got -0.1"),
         ({"step": -2}, "`step` must be a non-negative int, got -2"),
@@ -179,7 +182,9 @@ def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str)
         ({"min_lr_ratio": -0.5}, "`min_lr_ratio` must be in \\[0, 1\\], got -0.5"),
         ({"min_lr_ratio": 2}, "`min_lr_ratio` must be in \\[0, 1\\], got 2"),
         ({"min_lr_ratio": True}, "`min_lr_ratio` must be in \\[0, 1\\], got True"),
-        ({"decay": "step"}, "`decay` must be one of 'constant', 'cosine', 'linear', got 'step'"),
+        ({"decay": "step"}, "`decay` must be one of 'wsd', 'constant', 'cosine', 'linear', got 'step'"),
+        ({"cooldown": 1.5}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got 1.5"),
+        ({"cooldown": "0.2"}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got '0.2'"),
         ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
     ],
 )
@@ -211,9 +216,47 @@ def test_state_key_and_state_round_trip() -> None:
 # ---------------------------------------------------------------- the callback in a Trainer
 
 
+def test_default_holds_the_lr_then_cools_down_over_the_last_fifth(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """The default schedule (wsd): warmup, the user's own LR held, then a 1-sqrt cool-down over the last 20%."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=2)
+    fit(tmp_path, tiny_model, warmup, recorder, max_epochs=5)  # 40 steps: cool-down over the last 8
+    lrs = recorder.lrs()
+    assert warmup.decay == "wsd"
+    assert lrs[:2] == pytest.approx([0.0, BASE_LR / 2])
+    assert lrs[2:33] == pytest.approx([BASE_LR] * 31)  # the stable phase is exactly the constant-LR run
+    assert lrs[33:] == pytest.approx([BASE_LR * (1 - ((k - 32) / 8) ** 0.5) for k in range(33, 40)])
+    assert sum(lrs) / len(lrs) > 0.8 * BASE_LR  # cosine's mean would be about half
+
+
+def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """With ``max_time`` and no step budget the cool-down follows the share of the time spent."""
+    from lightning_speedkit import warmup as warmup_module
+
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0, cooldown=0.5)
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[warmup, recorder], limit_val_batches=0, max_epochs=-1, max_time={"seconds": 2}
+    )
+    clock = iter(range(10_000))
+
+    class FakeTimer(warmup_module.Timer):  # each reading of the budget's clock is 1% further on
+        def time_elapsed(self, stage: str = "train") -> float:
+            return 0.02 * next(clock)
+
+    timer = next(c for c in trainer.callbacks if isinstance(c, warmup_module.Timer))
+    timer.__class__ = FakeTimer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(warmup_module, "_TIME_EVERY", 1)
+        trainer.fit(tiny_model)
+    lrs = recorder.lrs()
+    assert warmup.schedule is not None and warmup.schedule[1] is None  # no step budget: the time one decides
+    assert lrs[0] == pytest.approx(BASE_LR)  # the first half of the time: the user's LR
+    assert lrs[-1] < 0.5 * BASE_LR  # and it cools down as the time runs out
+    assert all(b <= a for a, b in zip(lrs, lrs[1:], strict=False))
+
+
 def test_warmup_then_cosine_over_optimizer_steps(tmp_path: Path, tiny_model: TinyClassifier) -> None:
     """Each optimizer step uses base LR x factor(global_step); outside the step the group keeps the base LR."""
-    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0.25, min_lr_ratio=0.1)
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0.25, decay="cosine", min_lr_ratio=0.1)
     fit(tmp_path, tiny_model, warmup, recorder, max_epochs=2)
     assert warmup.schedule == (4, 16, 0)  # 25% of 2 x 8 estimated steps, rounded up
     assert [step for step, _, _ in recorder.steps] == list(range(16))
@@ -245,10 +288,10 @@ def test_multiplies_on_top_of_user_scheduler(tmp_path: Path, scheduler: str, int
 
 
 def test_warns_when_two_decays_multiply(tmp_path: Path) -> None:
-    """A cosine decay on top of a user scheduler is not silent: a warning names the scheduler and the fix."""
+    """A decay on top of a user scheduler is not silent: a warning names the scheduler and the fix."""
     L.seed_everything(0, verbose=False)
     recorder = LRRecorder()
-    with pytest.warns(UserWarning, match="WarmupScheduler: the cosine decay multiplies on top of .*StepLR"):
+    with pytest.warns(UserWarning, match="WarmupScheduler: the wsd decay multiplies on top of .*StepLR"):
         fit(tmp_path, ScheduledClassifier(), WarmupScheduler(warmup=2), recorder)
     expected = [user_lr(k) * warmup_factor(k, 2, 8) for k in range(8)]
     assert recorder.lrs() == pytest.approx(expected)

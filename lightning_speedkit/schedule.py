@@ -1,0 +1,166 @@
+"""The maths of an LR schedule: linear warmup, then warmup-stable-decay (the default), cosine, linear or constant.
+
+Pure functions, used by `lightning_speedkit.WarmupScheduler`. The default, ``"wsd"`` (warmup-stable-decay: MiniCPM,
+DeepSeek; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"), holds
+the user's LR after the warmup and cools down only over the last ``cooldown`` fraction of the budget, with the
+``1 - sqrt`` shape that paper found best. Until the cool-down the run is the constant-LR run; cosine instead lowers
+the LR from the first step after warmup, so its mean LR over the run is half the user's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_speedkit.checks import check_choice, is_int, is_number
+
+__all__ = ["DECAYS", "check_cooldown", "check_schedule", "check_warmup", "decay_progress", "warmup_factor"]
+
+DECAYS = ("wsd", "constant", "cosine", "linear")
+"""The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept; the first is the
+default."""
+
+_BUDGETED = ("wsd", "cosine", "linear")
+
+
+def check_warmup(warmup: int | float) -> None:
+    """Raise ``ValueError`` unless ``warmup`` is an int >= 0 (steps) or a float in (0, 1) (fraction)."""
+    if not is_int(warmup, low=0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
+        raise ValueError(f"`warmup` must be an int >= 0 (steps) or a float in (0, 1) (fraction), got {warmup!r}.")
+
+
+def check_cooldown(cooldown: float) -> float:
+    """``cooldown`` as a float, or ``ValueError`` naming it unless it is a number in [0, 1).
+
+    Example:
+        >>> check_cooldown(0.2)
+        0.2
+        >>> check_cooldown(1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `cooldown` must be a fraction of the budget in [0, 1), got 1.0.
+    """
+    if not is_number(cooldown, 0, 1, open_high=True):
+        raise ValueError(f"`cooldown` must be a fraction of the budget in [0, 1), got {cooldown!r}.")
+    return float(cooldown)
+
+
+def check_schedule(
+    warmup_steps: int,
+    total_steps: int | None,
+    decay: str,
+    min_lr_ratio: float,
+    start_factor: float,
+    warmup_name: str = "warmup_steps",
+    cooldown: float = 0.2,
+) -> None:
+    """Raise ``ValueError`` naming the argument and its value if the schedule is not valid."""
+    if not is_int(warmup_steps, low=0):
+        raise ValueError(f"`{warmup_name}` must be a non-negative int, got {warmup_steps!r}.")
+    if total_steps is not None and not is_int(total_steps, low=1):
+        raise ValueError(f"`total_steps` must be a positive int or None, got {total_steps!r}.")
+    if total_steps is not None and warmup_steps > total_steps:
+        raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
+    check_choice("decay", decay, DECAYS)
+    if not is_number(min_lr_ratio, 0, 1):
+        raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
+    if not is_number(start_factor, 0, 1):
+        raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
+    check_cooldown(cooldown)
+
+
+def decay_progress(
+    step: int,
+    warmup_steps: int,
+    total_steps: int | None,
+    decay: str,
+    cooldown: float = 0.2,
+    time_fraction: float | None = None,
+) -> float:
+    """How far the decay has gone at ``step``, in [0, 1]: 0 before it starts, 1 at the end of the budget.
+
+    For ``"cosine"`` and ``"linear"`` the decay spans every step after the warmup; for ``"wsd"`` only the last
+    ``cooldown`` fraction of ``total_steps`` (never before the warmup ends). ``time_fraction`` is the share of a
+    time budget already spent (a Trainer's ``max_time``): the decay is then as far along as the further of the two
+    budgets says, so a run that will run out of time cools down before it does. ``"constant"`` never decays.
+
+    Example:
+        >>> [decay_progress(k, 0, 10, "wsd", cooldown=0.5) for k in (0, 5, 6, 10)]
+        [0.0, 0.0, 0.2, 1.0]
+        >>> decay_progress(2, 0, 100, "wsd", cooldown=0.5, time_fraction=0.75)
+        0.5
+    """
+    if decay == "constant":
+        return 0.0
+    span_start = warmup_steps
+    if decay == "wsd" and total_steps is not None:
+        span_start = max(warmup_steps, total_steps - round(cooldown * total_steps))
+    by_steps = 0.0
+    if total_steps is not None and step >= span_start:
+        by_steps = 1.0 if total_steps <= span_start else (step - span_start) / (total_steps - span_start)
+    by_time = 0.0
+    if time_fraction is not None and step >= warmup_steps:
+        window = cooldown if decay == "wsd" else 1.0
+        by_time = 1.0 if window == 0 else (time_fraction - (1.0 - window)) / window
+    return min(1.0, max(0.0, by_steps, by_time))
+
+
+def warmup_factor(
+    step: int,
+    warmup_steps: int,
+    total_steps: int | None = None,
+    decay: str = "wsd",
+    min_lr_ratio: float = 0.0,
+    start_factor: float = 0.0,
+    cooldown: float = 0.2,
+    time_fraction: float | None = None,
+) -> float:
+    """LR multiplier at optimizer step ``step`` of a linear warmup followed by a decay.
+
+    For ``step < warmup_steps`` it is ``start_factor + (1 - start_factor) * step / warmup_steps`` (torch's
+    ``LinearLR``). After that it is ``min_lr_ratio + (1 - min_lr_ratio) * d`` with ``p`` = `decay_progress`:
+    ``d = 1 - sqrt(p)`` for ``"wsd"`` (1 until the cool-down, the last ``cooldown`` fraction of the budget),
+    ``d = (1 + cos(pi * p)) / 2`` for ``"cosine"`` (torch's ``CosineAnnealingLR``), ``d = 1 - p`` for ``"linear"``;
+    ``"constant"`` gives 1.
+
+    Args:
+        step: Optimizer steps since the schedule started (0 for the first step).
+        warmup_steps: Steps of linear warmup; 0 for none.
+        total_steps: Steps of warmup plus decay; None only for ``decay="constant"`` or with ``time_fraction``.
+        decay: One of `DECAYS`.
+        min_lr_ratio: Floor of the decay, as a fraction of the base LR.
+        start_factor: Multiplier at step 0 of the warmup.
+        cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
+        time_fraction: The share of a time budget already spent, or None when the run has none.
+
+    Raises:
+        ValueError: If an argument is out of range (the message names it and its value).
+
+    Example:
+        >>> [round(warmup_factor(k, warmup_steps=2, total_steps=10), 3) for k in range(11)]
+        [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.293, 0.0]
+        >>> [round(warmup_factor(k, warmup_steps=2, total_steps=6, decay="cosine"), 3) for k in range(7)]
+        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
+        >>> warmup_factor(1, warmup_steps=4, decay="constant", start_factor=0.2)
+        0.4
+        >>> warmup_factor(5, warmup_steps=4, total_steps=6, decay="linear", min_lr_ratio=0.5)
+        0.75
+    """
+    check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor, cooldown=cooldown)
+    if total_steps is None and time_fraction is None and decay in _BUDGETED:
+        raise ValueError(f"`total_steps` is needed for decay={decay!r}, got None.")
+    if not is_int(step, low=0):
+        raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
+    if time_fraction is not None and not is_number(time_fraction, 0):
+        raise ValueError(f"`time_fraction` must be a number >= 0 or None, got {time_fraction!r}.")
+    if step < warmup_steps:
+        return start_factor + (1.0 - start_factor) * step / warmup_steps
+    if decay == "constant":
+        return 1.0
+    progress = decay_progress(step, warmup_steps, total_steps, decay, cooldown, time_fraction)
+    if decay == "wsd":
+        remaining = 1.0 - math.sqrt(progress)
+    elif decay == "cosine":
+        remaining = (1.0 + math.cos(math.pi * progress)) / 2.0
+    else:
+        remaining = 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
