@@ -63,6 +63,10 @@ def _amount(value: Any) -> dict[str, Any] | None:
     return {"amount": value} if isinstance(value, float) and 0.0 < value < 1.0 else None
 
 
+def _auto(value: Any) -> dict[str, Any] | None:
+    return {} if isinstance(value, str) and value == "auto" else None
+
+
 def _directory(value: Any) -> dict[str, Any] | None:
     if isinstance(value, (str, os.PathLike)) and os.fspath(value):
         return {"dirpath": Path(value)}
@@ -74,7 +78,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot("tune_precision", lambda: PrecisionTuner, True, lever=True),
     Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
-    Slot("lr", lambda: LRFinder, False, lever=True),
+    Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("compile", lambda: Compile, False, lever=True),
     Slot("warmup", lambda: WarmupScheduler, True),
     Slot("guard", lambda: TrainingGuard, True),
@@ -115,7 +119,7 @@ def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None
     if slot.shorthand is not None:
         arguments = slot.shorthand[1](value)
         if arguments is not None:
-            return cls(**arguments)
+            return cls(**{**defaults, **arguments})
     forms = FORMS + f" of {cls.__name__}"
     if slot.shorthand is not None:
         forms = f"{forms}, or {slot.shorthand[0]}"

@@ -1,4 +1,4 @@
-"""LRFinder: an LR range test at fit start, through the trial mechanism, and the user's LRs scaled to its suggestion."""
+"""LRFinder: short LR trials (or a range test) at fit start, through the trial mechanism, and the run's LRs scaled."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.checks import check_bool, check_number, check_probe_steps
+from lightning_speedkit.checks import check_bool, check_choice, check_number, check_probe_steps
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
     diverged,
@@ -22,10 +22,11 @@ from lightning_speedkit.lr import (
     smooth_losses,
     suggest_lr,
 )
+from lightning_speedkit.lr_search import REFERENCE, choose_scale, next_scale, plateau
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
-__all__ = ["LRFinder"]
+__all__ = ["METHODS", "LRFinder"]
 
 
 class _RangeSteps(Callback):
@@ -71,50 +72,84 @@ class _RangeTest(trials.Setting):
         return (self.steps,)
 
 
+class _Scaled(trials.Setting):
+    """Every param group's LR times ``scale`` for one trial; 0 is the reference trial (the weights do not move)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
+        self._was: list[list[Any]] = []
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        self._was = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.scale
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        for optimizer, lrs in zip(trainer.optimizers, self._was, strict=True):
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+
 _MAX_STEPS = 100_000
+METHODS = ("trials", "range")
+"""``"trials"``: short trials at half-decade multiples of the user's LR (`lightning_speedkit.lr_search`);
+``"range"``: a range test (fastai's valley rule on one sweep, `lightning_speedkit.lr.suggest_lr`)."""
 
 
 class LRFinder(trials.Lever):
-    """Choose the peak LR by an LR range test at fit start, and scale the user's LRs to it.
+    """Choose the peak LR at fit start by short trials (or a range test), and scale the user's LRs to it.
 
-    At ``on_fit_start`` one trial (`lightning_speedkit.trials.TrialSession`: real steps, everything restored
-    afterwards) trains ``steps`` steps while the LR grows exponentially from ``start_factor`` to ``end_factor`` times
-    the user's LR; it stops early once the smoothed loss exceeds ``divergence`` times its minimum. The suggestion is
-    fastai's "valley" rule on the smoothed curve (`lightning_speedkit.lr.suggest_lr`), which an early spike cannot
-    fool the way Lightning's steepest-slope rule can. Every LR of the run is then scaled by ``suggested / user LR``
-    (clamped to [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a
-    `WarmupScheduler` ramps to the new peak and a later rescale (the batch-size finder's) composes with it. Rank
-    zero's losses decide (they are broadcast), so every rank applies the same scale. The result is in
-    ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state); the life cycle
-    is `lightning_speedkit.trials.Lever`'s.
+    ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
+    same batches from the same weights, everything restored afterwards) at the user's LR times a half-decade grid
+    (x1, x3.16, x10, ... or x0.32, x0.1, ...), going up while each step up ends clearly lower on the same batches,
+    down when going up does not help and the user's LR does not clearly lower the loss; the user's LR is kept unless
+    another does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the trials see
+    the same batches, their step-by-step difference has no batch noise, so the search tells LRs apart on a plateau
+    where a range test's single curve shows only noise. When no LR moved the loss and the budget allows, the user's
+    LR and the next one up are tried once more at twice the length. ``method="range"``: an LR range test over
+    ``steps`` steps from ``start_factor`` to ``end_factor`` times the user's LR, fastai's "valley" rule on the smoothed
+    curve (`lightning_speedkit.lr.suggest_lr`).
 
-    The test is skipped, with the reason in `report`, when it would take more than ``max_fraction`` of the steps
-    left in the run.
+    It runs whenever a wrong LR could cost the run more than the search does: the search may take up to
+    ``max_fraction`` of the steps left (a wrong LR can waste all of them); the first two trials must fit in it, or it
+    is skipped with the reason in `report`. Every LR of the run is then scaled by the chosen multiple (clamped to
+    [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a `WarmupScheduler` ramps to
+    the new peak (its warmup lengthened when the LR grows) and a `TrainingGuard` rolls a raise back at half the LR if
+    the loss breaks. Rank zero's losses decide (they are broadcast), so every rank applies the same scale. The result
+    is in ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state); the life
+    cycle is `lightning_speedkit.trials.Lever`'s. An optimizer without an ``lr`` in its param groups (an LR-free one)
+    is left as it is, and the report says so.
 
     Args:
-        steps: Steps of the range test.
-        start_factor: First LR of the test, as a multiple of the user's LR.
-        end_factor: Last LR of the test, as a multiple of the user's LR.
-        min_scale: Lowest multiple of the user's LR that may be chosen.
-        max_scale: Highest multiple of the user's LR that may be chosen.
-        divergence: The test stops when the smoothed loss exceeds this multiple of its minimum.
-        smoothing: The loss's exponential smoothing factor, in [0, 1).
-        max_fraction: Skip the test when it would take more than this fraction of the steps left, in (0, 1].
-        min_signal: Suggest nothing (keep the user's LR) unless the loss fell by at least this many times its noise
-            during the test (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
+        method: ``"trials"`` or ``"range"`` (`METHODS`).
+        trial_steps: Steps per trial (``"trials"``); None for 3% of the steps left, within [6, 16].
+        steps: Steps of the range test (``"range"``).
+        start_factor: First LR of the range test, as a multiple of the user's LR.
+        end_factor: Last LR of the range test, as a multiple of the user's LR.
+        min_scale: Lowest multiple of the user's LR that may be chosen (or tried).
+        max_scale: Highest multiple of the user's LR that may be chosen (or tried).
+        divergence: The range test stops when the smoothed loss exceeds this multiple of its minimum.
+        smoothing: The range test's exponential smoothing of the loss, in [0, 1).
+        max_fraction: The most of the steps left the search may take, in (0, 1].
+        min_signal: The range test suggests nothing (keeps the user's LR) unless the loss fell by at least this many
+            times its noise (`lightning_speedkit.lr.curve_signal`); 0 follows any valley, as fastai does.
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
             fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
     Raises:
-        ValueError: For ``steps`` below 5 or over 100,000, non-positive factors or scales, ``end_factor <=
-            start_factor``, ``max_scale < min_scale``, ``divergence <= 1``, ``smoothing`` outside [0, 1),
-            ``max_fraction`` outside (0, 1] or a negative ``min_signal``.
+        ValueError: For an unknown ``method``, ``trial_steps`` below 3, ``steps`` below 5 or over 100,000,
+            non-positive factors or scales, ``end_factor <= start_factor``, ``max_scale < min_scale``,
+            ``divergence <= 1``, ``smoothing`` outside [0, 1), ``max_fraction`` outside (0, 1] or a negative
+            ``min_signal``.
 
     Logged metrics: ``speedkit/lr_finder/scale``, ``speedkit/lr_finder/suggested_lr``, ``speedkit/lr_finder/probe_s``.
 
     Example:
         >>> import lightning as L
-        >>> trainer = L.Trainer(logger=False, callbacks=[LRFinder(steps=50)])
+        >>> trainer = L.Trainer(logger=False, callbacks=[LRFinder()])
     """
 
     AREA = "lr_finder"
@@ -124,26 +159,34 @@ class LRFinder(trials.Lever):
         "chosen_lr": float,
         "suggested_lr": (float, None),
         "steps": int,
+        "method": str,
         "curve": {"lrs": ListOf(float), "losses": ListOf(float), "smoothed": ListOf(float)},
+        "trials": {"scales": ListOf(float), "losses": ListOf(ListOf(float))},
     }
 
     def __init__(
         self,
+        method: str = "trials",
+        trial_steps: int | None = None,
         steps: int = 60,
         start_factor: float = 0.01,
         end_factor: float = 100.0,
         min_scale: float = 0.01,
-        max_scale: float = 10.0,
+        max_scale: float = 100.0,
         divergence: float = 4.0,
         smoothing: float = 0.9,
-        max_fraction: float = 0.15,
+        max_fraction: float = 0.25,
         min_signal: float = MIN_SIGNAL,
         remember: bool = True,
     ) -> None:
         self.remember = check_bool("remember", remember)
+        self.method = check_choice("method", method, METHODS)
+        self.trial_steps = None if trial_steps is None else check_probe_steps("trial_steps", trial_steps, low=3)
         self.steps = check_probe_steps("steps", steps, low=5)
         if self.steps > _MAX_STEPS:  # its LR grid is built here: a careless 10**9 would hang the constructor
             raise ValueError(f"`steps` must be at most {_MAX_STEPS} (a range test, not a run), got {steps!r}.")
+        if self.trial_steps is not None and self.trial_steps > _MAX_STEPS:
+            raise ValueError(f"`trial_steps` must be at most {_MAX_STEPS} (a trial, not a run), got {trial_steps!r}.")
         start = check_number("start_factor", start_factor, 0, open_low=True)
         self.factors = range_test_factors(steps, start, end_factor)
         self.min_scale = check_number("min_scale", min_scale, 0, open_low=True)
@@ -158,24 +201,40 @@ class LRFinder(trials.Lever):
 
     @override
     def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision:
-        """The range test, unless there is no optimizer, the fit resumes, or the test is too long for the run."""
+        """The search, unless there is no optimizer or LR, the fit resumes, or the search is too long for the run."""
         if not trainer.optimizers:
             return trials.Decision.skipped("x1", "no optimizer", scale=1.0)
+        if not all("lr" in group for optimizer in trainer.optimizers for group in optimizer.param_groups):
+            names = ", ".join(type(optimizer).__name__ for optimizer in trainer.optimizers)
+            reason = f"skipped: the optimizer ({names}) has no `lr` in its param groups; the run is left as it is"
+            rank_zero_warn(f"LRFinder: {reason}.")
+            return trials.Decision.skipped("x1", reason, scale=1.0)
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped("x1", resumed, scale=1.0)
         left = trials.steps_left(trainer)
-        if left * self.max_fraction < self.steps:
-            reason = (
-                f"skipped: a {self.steps}-step range test is more than {self.max_fraction:.0%} of the {left:.0f}"
-                " steps left"
-            )
+        price, what = self._price(left)
+        if left * self.max_fraction < price:
+            reason = f"skipped: {what} is more than {self.max_fraction:.0%} of the {left:.0f} steps left"
             return trials.Decision.skipped("x1", reason, scale=1.0, steps=0)
-        report = self._search(trainer)
+        report = self._search(trainer) if self.method == "range" else self._trials(trainer, left)
         extra = {k: v for k, v in report.items() if k not in ("reason", "probed", "probe_s")}
         return trials.Decision(
             f"x{report['scale']:.4g}", report["reason"], True, report["probe_s"], source="measured", extra=extra
         )
+
+    def _trial_steps(self, left: float) -> int:
+        """Steps per trial: ``trial_steps``, or 3% of the steps left within [6, 16]."""
+        if self.trial_steps is not None:
+            return self.trial_steps
+        return 16 if math.isinf(left) else max(6, min(16, round(0.03 * left)))
+
+    def _price(self, left: float) -> tuple[int, str]:
+        """The least the search costs, in steps, and what it is (for the skip reason)."""
+        if self.method == "range":
+            return self.steps, f"a {self.steps}-step range test"
+        k = self._trial_steps(left)
+        return 3 * k, f"three {k}-step LR trials (a reference, your LR, the next one up)"
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
@@ -197,11 +256,47 @@ class LRFinder(trials.Lever):
     def status(self) -> dict[str, Any]:
         """Nothing beside the decision.
 
-        The decision: ``decision`` (``"x<scale>"``), ``reason``, ``source``, ``user_lr`` and ``suggested_lr`` (the
-        first param group's), ``chosen_lr``, ``scale``, ``steps`` (range-test steps run), ``probe_s``, ``probed``
-        and ``curve`` (``lrs``, ``losses``, ``smoothed``).
+        The decision: ``decision`` (``"x<scale>"``), ``reason``, ``source``, ``method``, ``user_lr`` and
+        ``suggested_lr`` (the first param group's), ``chosen_lr``, ``scale``, ``steps`` (search steps run),
+        ``probe_s``, ``probed``, and ``trials`` (``scales`` and each trial's ``losses``) or, for a range test,
+        ``curve`` (``lrs``, ``losses``, ``smoothed``).
         """
         return {}
+
+    def _trials(self, trainer: pl.Trainer, left: float) -> dict[str, Any]:
+        user_lr = param_group_lrs(trainer.optimizers)[0][0]
+        k = self._trial_steps(left)
+        budget = self.max_fraction * left
+        curves: dict[float, list[float]] = {}
+        with TrialSession(trainer, k, warmup=0) as session:
+            batches = session.batches_per_epoch()
+            scale: float | None = REFERENCE
+            while scale is not None and (len(curves) + 1) * k <= budget:
+                curves[scale] = _losses(session.run(_Scaled(scale), max_batches=batches))
+                scale = 1.0 if len(curves) == 1 else next_scale(curves, self.min_scale, self.max_scale)
+        used, probe_s = len(curves) * k, session.elapsed_s
+        chosen, why = choose_scale(curves)
+        up = min((s for s in curves if s > 1.0), default=None)
+        if plateau(curves) and up is not None and used + 6 * k <= budget:
+            with TrialSession(trainer, 2 * k, warmup=0) as session:  # a plateau: again, twice as long
+                curves = {s: _losses(session.run(_Scaled(s), max_batches=batches)) for s in (REFERENCE, 1.0, up)}
+            used, probe_s = used + 6 * k, probe_s + session.elapsed_s
+            chosen, why = choose_scale(curves)
+            why += f" (tried again over {2 * k} steps: no LR moved the loss in {k})"
+        scale_kept = min(self.max_scale, max(self.min_scale, chosen))
+        tried = sorted(curves)
+        return {
+            "method": "trials",
+            "user_lr": user_lr,
+            "steps": used,
+            "probed": True,
+            "probe_s": probe_s,
+            "trials": {"scales": tried, "losses": [curves[s] for s in tried]},
+            "suggested_lr": None if chosen == 1.0 else user_lr * chosen,
+            "chosen_lr": user_lr * scale_kept,
+            "scale": scale_kept,
+            "reason": why,
+        }
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
@@ -211,7 +306,7 @@ class LRFinder(trials.Lever):
             result = session.run(_RangeTest(steps), max_batches=batches)
         losses = [math.nan if v is None else v for v in result.losses]
         lrs = [user_lr * f for f in self.factors[: len(losses)]]
-        report: dict[str, Any] = {"user_lr": user_lr, "steps": len(losses), "probed": True}
+        report: dict[str, Any] = {"method": "range", "user_lr": user_lr, "steps": len(losses), "probed": True}
         report["probe_s"] = session.elapsed_s
         report["curve"] = {"lrs": lrs, "losses": losses, "smoothed": smooth_losses(losses, self.smoothing)}
         if not result.fits:
@@ -227,3 +322,10 @@ class LRFinder(trials.Lever):
         clamp = "" if scale == raw else f"; clamped from x{raw:.3g} to [{self.min_scale:g}, {self.max_scale:g}]"
         report.update(suggested_lr=suggested, chosen_lr=user_lr * scale, scale=scale, reason=why + clamp)
         return report
+
+
+def _losses(result: trials.TrialResult) -> list[float]:
+    """A trial's losses (NaN for a missing one); a failed trial is one NaN, so the search treats it as broken."""
+    if not result.fits:
+        return [math.nan]
+    return [math.nan if v is None else float(v) for v in result.losses]

@@ -1,4 +1,4 @@
-"""LRFinder: a range test through the trial mechanism raises a too-low LR, lowers a too-high one, changes only LRs."""
+"""LRFinder: LR trials (or a range test) through the trial mechanism raise a too-low LR, lower a too-high one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from lightning_speedkit import LRFinder, WarmupScheduler
 from lightning_speedkit.lr import param_group_lrs
 from lightning_speedkit.trials import TrialSession
 
-FINDER = {"max_fraction": 1.0}  # a range test of 60 steps may take the whole of these short fits
+FINDER = {"max_fraction": 1.0}  # the search may take the whole of these short fits
+RANGE = {"method": "range", "max_fraction": 1.0}
 
 
 def _model(lr: float) -> TinyClassifier:
@@ -45,9 +46,69 @@ class _FirstBatch(L.Callback):
 
 
 @pytest.mark.parametrize(("lr", "direction"), [(1e-4, "raises"), (1.0, "lowers")])
-def test_a_lr_100x_off_is_corrected(tmp_path: Path, lr: float, direction: str) -> None:
+def test_trials_correct_a_lr_100x_off(tmp_path: Path, lr: float, direction: str) -> None:
     """Adam at 1e-4 (100x too low for this task) is raised; at 1.0 (100x too high) it is lowered."""
     finder = LRFinder(**FINDER)
+    trainer = _fit(tmp_path, _model(lr), finder)
+    report = finder.report()
+    assert report["probed"]
+    assert report["method"] == "trials"
+    assert (report["scale"] >= 10.0) if direction == "raises" else (report["scale"] <= 0.1), report["reason"]
+    assert report["chosen_lr"] == pytest.approx(lr * report["scale"])
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(report["chosen_lr"])
+    scales, losses = report["trials"]["scales"], report["trials"]["losses"]
+    assert scales[0] == 0.0  # the reference trial
+    assert report["scale"] in scales
+    assert report["steps"] == sum(len(curve) for curve in losses)
+
+
+def test_trials_keep_a_lr_that_is_about_right(tmp_path: Path) -> None:
+    """Adam at 1e-2 on this task: no LR does three times its progress, so it is kept (a raise is not free)."""
+    finder = LRFinder(**FINDER)
+    trainer = _fit(tmp_path, _model(1e-2), finder)
+    assert finder.report()["scale"] == 1.0, finder.report()["reason"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_short_sgd_job_at_a_lr_100x_too_low_gets_it_raised(tmp_path: Path) -> None:
+    """SGD at 1e-5 for 10 epochs of 32 steps under preset(lr="auto"): the LR is raised at least 10x."""
+    from lightning_speedkit import preset
+
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(lr=1e-5, optimizer="sgd", num_samples=512, batch_size=16)
+    trainer = preset(lr="auto", logger=False, verbose=False, default_root_dir=tmp_path, max_epochs=10,
+                     enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(model)
+    finder = next(c for c in trainer.callbacks if isinstance(c, LRFinder))  # type: ignore[attr-defined]
+    assert finder.report()["scale"] >= 10.0, finder.report()["reason"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] >= 1e-4
+
+
+class _NoLR(TinyClassifier):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        for group in optimizer.param_groups:
+            del group["lr"]
+        return optimizer
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer_closure()  # the gradients only: an LR-free optimizer's step, as far as the finder is concerned
+
+
+def test_an_optimizer_without_lr_is_left_as_it_is(tmp_path: Path) -> None:
+    """No ``lr`` in the param groups (an LR-free optimizer): the finder says so and changes nothing."""
+    finder = LRFinder(**FINDER)
+    with pytest.warns(UserWarning, match="has no `lr` in its param groups"):
+        _fit(tmp_path, _NoLR(num_samples=64, batch_size=16), finder, max_epochs=1)
+    assert finder.report()["scale"] == 1.0
+    assert finder.report()["source"] == "skipped"
+    assert "no `lr`" in finder.report()["reason"]
+
+
+@pytest.mark.parametrize(("lr", "direction"), [(1e-4, "raises"), (1.0, "lowers")])
+def test_a_range_test_corrects_a_lr_100x_off(tmp_path: Path, lr: float, direction: str) -> None:
+    """method="range": Adam at 1e-4 (100x too low) is raised; at 1.0 (100x too high) it is lowered."""
+    finder = LRFinder(**RANGE)
     trainer = _fit(tmp_path, _model(lr), finder)
     report = finder.report()
     assert report["probed"]
@@ -94,11 +155,15 @@ def test_a_resume_does_not_search_again(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
-    """A range test longer than max_fraction of the run is skipped: the LR stays, and the report says why."""
+    """A search longer than max_fraction of the run is skipped: the LR stays, and the report says why."""
     finder = LRFinder()
-    trainer = _fit(tmp_path, _model(1e-4), finder, max_epochs=2)
+    trainer = _fit(tmp_path, _model(1e-4), finder, max_epochs=1)
     assert finder.report()["scale"] == 1.0
-    assert finder.report()["reason"].startswith("skipped: a 60-step range test is more than 15% of the 32 steps left")
+    assert finder.report()["reason"].startswith("skipped: three 6-step LR trials (a reference, your LR, the next one")
+    assert finder.report()["reason"].endswith("is more than 25% of the 16 steps left")
+    range_test = LRFinder(method="range", max_fraction=0.15)
+    _fit(tmp_path, _model(1e-4), range_test, max_epochs=2)
+    assert range_test.report()["reason"].startswith("skipped: a 60-step range test is more than 15% of the 32 steps")
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
@@ -129,6 +194,9 @@ def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
     ("kwargs", "match"),
     [
         ({"steps": 2}, "`steps`"),
+        ({"method": "grid"}, "`method` must be one of 'trials', 'range', got 'grid'"),
+        ({"trial_steps": 2}, "`trial_steps` must be an int >= 3, got 2"),
+        ({"trial_steps": 10**6}, "`trial_steps` must be at most 100000"),
         ({"start_factor": 0}, "`start_factor`"),
         ({"end_factor": -1.0}, "`end_factor`"),
         ({"start_factor": 10.0, "end_factor": 1.0}, "`end_factor`"),

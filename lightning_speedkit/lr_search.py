@@ -1,0 +1,202 @@
+"""The maths of an LR search by short trials: which LR to try next, and which to keep.
+
+Each trial trains the same k steps on the same batches from the same weights at the user's LR times a scale on a
+grid of half-decades (x sqrt(10)), beside one reference trial of the same steps at LR 0 (the weights never move).
+Because the batches are the same, the difference between two trials' losses at each step carries no batch noise:
+`paired_gain` compares them step by step, which sees an LR move the loss by a fraction of its noise, where a range
+test's single curve on a plateau shows nothing (the demo's ResNet sits at its chance loss for its first hundred
+steps; a range test's ``curve_signal`` there is 0.3-2.0). A trial's progress is how much lower it ends than the
+reference. The user's LR is kept unless another does at least three times its progress, with the difference clear of the
+noise (`choose_scale`): a raise that only looks better over k steps is the one that can make a long run miss its
+target.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "GRID",
+    "REFERENCE",
+    "choose_scale",
+    "grid_scale",
+    "moved",
+    "next_scale",
+    "paired_gain",
+    "plateau",
+    "progress_of",
+]
+
+GRID = math.sqrt(10.0)
+"""The ratio between neighbouring LRs the search tries: half a decade."""
+
+REFERENCE = 0.0
+"""The scale of the reference trial: the same steps at LR 0, the loss the weights have if they do not move."""
+
+CLEAR = 2.0
+"""How many standard errors a paired gain must be above zero to count."""
+
+KEEP = 1 / 3
+"""The user's LR is kept while its progress is at least this share of the best LR's: a third, the share a 3.16x
+higher LR leaves when progress still grows in proportion to the LR (the LR is far too low)."""
+
+NEAR = 0.8
+"""Of the LRs that do at least this share of the best one's progress, the one closest to the user's is chosen."""
+
+Curves = Mapping[float, Sequence[float]]
+"""Each trial's losses, by scale of the user's LR (`REFERENCE` for the reference trial)."""
+
+
+def _finite(losses: Sequence[float]) -> bool:
+    return bool(losses) and all(math.isfinite(v) for v in losses)
+
+
+def paired_gain(base: Sequence[float], other: Sequence[float]) -> tuple[float, float]:
+    """How much lower ``other`` ends than ``base`` on the same batches, and that figure's standard error.
+
+    The mean of ``base[t] - other[t]`` over the second half of the steps (where the LRs have had time to differ).
+    A trial that broke (a non-finite loss) gains ``-inf``; against a broken base, a finite trial gains ``inf``.
+
+    Example:
+        >>> paired_gain([2.0, 1.9, 1.8, 1.7], [2.0, 1.8, 1.5, 1.3])
+        (0.35, 0.05)
+        >>> paired_gain([2.0, 2.0], [2.0, float("nan")])
+        (-inf, 0.0)
+    """
+    if not _finite(other):
+        return -math.inf, 0.0
+    if not _finite(base):
+        return math.inf, 0.0
+    n = min(len(base), len(other))
+    diffs = [base[t] - other[t] for t in range(n // 2, n)]
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else 0.0), math.inf
+    return round(statistics.fmean(diffs), 12), round(statistics.stdev(diffs) / math.sqrt(len(diffs)), 12)
+
+
+def progress_of(curves: Curves) -> dict[float, float]:
+    """Each LR trial's progress: how much lower it ends than the reference trial (`paired_gain`); -inf if it broke.
+
+    Example:
+        >>> progress_of({0.0: [2.0, 2.0, 2.1, 2.0], 1.0: [2.0, 1.9, 1.9, 1.7], 3.0: [2.0, 1.8, 1.5, 1.3]})
+        {1.0: 0.25, 3.0: 0.65}
+    """
+    reference = curves[REFERENCE]
+    return {scale: paired_gain(reference, curve)[0] for scale, curve in curves.items() if scale != REFERENCE}
+
+
+def _clear(curves: Curves, better: float, than: float) -> bool:
+    """Whether trial ``better`` ends clearly lower than trial ``than`` (gain over `CLEAR` standard errors)."""
+    gain, error = paired_gain(curves[than], curves[better])
+    return gain > 0 and (math.isinf(gain) or gain > CLEAR * error)
+
+
+def moved(curves: Curves, scale: float = 1.0) -> bool:
+    """Whether the trial at ``scale`` ends clearly lower than the reference: its LR moved the loss.
+
+    Example:
+        >>> moved({0.0: [2.0, 2.1, 2.0, 2.1], 1.0: [2.0, 2.0, 1.9, 2.0]})
+        True
+        >>> moved({0.0: [2.0, 2.1, 2.0, 2.1], 1.0: [2.0, 2.2, 1.9, 2.2]})
+        False
+    """
+    return _clear(curves, scale, REFERENCE)
+
+
+def plateau(curves: Curves) -> bool:
+    """Whether no LR trial moved the loss clearly (`moved`): nothing to tell the LRs apart by at this length."""
+    return not any(moved(curves, scale) for scale in curves if scale != REFERENCE)
+
+
+def next_scale(curves: Curves, low: float, high: float) -> float | None:
+    """The next scale to try, or None when the search is done.
+
+    Up first (x `GRID`), while each step up ends clearly lower than the one before. Down when the first step up
+    does not and either the user's LR did not move the loss (`moved`) or the step up ended clearly higher or broke,
+    while each step down ends clearly lower. ``low``/``high`` bound the scales.
+
+    Example:
+        >>> ref = [2.0, 2.1, 2.0, 2.1, 2.0, 2.1, 2.0, 2.1]
+        >>> mine = [2.0, 2.0, 1.9, 1.9, 1.8, 1.9, 1.7, 1.8]
+        >>> next_scale({0.0: ref, 1.0: mine}, 0.01, 100)
+        3.16228
+        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 2.0, 1.9, 1.9, 1.8, 1.89, 1.71, 1.8]}, 0.01, 100) is None
+        True
+        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 2.0, 1.9, 1.9, 1.9, 2.0, 1.8, 1.9]}, 0.01, 100)
+        0.31623
+        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.5, 1.5]}, 0.01, 100)
+        10.0
+    """
+    scales = sorted(scale for scale in curves if scale != REFERENCE)
+    top, bottom = scales[-1], scales[0]
+    if top == 1.0 and bottom == 1.0:
+        return _up(1.0, high)
+    if bottom == 1.0:
+        below = max(s for s in scales if s < top)
+        if _clear(curves, top, below):
+            return _up(top, high)
+        if top == _up(1.0, high) and (not moved(curves) or not _finite(curves[top]) or _clear(curves, 1.0, top)):
+            return _down(1.0, low)
+        return None
+    above = min(s for s in scales if s > bottom)
+    return _down(bottom, low) if _clear(curves, bottom, above) else None
+
+
+def grid_scale(index: int) -> float:
+    """The ``index``-th scale of the half-decade grid, rounded so that steps up and down meet exactly.
+
+    Example:
+        >>> [grid_scale(k) for k in (-1, 0, 1, 2)]
+        [0.31623, 1.0, 3.16228, 10.0]
+    """
+    return round(10 ** (index / 2), 5)
+
+
+def _index(scale: float) -> int:
+    return round(2 * math.log10(scale))
+
+
+def _up(scale: float, high: float) -> float | None:
+    nxt = grid_scale(_index(scale) + 1)
+    return nxt if nxt <= high * 1.0001 else None
+
+
+def _down(scale: float, low: float) -> float | None:
+    nxt = grid_scale(_index(scale) - 1)
+    return nxt if nxt >= low * 0.9999 else None
+
+
+def choose_scale(curves: Curves) -> tuple[float, str]:
+    """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
+
+    Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least
+    three times the user's progress (`KEEP`); of the LRs within `NEAR` of the best one's progress on that side, the one
+    closest to the user's.
+
+    Example:
+        >>> ref = [2.0, 2.0, 2.0, 2.0]
+        >>> choose_scale({0.0: ref, 1.0: [2.0, 1.9, 1.8, 1.7], 3.16228: [2.0, 1.88, 1.78, 1.66]})
+        (1.0, 'your LR does 89% of the best progress (x3.162): kept')
+        >>> choose_scale({0.0: ref, 1.0: [2.0, 2.0, 1.99, 1.99], 3.16228: [2.0, 1.9, 1.8, 1.7],
+        ...               10.0: [2.0, 1.7, 1.5, 1.4]})
+        (10.0, 'x10 lowers the loss by 0.55 in 4 steps, your LR by 0.01')
+    """
+    progress = progress_of(curves)
+    best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
+    mine = progress[1.0]
+    if best == 1.0 or not _clear(curves, best, 1.0) or progress[best] <= 0:
+        return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
+    if math.isfinite(mine) and mine >= KEEP * progress[best]:
+        share = mine / progress[best]
+        return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
+    side = [s for s in progress if (s - 1.0) * (best - 1.0) > 0 and progress[s] >= NEAR * progress[best]]
+    chosen = min(side, key=lambda s: abs(math.log(s)))
+    steps = len(curves[1.0])
+    mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
+    return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text}"
+
+
+def _scales(curves: Curves) -> str:
+    return ", ".join(f"x{s:.3g}" for s in sorted(curves) if s != REFERENCE)
