@@ -169,10 +169,12 @@ def preset(
       ``False`` (leave it out), ``True`` (its defaults), a dict of its arguments, or an instance; ``prune`` also
       takes a channel amount and ``export`` a directory. In by default: ``channels_last`` (`ChannelsLast`, which
       acts only on conv nets and keeps NHWC only when real steps are faster), ``tune_precision`` (`PrecisionTuner`,
-      with ``precision="auto"`` only), ``tune_data`` (`DataLoaderTuner`), ``warmup`` (`WarmupScheduler`), ``guard``
+      with ``precision="auto"`` only), ``tune_data`` (`DataLoaderTuner`), ``warmup`` (`WarmupScheduler`: a 5% warmup,
+      then warmup-stable-decay: the user's LR held, cooled down over the last 20% of the budget), ``guard``
       (`TrainingGuard`: a last-good snapshot, rolled back at half the LR on a NaN or a loss spike) and ``monitor``
-      (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`), ``lr`` (`LRFinder`: a range test
-      at fit start scales every LR to its suggestion, and the warmup ramps to it), ``compile`` (`Compile`: eager and
+      (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`), ``lr`` (`LRFinder`; ``lr="auto"``
+      or ``True``: short LR trials at fit start keep the user's LR unless another is clearly and much better, then
+      every LR is scaled to it and the warmup ramps to it), ``compile`` (`Compile`: eager and
       compiled steps timed at fit start, the compiled module kept only when the steps left repay the compile),
       ``prune`` (`StructuredPruning`) and ``export`` (`Int8Export`).
     - Every lever remembers its decision across runs (``remember=False`` switches that off;

@@ -68,7 +68,7 @@ def _row_cells(printed: str, label: str) -> list[str]:
 
 
 def test_demo_quick_writes_report(tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``speedkit demo --quick`` prints a table whose times, epochs and speed-up line are those of demo.json."""
+    """``speedkit demo --quick`` prints a table whose times, epochs, probes and speed-up line are those of demo.json."""
     out_dir = tmp_path / "out"
     argv = ["demo", "--quick", "--num-images", "100", "--max-epochs", "1", "--out", str(out_dir)]
     assert main([*argv, "--cache-dir", str(demo_cache)]) == 0
@@ -81,9 +81,13 @@ def test_demo_quick_writes_report(tmp_path: Path, demo_cache: Path, capsys: pyte
     header = lines[next(i for i, line in enumerate(lines) if line.startswith("demo workload:")) + 1]
     assert header.split() == ["baseline", "speedkit"]
     times = [run["time_to_target_s"] for run in runs.values()]
-    assert _row_cells(printed, "time to val_acc 0.80") == [_time_cell(t) for t in times]
+    assert _row_cells(printed, "time to val_acc 0.75") == [_time_cell(t) for t in times]
     assert _row_cells(printed, "epochs") == ["1", "1"]
     assert _row_cells(printed, "final val_acc") == [f"{run['final_val_acc'] or 0:.3f}" for run in runs.values()]
+    assert _row_cells(printed, "probes")[0] == "none"  # the schedule, the LR search and their cost are in the table
+    assert len(_row_cells(printed, "LR decided")) == 2
+    assert runs["baseline"]["choices"]["probes"] == {}
+    assert runs["speedkit"]["schedule"].startswith("warmup 5%, wsd (cool-down 20%)")
     speedup_lines = [line for line in printed.splitlines() if line.startswith("speed-up (time to target")]
     if None in times:  # one epoch of 80 images: the target is usually out of reach, and then no speed-up is claimed
         assert report["speedup"] is None

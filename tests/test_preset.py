@@ -407,13 +407,14 @@ def test_lr_true_adds_the_lr_finder_and_guard_false_removes_the_guard(tmp_path: 
     assert "TrainingGuard" in names(default)
     tuned = preset(logger=False, verbose=False, default_root_dir=tmp_path, lr=True, guard={"backoff": 0.25})
     assert "LRFinder" in names(tuned)
+    assert "LRFinder" in names(preset(logger=False, verbose=False, default_root_dir=tmp_path, lr="auto"))
     guard = next(c for c in tuned.callbacks if isinstance(c, speedkit.TrainingGuard))
     assert guard.backoff == 0.25
     assert "TrainingGuard" not in names(preset(logger=False, verbose=False, guard=False))
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"), [({"lr": 1e-3}, "`lr`"), ({"lr": "auto"}, "`lr`"), ({"guard": "yes"}, "`guard`")]
+    ("kwargs", "match"), [({"lr": 1e-3}, "`lr`"), ({"lr": "AUTO"}, "`lr`"), ({"guard": "yes"}, "`guard`")]
 )
 def test_preset_refuses_a_bad_lr_or_guard(kwargs: dict[str, Any], match: str) -> None:
     """``lr`` and ``guard`` take False, True, a dict or an instance: anything else names the argument and the forms."""

@@ -27,6 +27,8 @@ def format_report(report: dict[str, Any]) -> str:
         ("peak LR", *(f"{runs[n]['lr']:g}" for n in names)),
         ("LR schedule", *(str(runs[n]["schedule"]) for n in names)),
         ("max epochs", *(str(runs[n]["max_epochs"]) for n in names)),
+        ("LR decided", *(_short(runs[n]["choices"]["lr_reason"]) for n in names)),
+        ("probes", *(_probes(runs[n]["choices"]) for n in names)),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
@@ -39,6 +41,19 @@ def format_report(report: dict[str, Any]) -> str:
     for name in names:
         lines.append(f"{name} diagnosis: {runs[name]['advice']}")
     return "\n".join(lines)
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _probes(choices: dict[str, Any]) -> str:
+    """What the probes cost, in all and by lever (``"none"`` for a run without any)."""
+    probes = choices.get("probes") or {}
+    if not probes:
+        return "none"
+    parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in probes.items())
+    return f"{choices['probe_s']:.1f} s ({parts})"
 
 
 def format_seeds(report: dict[str, Any]) -> str:
@@ -57,6 +72,7 @@ def format_seeds(report: dict[str, Any]) -> str:
     for row in report["seeds"]:
         chose = row["speedkit"]["choices"]
         picked = f"{chose['precision']}, {chose['channels_last']} layout, LR {chose['lr']:.2g}"
+        picked += f", probes {chose['probe_s']:.1f} s"
         if chose.get("rollbacks"):
             picked += f", {chose['rollbacks']} rollback(s)"
         lines.append(
