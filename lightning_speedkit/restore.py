@@ -26,8 +26,17 @@ from typing_extensions import override
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CheckpointError", "CheckpointsChecked", "ListOf", "StateSpec", "check_checkpoints", "state_problem"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointsChecked",
+    "ListOf",
+    "StateSpec",
+    "cached_state_key",
+    "check_checkpoints",
+    "state_problem",
+]
 
 
 @dataclass(frozen=True)
@@ -225,3 +234,17 @@ def check_checkpoints(trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
     if not isinstance(strategy.checkpoint_io, CheckpointsChecked):
         strategy.checkpoint_io = CheckpointsChecked(strategy.checkpoint_io, trainer)
+
+
+def cached_state_key(callback: Callback, **settings: Any) -> str:
+    """``callback``'s ``state_key`` for ``settings``, built once per distinct settings.
+
+    Lightning reads ``state_key`` on every hook call (its profiler's action name), so a key built each time costs a
+    short fit's steps measurable time; this keeps the last one, rebuilt only when a setting changes.
+    """
+    values = tuple(settings.values())
+    cached = callback.__dict__.get("_speedkit_state_key")
+    if cached is None or cached[0] != values:
+        cached = (values, callback._generate_state_key(**settings))
+        callback.__dict__["_speedkit_state_key"] = cached
+    return str(cached[1])

@@ -13,7 +13,7 @@ import math
 
 from lightning_speedkit.checks import check_choice, is_int, is_number
 
-__all__ = ["DECAYS", "check_cooldown", "check_schedule", "check_warmup", "decay_progress", "warmup_factor"]
+__all__ = ["DECAYS", "check_cooldown", "check_schedule", "check_warmup", "decay_progress", "factor_at", "warmup_factor"]
 
 DECAYS = ("wsd", "constant", "cosine", "linear")
 """The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept; the first is the
@@ -152,6 +152,20 @@ def warmup_factor(
         raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
     if time_fraction is not None and not is_number(time_fraction, 0):
         raise ValueError(f"`time_fraction` must be a number >= 0 or None, got {time_fraction!r}.")
+    return factor_at(step, warmup_steps, total_steps, decay, min_lr_ratio, start_factor, cooldown, time_fraction)
+
+
+def factor_at(
+    step: int,
+    warmup_steps: int,
+    total_steps: int | None,
+    decay: str,
+    min_lr_ratio: float,
+    start_factor: float,
+    cooldown: float,
+    time_fraction: float | None,
+) -> float:
+    """`warmup_factor` of arguments already checked (a callback's, once per optimizer step: no checks here)."""
     if step < warmup_steps:
         return start_factor + (1.0 - start_factor) * step / warmup_steps
     if decay == "constant":

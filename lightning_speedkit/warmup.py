@@ -14,8 +14,15 @@ from typing_extensions import override
 from lightning_speedkit.checks import is_int
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import StateSpec, check_checkpoints
-from lightning_speedkit.schedule import DECAYS, check_cooldown, check_schedule, check_warmup, warmup_factor
+from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
+from lightning_speedkit.schedule import (
+    DECAYS,
+    check_cooldown,
+    check_schedule,
+    check_warmup,
+    factor_at,
+    warmup_factor,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,7 +120,8 @@ class WarmupScheduler(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(
+        return cached_state_key(
+            self,
             warmup=self.warmup,
             decay=self.decay,
             total_steps=self.total_steps,
@@ -202,7 +210,7 @@ class WarmupScheduler(Callback):
         s = self._schedule
         if s is None:
             return 1.0
-        return warmup_factor(
+        return factor_at(
             max(0, step - s.start_step),
             s.warmup_steps,
             s.total_steps,

@@ -21,6 +21,7 @@ from lightning_speedkit.int8.report import drop_message, int8_metrics, summary_l
 from lightning_speedkit.int8.sources import metrics_of, module_to_export, unwritable, validation_loader
 from lightning_speedkit.int8.steps import import_export_deps
 from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.restore import cached_state_key
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -174,7 +175,7 @@ class Int8Export(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
+        return cached_state_key(self, dirpath=str(self.dirpath), filename=self.filename)
 
     def report(self) -> dict[str, Any]:
         """The last export's report (on every rank) with ``exported``; ``passed`` and ``status`` say if it failed.

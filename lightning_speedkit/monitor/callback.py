@@ -19,7 +19,7 @@ from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, fir
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
 from lightning_speedkit.monitor.readings import DeviceReadings
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import StateSpec, check_checkpoints
+from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.sampling import DeviceSampler, open_sampler
 from lightning_speedkit.timing import StepTimer, WindowStats, median_fractions
 
@@ -109,7 +109,6 @@ class UtilizationMonitor(Callback):
         self.sample_interval = sample_interval
         self.sampler = sampler
         self.summary = summary
-        self._state_key: tuple[tuple[float, ...], str] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -134,14 +133,12 @@ class UtilizationMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Lightning reads state_key on every hook call (for its profiler's action name): build it once per settings.
-        settings = (self.window, self.warn_util_below, self.warn_data_wait_above)
-        if self._state_key is None or self._state_key[0] != settings:
-            key = self._generate_state_key(
-                window=self.window, warn_util_below=self.warn_util_below, warn_data_wait_above=self.warn_data_wait_above
-            )
-            self._state_key = (settings, key)
-        return self._state_key[1]
+        return cached_state_key(
+            self,
+            window=self.window,
+            warn_util_below=self.warn_util_below,
+            warn_data_wait_above=self.warn_data_wait_above,
+        )
 
     state_spec: ClassVar[StateSpec] = {
         "batches": int,

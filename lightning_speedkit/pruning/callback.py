@@ -35,7 +35,7 @@ from lightning_speedkit.pruning.surgery import (
 )
 from lightning_speedkit.pruning.targets import PlanArgs, Target, check_reachable, plan_toward, speedup_target
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -171,7 +171,8 @@ class StructuredPruning(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(
+        return cached_state_key(
+            self,
             amount=self.amount,
             target_speedup=self.target_speedup,
             **({"target_latency": self.target_latency} if self.target_latency is not None else {}),

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import Self, override
 
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -200,9 +200,12 @@ class Lever(Callback):
     @property
     @override
     def state_key(self) -> str:
+        cached = self.__dict__.get("_speedkit_state_key")  # read on every hook call: the arguments never change
+        if cached is not None:
+            return str(cached[1])
         shown = {name: value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
                  for name, value in self._arguments.items() if name != "remember"}  # fmt: skip
-        return self._generate_state_key(**shown)
+        return cached_state_key(self, **shown)
 
     @property
     def decision(self) -> Decision | None:
