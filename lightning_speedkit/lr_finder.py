@@ -94,8 +94,10 @@ class _Scaled(trials.Setting):
 
 
 _MAX_STEPS = 100_000
+_PLATEAU_SHARE = 0.1
+"""A plateau's longer trials run only when they take at most this share of the steps left (a long run)."""
 METHODS = ("trials", "range")
-"""``"trials"``: short trials at half-decade multiples of the user's LR (`lightning_speedkit.lr_search`);
+"""``"trials"``: short trials at decade multiples of the user's LR (`lightning_speedkit.lr_search`);
 ``"range"``: a range test (fastai's valley rule on one sweep, `lightning_speedkit.lr.suggest_lr`)."""
 
 
@@ -103,18 +105,19 @@ class LRFinder(trials.Lever):
     """Choose the peak LR at fit start by short trials (or a range test), and scale the user's LRs to it.
 
     ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
-    same batches from the same weights, everything restored afterwards) at the user's LR times a half-decade grid
-    (x1, x3.16, x10, ... or x0.32, x0.1, ...), going up while each step up ends clearly lower on the same batches,
-    down when going up does not help and the user's LR does not clearly lower the loss; the user's LR is kept unless
-    another does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the trials see
-    the same batches, their step-by-step difference has no batch noise, so the search tells LRs apart on a plateau
-    where a range test's single curve shows only noise. When no LR moved the loss and the budget allows, the user's
-    LR and the next one up are tried once more at twice the length. ``method="range"``: an LR range test over
-    ``steps`` steps from ``start_factor`` to ``end_factor`` times the user's LR, fastai's "valley" rule on the smoothed
+    same batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten
+    times it; up by decades while each ends clearly lower on the same batches; down (x0.1, x0.01) when ten times
+    breaks or ends higher and the user's LR does not clearly lower the loss. The user's LR is kept unless another
+    does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
+    same batches, their step-by-step difference carries no batch noise, so the search tells LRs apart on a plateau
+    where a range test's single curve shows only noise; when no LR moved the loss at all and the run is long enough
+    (the longer trials take at most 10% of it), the first three trials run again four times as long.
+    ``method="range"``: an LR range test over ``steps`` steps from ``start_factor`` to ``end_factor`` times the
+    user's LR, fastai's "valley" rule on the smoothed
     curve (`lightning_speedkit.lr.suggest_lr`).
 
     It runs whenever a wrong LR could cost the run more than the search does: the search may take up to
-    ``max_fraction`` of the steps left (a wrong LR can waste all of them); the first two trials must fit in it, or it
+    ``max_fraction`` of the steps left (a wrong LR can waste all of them); the first three trials must fit in it, or it
     is skipped with the reason in `report`. Every LR of the run is then scaled by the chosen multiple (clamped to
     [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a `WarmupScheduler` ramps to
     the new peak (its warmup lengthened when the LR grows) and a `TrainingGuard` rolls a raise back at half the LR if
@@ -125,7 +128,7 @@ class LRFinder(trials.Lever):
 
     Args:
         method: ``"trials"`` or ``"range"`` (`METHODS`).
-        trial_steps: Steps per trial (``"trials"``); None for 3% of the steps left, within [6, 16].
+        trial_steps: Steps per trial (``"trials"``); None for 1.5% of the steps left, within [6, 16].
         steps: Steps of the range test (``"range"``).
         start_factor: First LR of the range test, as a multiple of the user's LR.
         end_factor: Last LR of the range test, as a multiple of the user's LR.
@@ -224,17 +227,17 @@ class LRFinder(trials.Lever):
         )
 
     def _trial_steps(self, left: float) -> int:
-        """Steps per trial: ``trial_steps``, or 3% of the steps left within [6, 16]."""
+        """Steps per trial: ``trial_steps``, or 1.5% of the steps left within [6, 16]."""
         if self.trial_steps is not None:
             return self.trial_steps
-        return 16 if math.isinf(left) else max(6, min(16, round(0.03 * left)))
+        return 16 if math.isinf(left) else max(6, min(16, round(0.015 * left)))
 
     def _price(self, left: float) -> tuple[int, str]:
         """The least the search costs, in steps, and what it is (for the skip reason)."""
         if self.method == "range":
             return self.steps, f"a {self.steps}-step range test"
         k = self._trial_steps(left)
-        return 3 * k, f"three {k}-step LR trials (a reference, your LR, the next one up)"
+        return 3 * k, f"three {k}-step LR trials (a reference, your LR, ten times it)"
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
@@ -277,12 +280,12 @@ class LRFinder(trials.Lever):
         used, probe_s = len(curves) * k, session.elapsed_s
         chosen, why = choose_scale(curves)
         up = min((s for s in curves if s > 1.0), default=None)
-        if plateau(curves) and up is not None and used + 6 * k <= budget:
-            with TrialSession(trainer, 2 * k, warmup=0) as session:  # a plateau: again, twice as long
+        if plateau(curves) and up is not None and 12 * k <= min(budget - used, _PLATEAU_SHARE * left):
+            with TrialSession(trainer, 4 * k, warmup=0) as session:  # a plateau: again, four times as long
                 curves = {s: _losses(session.run(_Scaled(s), max_batches=batches)) for s in (REFERENCE, 1.0, up)}
-            used, probe_s = used + 6 * k, probe_s + session.elapsed_s
+            used, probe_s = used + 12 * k, probe_s + session.elapsed_s
             chosen, why = choose_scale(curves)
-            why += f" (tried again over {2 * k} steps: no LR moved the loss in {k})"
+            why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
         tried = sorted(curves)
         return {

@@ -1,7 +1,7 @@
 """The maths of an LR search by short trials: which LR to try next, and which to keep.
 
 Each trial trains the same k steps on the same batches from the same weights at the user's LR times a scale on a
-grid of half-decades (x sqrt(10)), beside one reference trial of the same steps at LR 0 (the weights never move).
+grid of decades (x10), beside one reference trial of the same steps at LR 0 (the weights never move).
 Because the batches are the same, the difference between two trials' losses at each step carries no batch noise:
 `paired_gain` compares them step by step, which sees an LR move the loss by a fraction of its noise, where a range
 test's single curve on a plateau shows nothing (the demo's ResNet sits at its chance loss for its first hundred
@@ -14,12 +14,13 @@ target.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 
 __all__ = [
+    "BROKE",
     "GRID",
     "REFERENCE",
+    "broke",
     "choose_scale",
     "grid_scale",
     "moved",
@@ -29,8 +30,9 @@ __all__ = [
     "progress_of",
 ]
 
-GRID = math.sqrt(10.0)
-"""The ratio between neighbouring LRs the search tries: half a decade."""
+GRID = 10.0
+"""The ratio between neighbouring LRs the search tries: a decade, so three trials (a reference, the user's LR and
+ten times it) already tell an LR 10x or 100x too low from one about right, at the least cost."""
 
 REFERENCE = 0.0
 """The scale of the reference trial: the same steps at LR 0, the loss the weights have if they do not move."""
@@ -56,12 +58,15 @@ def _finite(losses: Sequence[float]) -> bool:
 def paired_gain(base: Sequence[float], other: Sequence[float]) -> tuple[float, float]:
     """How much lower ``other`` ends than ``base`` on the same batches, and that figure's standard error.
 
-    The mean of ``base[t] - other[t]`` over the second half of the steps (where the LRs have had time to differ).
-    A trial that broke (a non-finite loss) gains ``-inf``; against a broken base, a finite trial gains ``inf``.
+    Both trials start from the same weights, so their difference ``d[t] = base[t] - other[t]`` starts at 0 and,
+    while the LRs are small next to what the loss can take, grows about linearly with the step. The gain is the
+    least-squares line through the origin fitted to ``d``, read at the last step: every step contributes, weighted
+    by how far the trials have had to drift apart. A trial that broke (a non-finite loss) gains ``-inf``; against a
+    broken base, a finite trial gains ``inf``.
 
     Example:
-        >>> paired_gain([2.0, 1.9, 1.8, 1.7], [2.0, 1.8, 1.5, 1.3])
-        (0.35, 0.05)
+        >>> paired_gain([2.0, 1.9, 1.8, 1.7], [2.0, 1.8, 1.6, 1.4])
+        (0.3, 0.0)
         >>> paired_gain([2.0, 2.0], [2.0, float("nan")])
         (-inf, 0.0)
     """
@@ -70,10 +75,13 @@ def paired_gain(base: Sequence[float], other: Sequence[float]) -> tuple[float, f
     if not _finite(base):
         return math.inf, 0.0
     n = min(len(base), len(other))
-    diffs = [base[t] - other[t] for t in range(n // 2, n)]
-    if len(diffs) < 2:
-        return (diffs[0] if diffs else 0.0), math.inf
-    return round(statistics.fmean(diffs), 12), round(statistics.stdev(diffs) / math.sqrt(len(diffs)), 12)
+    if n < 3:
+        return (base[n - 1] - other[n - 1] if n else 0.0), math.inf
+    diffs = [base[t] - other[t] for t in range(n)]
+    weight = sum(t * t for t in range(n))
+    slope = sum(t * d for t, d in enumerate(diffs)) / weight
+    residual = sum((d - slope * t) ** 2 for t, d in enumerate(diffs)) / (n - 1)
+    return round(slope * (n - 1), 12), round(math.sqrt(residual / weight) * (n - 1), 12)
 
 
 def progress_of(curves: Curves) -> dict[float, float]:
@@ -81,10 +89,17 @@ def progress_of(curves: Curves) -> dict[float, float]:
 
     Example:
         >>> progress_of({0.0: [2.0, 2.0, 2.1, 2.0], 1.0: [2.0, 1.9, 1.9, 1.7], 3.0: [2.0, 1.8, 1.5, 1.3]})
-        {1.0: 0.25, 3.0: 0.65}
+        {1.0: 0.3, 3.0: 0.75}
     """
     reference = curves[REFERENCE]
     return {scale: paired_gain(reference, curve)[0] for scale, curve in curves.items() if scale != REFERENCE}
+
+
+def _better(curves: Curves, better: float, than: float) -> bool:
+    """Whether ``better`` ends clearly lower than ``than``, or ``than`` broke (`broke`) and ``better`` did not."""
+    if broke(curves, than):
+        return not broke(curves, better)
+    return _clear(curves, better, than)
 
 
 def _clear(curves: Curves, better: float, than: float) -> bool:
@@ -105,6 +120,26 @@ def moved(curves: Curves, scale: float = 1.0) -> bool:
     return _clear(curves, scale, REFERENCE)
 
 
+BROKE = 0.5
+"""A trial broke when a loss after its first step is this share above the reference's highest (or one is not
+finite): the LR blew the loss up, even if it then fell back (dead units often leave it at chance)."""
+
+
+def broke(curves: Curves, scale: float) -> bool:
+    """Whether the trial at ``scale`` blew the loss up (`BROKE`), however it ended.
+
+    Example:
+        >>> ref = [2.0, 2.1, 2.0, 2.1]
+        >>> broke({0.0: ref, 10.0: [2.0, 9.5, 2.4, 2.1]}, 10.0), broke({0.0: ref, 10.0: [2.0, 2.2, 2.1, 2.3]}, 10.0)
+        (True, False)
+    """
+    losses, reference = curves[scale], curves[REFERENCE]
+    if not _finite(losses):
+        return True
+    highest = max(reference)
+    return max(losses[1:], default=highest) - highest > BROKE * abs(highest)
+
+
 def plateau(curves: Curves) -> bool:
     """Whether no LR trial moved the loss clearly (`moved`): nothing to tell the LRs apart by at this length."""
     return not any(moved(curves, scale) for scale in curves if scale != REFERENCE)
@@ -113,49 +148,51 @@ def plateau(curves: Curves) -> bool:
 def next_scale(curves: Curves, low: float, high: float) -> float | None:
     """The next scale to try, or None when the search is done.
 
-    Up first (x `GRID`), while each step up ends clearly lower than the one before. Down when the first step up
-    does not and either the user's LR did not move the loss (`moved`) or the step up ended clearly higher or broke,
-    while each step down ends clearly lower. ``low``/``high`` bound the scales.
+    Up first (x `GRID`), while each step up ends clearly lower than the one before. Down when the user's LR broke
+    (`broke`), or the first step up ended clearly higher or broke and the user's LR did not clearly move the loss
+    (`moved`): an LR too high to learn; then while each step down ends clearly lower (or the one above broke).
+    ``low``/``high`` bound the scales.
 
     Example:
         >>> ref = [2.0, 2.1, 2.0, 2.1, 2.0, 2.1, 2.0, 2.1]
         >>> mine = [2.0, 2.0, 1.9, 1.9, 1.8, 1.9, 1.7, 1.8]
         >>> next_scale({0.0: ref, 1.0: mine}, 0.01, 100)
-        3.16228
-        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 2.0, 1.9, 1.9, 1.8, 1.89, 1.71, 1.8]}, 0.01, 100) is None
-        True
-        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 2.0, 1.9, 1.9, 1.9, 2.0, 1.8, 1.9]}, 0.01, 100)
-        0.31623
-        >>> next_scale({0.0: ref, 1.0: mine, 3.16228: [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.5, 1.5]}, 0.01, 100)
         10.0
+        >>> next_scale({0.0: ref, 1.0: mine, 10.0: [2.0, 2.0, 1.9, 1.9, 1.8, 1.89, 1.71, 1.8]}, 0.01, 100) is None
+        True
+        >>> next_scale({0.0: ref, 1.0: ref, 10.0: [2.0, 2.3, 2.5, 2.9, 3.3, 3.5, 3.7, 4.1]}, 0.01, 100)
+        0.1
+        >>> next_scale({0.0: ref, 1.0: mine, 10.0: [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.5, 1.5]}, 0.01, 100)
+        100.0
     """
     scales = sorted(scale for scale in curves if scale != REFERENCE)
     top, bottom = scales[-1], scales[0]
     if top == 1.0 and bottom == 1.0:
-        return _up(1.0, high)
+        return _down(1.0, low) if broke(curves, 1.0) else _up(1.0, high)
     if bottom == 1.0:
         below = max(s for s in scales if s < top)
-        if _clear(curves, top, below):
+        if _better(curves, top, below):
             return _up(top, high)
-        if top == _up(1.0, high) and (not moved(curves) or not _finite(curves[top]) or _clear(curves, 1.0, top)):
+        worse = broke(curves, top) or _clear(curves, 1.0, top)
+        if top == _up(1.0, high) and worse and not moved(curves):
             return _down(1.0, low)
         return None
     above = min(s for s in scales if s > bottom)
-    return _down(bottom, low) if _clear(curves, bottom, above) else None
+    return _down(bottom, low) if _better(curves, bottom, above) else None
 
 
 def grid_scale(index: int) -> float:
-    """The ``index``-th scale of the half-decade grid, rounded so that steps up and down meet exactly.
+    """The ``index``-th scale of the decade grid, rounded so that steps up and down meet exactly.
 
     Example:
         >>> [grid_scale(k) for k in (-1, 0, 1, 2)]
-        [0.31623, 1.0, 3.16228, 10.0]
+        [0.1, 1.0, 10.0, 100.0]
     """
-    return round(10 ** (index / 2), 5)
+    return round(GRID**index, 8)
 
 
 def _index(scale: float) -> int:
-    return round(2 * math.log10(scale))
+    return round(math.log(scale, GRID))
 
 
 def _up(scale: float, high: float) -> float | None:
@@ -172,8 +209,8 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
     Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least
-    three times the user's progress (`KEEP`); of the LRs within `NEAR` of the best one's progress on that side, the one
-    closest to the user's.
+    three times the user's progress (`KEEP`); of the LRs within `NEAR` of the best one's progress on that side, the
+    one closest to the user's.
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -181,12 +218,12 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         (1.0, 'your LR does 89% of the best progress (x3.162): kept')
         >>> choose_scale({0.0: ref, 1.0: [2.0, 2.0, 1.99, 1.99], 3.16228: [2.0, 1.9, 1.8, 1.7],
         ...               10.0: [2.0, 1.7, 1.5, 1.4]})
-        (10.0, 'x10 lowers the loss by 0.55 in 4 steps, your LR by 0.01')
+        (10.0, 'x10 lowers the loss by 0.66 in 4 steps, your LR by 0.011')
     """
     progress = progress_of(curves)
     best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
     mine = progress[1.0]
-    if best == 1.0 or not _clear(curves, best, 1.0) or progress[best] <= 0:
+    if best == 1.0 or not _better(curves, best, 1.0) or progress[best] <= 0:
         return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
     if math.isfinite(mine) and mine >= KEEP * progress[best]:
         share = mine / progress[best]

@@ -159,7 +159,7 @@ def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
     finder = LRFinder()
     trainer = _fit(tmp_path, _model(1e-4), finder, max_epochs=1)
     assert finder.report()["scale"] == 1.0
-    assert finder.report()["reason"].startswith("skipped: three 6-step LR trials (a reference, your LR, the next one")
+    assert finder.report()["reason"].startswith("skipped: three 6-step LR trials (a reference, your LR, ten times it)")
     assert finder.report()["reason"].endswith("is more than 25% of the 16 steps left")
     range_test = LRFinder(method="range", max_fraction=0.15)
     _fit(tmp_path, _model(1e-4), range_test, max_epochs=2)

@@ -1,0 +1,600 @@
+"""Time to accuracy at a wrong learning rate: a plain Trainer, preset() and preset(lr="auto"), against an LR grid.
+
+Four tasks of different shapes, all data made in-process from a seed, each declaring the LR that is right for it:
+``mlp`` (tabular, a random teacher's labels, SGD with momentum 0.9), ``conv`` (16x16 images holding one of four
+patterns, Adam), ``transformer`` (`_models.TextEncoder`, smaller, on `_models.text_data`, AdamW) and ``demo`` (the
+demo's ResNet on its packed-cache shape images, AdamW). For every task, user LR (the right one times 0.01, 0.1, 1 or
+10) and seed, three fits of the whole budget (no early stopping) run back to back in rotated order:
+
+- ``naive``: a plain ``lightning.Trainer`` at the user's LR, constant;
+- ``preset``: ``speedkit.preset()`` at the user's LR;
+- ``preset_auto``: the same with ``lr="auto"``.
+
+Plain fits at the right LR times 0.1, 0.3, 1, 3 and 10 make the grid (the naive fits at 0.1x, 1x and 10x are grid
+points; only 0.3x and 3x are fitted again). A task's target is ``MARGIN`` times the lowest peak ``val_acc`` over the
+seeds of its best grid LR (the highest mean peak); a run's time to target is the wall time from the start of
+``trainer.fit`` (every probe included) to the first validation epoch at or above it, and a seed's oracle is the
+grid's best time (the grid's own cost not counted). Every fit decides afresh (`_harness.fresh_decisions`).
+
+On a shared machine pass ``--threads 1``: two OpenMP threads on busy cores made a 1.5 s fit take 30 s. One fit on 2
+EPYC cores at one thread: mlp 3 s (preset 5 s), conv 5 s (8 s), transformer 6 s (8 s), demo 33 s (36 s); 168 fits.
+
+    python benchmarks/lr_tasks.py --threads 1                  # about 40 minutes on 2 busy CPU cores
+    python benchmarks/lr_tasks.py --tasks mlp,conv --seeds 0   # a part of it
+    python benchmarks/lr_tasks.py --quick                      # a smoke run for the tests (JSON to a temp dir)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+import lightning_speedkit as speedkit
+from lightning_speedkit.demo import DemoClassifier, DemoDataModule
+from lightning_speedkit.demo.run import Timeline, parse_seeds
+from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.report import collect_reports
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import QUIET, Column, fresh_decisions, print_and_write, quiet_trainer, rotated, table
+from _models import TextEncoder, text_data
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "lr_tasks.json"
+FACTORS: dict[float, str] = {0.01: "100x low", 0.1: "10x low", 1.0: "right", 10.0: "10x high"}
+"""The user's LR as a multiple of the task's right LR, and its label."""
+GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
+"""The grid of plain fits, as multiples of the right LR: the target and the oracle come from it."""
+SEEDS = (0, 1, 2)
+VARIANTS = ("naive", "preset", "preset_auto")
+MARGIN = 0.98
+"""The target is this share of the lowest peak val_acc (over seeds) of the best grid LR."""
+NOISE = 0.10
+"""A variant counts as later than naive only when its time to target is more than this share above naive's."""
+QUICK_FACTORS, QUICK_GRID = (0.1, 1.0), (1.0,)
+
+# ---------------------------------------------------------------------------------------------- pure functions
+
+
+def time_to_target(timeline: Sequence[Mapping[str, float]], target: float) -> float | None:
+    """Seconds at the first point of ``timeline`` whose ``val_acc`` is at least ``target``; None when none is.
+
+    Example:
+        >>> time_to_target([{"seconds": 1.0, "val_acc": 0.5}, {"seconds": 2.0, "val_acc": 0.9}], 0.8)
+        2.0
+    """
+    return next((float(p["seconds"]) for p in timeline if p["val_acc"] >= target), None)
+
+
+def peak_acc(timeline: Sequence[Mapping[str, float]]) -> float:
+    """The highest ``val_acc`` of ``timeline`` (0.0 for an empty one)."""
+    return max((float(p["val_acc"]) for p in timeline), default=0.0)
+
+
+def task_target(peaks: Mapping[float, Sequence[float]], margin: float = MARGIN) -> tuple[float, float]:
+    """The best grid LR (highest mean peak over seeds) and the target: ``margin`` x its lowest peak, to 3 places.
+
+    Example:
+        >>> task_target({0.1: [0.6, 0.7], 1.0: [0.9, 0.8], 10.0: [0.3, 0.2]})
+        (1.0, 0.784)
+    """
+    best = max(peaks, key=lambda factor: statistics.fmean(peaks[factor]))
+    return best, round(margin * min(peaks[best]), 3)
+
+
+def oracle_time(times: Iterable[float | None]) -> float | None:
+    """The smallest of ``times`` that reached the target (not None); None when none did."""
+    return min((t for t in times if t is not None), default=None)
+
+
+def speedup(naive_s: float | None, variant_s: float | None) -> float | str:
+    """Naive time over the variant's, a miss (None) counting as infinitely long.
+
+    A variant that misses while naive reaches scores 0.0; ``"naive missed"`` stands for infinity (the variant reached,
+    naive did not) and ``"both missed"`` for no comparison.
+
+    Example:
+        >>> speedup(4.0, 2.0), speedup(4.0, None), speedup(None, 2.0), speedup(None, None)
+        (2.0, 0.0, 'naive missed', 'both missed')
+    """
+    if naive_s is None:
+        return "both missed" if variant_s is None else "naive missed"
+    return 0.0 if variant_s is None else naive_s / variant_s
+
+
+def later(naive_s: float | None, variant_s: float | None, noise: float = NOISE) -> bool:
+    """Whether the variant reaches the target more than ``noise`` later than naive (a miss is infinitely late).
+
+    Example:
+        >>> later(2.0, 2.1), later(2.0, 2.5), later(2.0, None), later(None, None), later(None, 9.0)
+        (False, True, True, False, False)
+    """
+    if variant_s is None:
+        return naive_s is not None
+    return naive_s is not None and variant_s > naive_s * (1.0 + noise)
+
+
+def over(time_s: float | None, reference_s: float | None) -> float:
+    """``time_s / reference_s``, a miss (None) counting as infinitely long; NaN when both missed."""
+    if time_s is None or reference_s is None:
+        return math.nan if time_s is None and reference_s is None else math.inf if time_s is None else 0.0
+    return time_s / reference_s
+
+
+# ---------------------------------------------------------------------------------------------- data and models
+
+
+def teacher_data(samples: int, seed: int, features: int = 32, classes: int = 4) -> TensorDataset:
+    """``(x, label)``: Gaussian features labelled by a fixed random 2-layer tanh teacher (the same for every seed)."""
+    teacher = torch.Generator().manual_seed(1234)
+    w1 = torch.randn(features, 8, generator=teacher) / features**0.5
+    w2 = torch.randn(8, classes, generator=teacher)
+    x = torch.randn(samples, features, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, (torch.tanh(x @ w1) @ w2).argmax(1))
+
+
+def pattern_data(samples: int, seed: int, side: int = 16, noise: float = 0.8) -> TensorDataset:
+    """``(image, label)``: 1 x ``side`` x ``side`` noise holding one of four fixed 5x5 patterns; the label says which.
+
+    The patterns are +-1 and the same for every seed; each is added at a random place, so only a spatial detector
+    (a convolution) finds it.
+    """
+    patterns = torch.randn(4, 5, 5, generator=torch.Generator().manual_seed(4321)).sign()
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 4, (samples,), generator=g)
+    images = noise * torch.randn(samples, 1, side, side, generator=g)
+    places = torch.randint(0, side - 4, (samples, 2), generator=g).tolist()
+    for image, label, (row, col) in zip(images, labels.tolist(), places, strict=True):
+        image[0, row : row + 5, col : col + 5] += patterns[label]
+    return TensorDataset(images, labels)
+
+
+class Classifier(L.LightningModule):
+    """``net`` trained on ``(*inputs, label)`` batches with cross-entropy; ``val_acc`` logged once per validation epoch.
+
+    ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's defaults otherwise), at a constant
+    ``lr``.
+    """
+
+    def __init__(self, net: nn.Module, optimizer: str, lr: float, classes: int = 4) -> None:
+        super().__init__()
+        self.net, self.optimizer_name, self.lr = net, optimizer, lr
+        self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+
+    @override
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(*inputs)  # type: ignore[no-any-return]
+
+    @override
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(*batch[:-1]), batch[-1])
+
+    @override
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.val_acc(self(*batch[:-1]), batch[-1])
+        self.log("val_acc", self.val_acc, on_epoch=True)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        optimizer = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.AdamW
+        return optimizer(self.parameters(), lr=self.lr)
+
+
+class TensorData(L.LightningDataModule):
+    """``dataset`` split in order, the first 80% to train (shuffled, ``batch_size``), the rest to validate."""
+
+    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        cut = len(dataset) * 4 // 5
+        self.train_set, self.val_set = TensorDataset(*dataset[:cut]), TensorDataset(*dataset[cut:])
+        self.batch_size = batch_size
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self.val_set, batch_size=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One workload: its optimizer, right LR, budget and how its data and model are built.
+
+    The budget is ``max_epochs`` over ``samples`` (train and validation) in batches of ``batch_size``, validated every
+    epoch. ``make_data(task, seed, root)`` gives the data module (``root`` for files), ``make_model(task, lr)`` the
+    model.
+    """
+
+    name: str
+    optimizer: str
+    right_lr: float
+    max_epochs: int
+    samples: int
+    batch_size: int
+    make_data: Callable[[Task, int, Path], L.LightningDataModule]
+    make_model: Callable[[Task, float], L.LightningModule]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The task's settings, for the JSON."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("make_")}
+
+
+def _tensors(build: Callable[[int, int], TensorDataset]) -> Callable[[Task, int, Path], L.LightningDataModule]:
+    return lambda task, seed, root: TensorData(build(task.samples, seed), task.batch_size)
+
+
+def _demo_data(task: Task, seed: int, root: Path) -> L.LightningDataModule:
+    # The packed cache, as the demo's speedkit side uses: every variant reads the same one (built before any fit).
+    return DemoDataModule(num_images=task.samples, batch_size=task.batch_size, seed=seed, root=root, cache=True)
+
+
+def _mlp(task: Task, lr: float) -> L.LightningModule:
+    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    return Classifier(net, task.optimizer, lr)
+
+
+def _conv(task: Task, lr: float) -> L.LightningModule:
+    net = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(32, 4),
+    )  # fmt: skip
+    return Classifier(net, task.optimizer, lr)
+
+
+def _transformer(task: Task, lr: float) -> L.LightningModule:
+    return Classifier(TextEncoder(hidden=32, layers=1, heads=4), task.optimizer, lr)
+
+
+def _demo(task: Task, lr: float) -> L.LightningModule:
+    return DemoClassifier(lr=lr, crop_size=DemoDataModule(num_images=task.samples).crop_size)  # the demo's defaults
+
+
+TASKS: dict[str, Task] = {
+    "mlp": Task("mlp", "sgd", 0.02, 6, 12000, 64, _tensors(teacher_data), _mlp),
+    "conv": Task("conv", "adam", 3e-3, 6, 3000, 32, _tensors(pattern_data), _conv),
+    "transformer": Task("transformer", "adamw", 1e-3, 7, 2500, 32, _tensors(text_data), _transformer),
+    "demo": Task("demo", "adamw", 1e-3, 14, 1200, 32, _demo_data, _demo),
+}
+QUICK_SIZES = {"mlp": (2, 400), "conv": (2, 400), "transformer": (1, 300), "demo": (1, 200)}
+"""``--quick``: (max_epochs, samples) of each task."""
+
+# ---------------------------------------------------------------------------------------------- one fit
+
+
+def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trainer, str | bool | None]:
+    """The Trainer of ``variant`` with ``options``, and the ``lr`` argument preset got (None for a plain one)."""
+    if variant in ("naive", "grid"):
+        return quiet_trainer(device, devices=1, **options), None
+    fresh_decisions()  # nothing remembered from an earlier fit: every probe runs and is timed
+    if variant == "preset":
+        return speedkit.preset(verbose=False, **QUIET, **options), False
+    return speedkit.preset(lr="auto", verbose=False, **QUIET, **options), "auto"
+
+
+def _decisions(trainer: L.Trainer) -> dict[str, Any]:
+    """What preset's levers decided: ``trainer.speedkit.decisions()``, the LR finder's and the warmup's reports."""
+    reports, _ = collect_reports(trainer.callbacks)  # type: ignore[attr-defined]
+    finder = reports.get("LRFinder")
+    keys = ("chosen_lr", "suggested_lr", "scale", "reason", "probe_s", "probed", "steps")
+    return {
+        "levers": trainer.speedkit.decisions(),  # type: ignore[attr-defined]
+        "lr_finder": None if finder is None else {k: finder.get(k) for k in keys},
+        "warmup": reports.get("WarmupScheduler"),
+        "probe_s": {name: float(r["probe_s"]) for name, r in reports.items() if r.get("probe_s")},
+    }
+
+
+def _chosen_lr(lr: float, finder: Mapping[str, Any] | None) -> float:
+    """The LR preset trained at (before its schedule): the LR finder's choice, else the user's ``lr``."""
+    if finder is None:
+        return lr
+    chosen = finder.get("chosen_lr")
+    return float(chosen) if chosen is not None else lr * float(finder.get("scale") or 1.0)
+
+
+def fit_one(
+    task: Task, variant: str, factor: float, seed: int, root: Path, device: str, show: bool = True
+) -> dict[str, Any]:
+    """Train ``task`` for its whole budget as ``variant`` at ``factor`` x its right LR; the run's record.
+
+    The clock starts just before ``trainer.fit``, so set-up and every probe preset runs at fit start are counted.
+    ``show`` prints a line when the fit ends.
+    """
+    data = task.make_data(task, seed, root)
+    L.seed_everything(seed, verbose=False)  # the same initial weights and batch order for every variant
+    lr = task.right_lr * factor
+    model = task.make_model(task, lr)
+    timeline = Timeline(verbose=False)
+    options = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
+    trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline]})
+    timeline.start()
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    seconds = time.perf_counter() - start
+    points = [{"epoch": int(p["epoch"]), "seconds": p["seconds"], "val_acc": p["val_acc"]} for p in timeline.points]
+    record: dict[str, Any] = {"task": task.name, "variant": variant, "factor": factor, "lr": lr, "seed": seed}
+    record["timeline"] = points
+    record |= {"peak_val_acc": peak_acc(points), "final_val_acc": points[-1]["val_acc"] if points else None}
+    record |= {"fit_s": seconds, "steps": trainer.global_step}
+    if lr_argument is not None:
+        decisions = _decisions(trainer)
+        finder = decisions["lr_finder"]
+        record |= {"lr_argument": lr_argument, "decisions": decisions}
+        record["chosen_lr"] = _chosen_lr(lr, finder)
+    if show:
+        peak = record["peak_val_acc"]
+        print(
+            f"  {task.name:<11} {variant:<11} x{factor:<5g} seed {seed}  {seconds:6.1f} s  peak {peak:.3f}", flush=True
+        )
+    return record
+
+
+def _prepare(task: Task, seed: int, root: Path) -> None:
+    """Make the data of ``task`` for ``seed`` (the demo: generate the images, pack the cache) outside any fit."""
+    data = task.make_data(task, seed, root)
+    data.prepare_data()
+    data.setup("fit")
+
+
+def run_task(
+    task: Task, factors: Sequence[float], grid: Sequence[float], seeds: Sequence[int], root: Path, device: str
+) -> list[dict[str, Any]]:
+    """Every fit of ``task``, in order of running.
+
+    Per seed: the variants of each user LR back to back in rotated order, then the grid LRs the naive fits do not
+    cover (also rotated). The data is made (and the demo's cache packed) before the seed's first fit. Two untimed
+    one-epoch fits on `QUICK_SIZES` come first, so first-call costs (imports, kernels) fall on no measured variant.
+    """
+    warm = dataclasses.replace(task, max_epochs=1, samples=QUICK_SIZES[task.name][1])
+    _prepare(warm, 0, root)
+    for variant in ("naive", "preset_auto"):
+        fit_one(warm, variant, 1.0, 0, root, device, show=False)
+    runs: list[dict[str, Any]] = []
+    extra = [g for g in grid if g not in factors]
+    for seed in seeds:
+        _prepare(task, seed, root)
+        for index, factor in enumerate(factors):
+            for variant in rotated(VARIANTS, index + seed):
+                runs.append(fit_one(task, variant, factor, seed, root, device))
+        for g in rotated(extra, seed) if extra else ():
+            runs.append(fit_one(task, "grid", g, seed, root, device))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------- the summary
+
+
+def _find(runs: Sequence[Mapping[str, Any]], variant: str, factor: float, seed: int) -> Mapping[str, Any]:
+    return next(r for r in runs if r["variant"] == variant and r["factor"] == factor and r["seed"] == seed)
+
+
+def _grid_run(runs: Sequence[Mapping[str, Any]], factor: float, seed: int) -> Mapping[str, Any]:
+    """The plain fit at ``factor`` x the right LR: a naive fit where there is one, else a grid fit."""
+    return next(r for r in runs if r["variant"] in ("naive", "grid") and r["factor"] == factor and r["seed"] == seed)
+
+
+def _finite(value: float | str) -> float | str | None:
+    """A ratio for the JSON: rounded, ``"inf"`` for infinity, None for NaN; a string as it is."""
+    if isinstance(value, str):
+        return value
+    return None if math.isnan(value) else "inf" if math.isinf(value) else round(value, 3)
+
+
+def summarise_task(
+    runs: list[dict[str, Any]], factors: Sequence[float], grid: Sequence[float], seeds: Sequence[int]
+) -> dict[str, Any]:
+    """Set every run's ``time_to_target_s`` and ``reached`` from the task's target; the task's summary."""
+    peaks = {g: [_grid_run(runs, g, seed)["peak_val_acc"] for seed in seeds] for g in grid}
+    best, target = task_target(peaks)
+    for run in runs:
+        run["time_to_target_s"] = time_to_target(run["timeline"], target)
+        run["reached"] = run["time_to_target_s"] is not None
+    oracle = {seed: oracle_time(_grid_run(runs, g, seed)["time_to_target_s"] for g in grid) for seed in seeds}
+    cells = []
+    for factor in factors:
+        for seed in seeds:
+            times = {v: _find(runs, v, factor, seed)["time_to_target_s"] for v in VARIANTS}
+            cell: dict[str, Any] = {"factor": factor, "label": FACTORS.get(factor, f"x{factor:g}"), "seed": seed}
+            cell |= {f"{v}_s": t for v, t in times.items()} | {"oracle_s": oracle[seed]}
+            cell |= {"preset_vs_naive": _finite(speedup(times["naive"], times["preset"]))}
+            cell |= {"auto_vs_naive": _finite(speedup(times["naive"], times["preset_auto"]))}
+            cell |= {"preset_later": later(times["naive"], times["preset"])}
+            cell |= {"auto_later": later(times["naive"], times["preset_auto"])}
+            cell |= {"auto_over_oracle": over(times["preset_auto"], oracle[seed])}
+            cells.append(cell)
+    auto_over_oracle = statistics.median(c.pop("auto_over_oracle") for c in cells)
+    return {
+        "target": target,
+        "best_grid_factor": best,
+        "grid_peak_val_acc": {str(g): values for g, values in peaks.items()},
+        "oracle_s": {str(seed): t for seed, t in oracle.items()},
+        "auto_over_oracle_median": auto_over_oracle,
+        "cells": cells,
+    }
+
+
+def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The counts over every (task, user LR, seed) cell and the median over tasks of (auto time / oracle time).
+
+    A count is of the cells where a preset variant reached the target later than naive by more than `NOISE` (a miss
+    is infinitely late).
+    """
+    cells = [cell for task in tasks.values() for cell in task["cells"]]
+    ratios = [task["auto_over_oracle_median"] for task in tasks.values()]
+    finite = [r for r in ratios if not math.isnan(r)]
+    return {
+        "cells": len(cells),
+        "noise_allowance": NOISE,
+        "preset_later_than_naive": sum(c["preset_later"] for c in cells),
+        "auto_later_than_naive": sum(c["auto_later"] for c in cells),
+        "auto_over_oracle_median_over_tasks": _finite(statistics.median(finite)) if finite else None,
+    }
+
+
+def _shown(seconds: float | None) -> str:
+    return "miss" if seconds is None else f"{seconds:.2f}"
+
+
+def _ratio_shown(value: float | str | None) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}x"
+    return {"naive missed": "inf", "both missed": "both miss"}.get(str(value), str(value))
+
+
+COLUMNS = [
+    Column("task", 12, "task", align="<"),
+    Column("user LR", 10, "label", align="<"),
+    Column("seed", 5, "seed"),
+    *(Column(header, 8, header) for header in ("naive", "preset", "auto", "oracle")),
+    Column("auto LR", 10, "auto_lr", ".2g"),
+    Column("preset/n", 10, "preset/n"),
+    Column("auto/n", 10, "auto/n"),
+]
+"""Seconds to target of each variant and the oracle (``miss``), the LR preset_auto trained at, the speed-ups."""
+
+
+def _row(task: str, cell: Mapping[str, Any], auto: Mapping[str, Any]) -> dict[str, Any]:
+    """The table row of ``cell`` of ``task``; ``auto`` is the cell's preset_auto run."""
+    row = {"task": task, "label": cell["label"], "seed": cell["seed"], "auto_lr": auto.get("chosen_lr")}
+    row |= {"naive": _shown(cell["naive_s"]), "preset": _shown(cell["preset_s"]), "auto": _shown(cell["preset_auto_s"])}
+    row |= {"oracle": _shown(cell["oracle_s"]), "preset/n": _ratio_shown(cell["preset_vs_naive"])}
+    return row | {"auto/n": _ratio_shown(cell["auto_vs_naive"])}
+
+
+def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
+    """Each task's target, one row per (task, user LR, seed) cell, then the counts over all cells."""
+    lines = [
+        f"{name}: target val_acc {t['target']:.3f} (best grid LR x{t['best_grid_factor']:g})"
+        for name, t in tasks.items()
+    ]
+    rows = []
+    for name, task in tasks.items():
+        own = [r for r in runs if r["task"] == name]
+        rows += [_row(name, c, _find(own, "preset_auto", c["factor"], c["seed"])) for c in task["cells"]]
+    lines += ["", table(COLUMNS, rows, rule=True), ""]
+    counts = f"preset {summary['preset_later_than_naive']}, preset_auto {summary['auto_later_than_naive']}"
+    lines.append(f"cells later than naive by > {NOISE:.0%}, of {summary['cells']}: {counts}")
+    lines.append(f"median over tasks of auto time / oracle time: {summary['auto_over_oracle_median_over_tasks']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def _settings(quick: bool, names: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, Task], dict[str, Any]]:
+    """The tasks to run (``--quick``: `QUICK_SIZES`) and the run's settings (factors, grid, seeds...)."""
+    tasks = {name: TASKS[name] for name in names}
+    if quick:
+        tasks = {
+            n: dataclasses.replace(t, max_epochs=QUICK_SIZES[n][0], samples=QUICK_SIZES[n][1]) for n, t in tasks.items()
+        }
+    factors, grid = (QUICK_FACTORS, QUICK_GRID) if quick else (tuple(FACTORS), GRID)
+    settings = {"quick": quick, "tasks": {n: t.as_dict() for n, t in tasks.items()}}
+    settings |= {
+        "factors": {str(f): FACTORS[f] for f in factors},
+        "grid": list(grid),
+        "seeds": [0] if quick else list(seeds),
+    }
+    settings |= {"variants": list(VARIANTS), "margin": MARGIN, "noise_allowance": NOISE}
+    settings |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads()}
+    return tasks, settings
+
+
+def out_path(out: str | Path | None, quick: bool) -> Path:
+    """Where the JSON goes: ``out``; else `DEFAULT_OUT`, or with ``quick`` a new temp dir (never the committed file)."""
+    if out is not None:
+        return Path(out)
+    return Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-quick-")) / "lr_tasks.json" if quick else DEFAULT_OUT
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU's name and ISA (`lightning_speedkit.hardware.cpu_info`) and the cores this process may use."""
+    info = cpu_info()
+    return {"cpu": info.model, "isa": info.torch_capability, "isa_limit": info.isa_limit, "cores": info.available_cores}
+
+
+def run(
+    quick: bool = False,
+    tasks: Sequence[str] = tuple(TASKS),
+    seeds: Sequence[int] = SEEDS,
+    out: str | Path | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Fit every task, variant, user LR and seed, summarise, print the tables and write the JSON to ``out``.
+
+    ``quick``: tiny budgets, seed 0 only, user LRs 0.1x and 1x, grid 1x; without ``out`` the JSON goes to a temp dir
+    (never over the committed result). ``threads``: torch's intra-op threads during the run (None: torch's default).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return _run(quick, tasks, seeds, out)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Path | None) -> dict[str, Any]:
+    """`run` at the threads set."""
+    chosen, settings = _settings(quick, tasks, seeds)
+    factors, grid, seeds = [float(f) for f in settings["factors"]], settings["grid"], settings["seeds"]
+    out = out_path(out, quick)
+    root = Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-"))  # the demo's images and the fits' files
+    load_before, started = os.getloadavg(), time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, task in chosen.items():
+        task_runs = run_task(task, factors, grid, seeds, root, settings["device"])
+        summaries[name] = summarise_task(task_runs, factors, grid, seeds)
+        runs += task_runs
+    summary = summarise(summaries)
+    for task_summary in summaries.values():
+        task_summary["auto_over_oracle_median"] = _finite(task_summary["auto_over_oracle_median"])
+    result: dict[str, Any] = {"config": settings, "machine": _machine()}
+    result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    result |= {"wall_s": time.perf_counter() - started, "runs": runs, "tasks": summaries, "summary": summary}
+    print_and_write(format_tables(summaries, runs, summary), result, out)
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny budgets, seed 0, two user LRs: a smoke run")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 0,1,2 or 0-4 (--quick: 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
+    parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
+    args = parser.parse_args(argv)
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not tasks or any(name not in TASKS for name in tasks):
+        parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no device banner for each of ~170 fits
+    return run(quick=args.quick, tasks=tasks, seeds=parse_seeds(args.seeds), out=args.out, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

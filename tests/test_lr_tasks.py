@@ -1,0 +1,129 @@
+"""benchmarks/lr_tasks.py: the target and time-to-target arithmetic, and a quick run's JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """The benchmark script, loaded by path."""
+    return load_benchmark("lr_tasks")
+
+
+def _timeline(*accs: float) -> list[dict[str, float]]:
+    """A timeline with one point per second: epoch ``i`` at ``i + 1`` seconds with ``accs[i]``."""
+    return [{"epoch": i, "seconds": float(i + 1), "val_acc": acc} for i, acc in enumerate(accs)]
+
+
+@pytest.mark.parametrize(
+    ("accs", "target", "expected"),
+    [
+        ((0.5, 0.6, 0.7), 0.8, None),  # a miss
+        ((0.5, 0.85, 0.9), 0.8, 2.0),  # a hit at the second epoch
+        ((0.5, 0.8), 0.8, 2.0),  # reaching the target exactly counts
+        ((0.9, 0.5), 0.8, 1.0),  # the first hit, even if the run falls back later
+        ((), 0.8, None),  # no validation at all
+    ],
+)
+def test_time_to_target_is_the_first_validation_at_or_above_the_target(
+    bench: ModuleType, accs: tuple[float, ...], target: float, expected: float | None
+) -> None:
+    """Time to target: the seconds of the first point with val_acc >= target, None when no point reaches it."""
+    assert bench.time_to_target(_timeline(*accs), target) == expected
+
+
+def test_target_comes_from_the_grid_lr_with_the_best_mean_peak(bench: ModuleType) -> None:
+    """The best grid LR has the highest mean peak; the target is margin x its lowest seed's peak, to 3 places."""
+    peaks = {0.1: [0.70, 0.72, 0.71], 1.0: [0.95, 0.90, 0.93], 10.0: [0.99, 0.20, 0.30]}
+    assert bench.task_target(peaks, margin=0.98) == (1.0, round(0.98 * 0.90, 3))
+    assert bench.task_target({1.0: [0.5]}, margin=1.0) == (1.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("naive", "variant", "ratio", "is_later"),
+    [
+        (4.0, 2.0, 2.0, False),
+        (2.0, 2.1, 2.0 / 2.1, False),  # 5% later: inside the noise allowance
+        (2.0, 2.5, 0.8, True),
+        (2.0, None, 0.0, True),  # the variant missed: infinitely late
+        (None, 3.0, "naive missed", False),
+        (None, None, "both missed", False),
+    ],
+)
+def test_speedup_and_later_count_a_miss_as_infinitely_long(
+    bench: ModuleType, naive: float | None, variant: float | None, ratio: float | str, is_later: bool
+) -> None:
+    """Naive time over the variant's, a miss infinite; 'later' only beyond the 10% noise allowance."""
+    got = bench.speedup(naive, variant)
+    assert got == pytest.approx(ratio) if isinstance(ratio, float) else got == ratio
+    assert bench.later(naive, variant, noise=0.10) is is_later
+
+
+def test_oracle_is_the_fastest_grid_lr_that_reached_and_over_handles_misses(bench: ModuleType) -> None:
+    """The oracle ignores grid LRs that missed; auto/oracle is infinite for a missed auto run."""
+    assert bench.oracle_time([None, 3.0, 2.5, None]) == 2.5
+    assert bench.oracle_time([None, None]) is None
+    assert bench.over(3.0, 2.0) == 1.5
+    assert math.isinf(bench.over(None, 2.0))
+
+
+def test_quick_without_out_never_writes_the_committed_result(bench: ModuleType) -> None:
+    """--quick with no --out writes to a new temp dir; --out is used as given."""
+    path = bench.out_path(None, quick=True)
+    assert path != bench.DEFAULT_OUT
+    assert path.parent.is_dir()
+    assert bench.out_path(None, quick=False) == bench.DEFAULT_OUT
+    assert bench.out_path("x/y.json", quick=True) == Path("x/y.json")
+
+
+def test_unknown_task_is_refused(bench: ModuleType) -> None:
+    """--tasks naming no known task stops with a usage error."""
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--tasks", "resnet"])
+
+
+def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench: ModuleType, tmp_path: Path) -> None:
+    """A quick run of two tasks (about 4 s) writes every run (timeline, time to target) and the summaries."""
+    out = tmp_path / "lr_tasks.json"
+    bench.main(["--quick", "--tasks", "mlp,conv", "--threads", "1", "--out", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["config"]["margin"] == 0.98
+    assert result["config"]["seeds"] == [0]
+    assert set(result["config"]["tasks"]) == {"mlp", "conv"}
+    assert result["config"]["tasks"]["mlp"]["right_lr"] > 0
+    assert {"cpu", "isa"} <= set(result["machine"])
+    assert len(result["load_average"]["before"]) == len(result["load_average"]["after"]) == 3
+
+    runs = result["runs"]
+    assert len(runs) == 2 * 2 * 3  # tasks x user LRs x variants; the quick grid (1x) is the naive fit at 1x
+    assert {r["variant"] for r in runs} == {"naive", "preset", "preset_auto"}
+    for run in runs:
+        assert run["timeline"], run
+        assert {"epoch", "seconds", "val_acc"} <= set(run["timeline"][0])
+        assert run["reached"] == (run["time_to_target_s"] is not None)
+        assert run["peak_val_acc"] >= run["final_val_acc"]
+        assert run["fit_s"] >= run["timeline"][-1]["seconds"]
+        if run["variant"] != "naive":
+            assert {"levers", "lr_finder", "warmup"} <= set(run["decisions"])
+            assert run["chosen_lr"] > 0
+
+    for name, task in result["tasks"].items():
+        assert 0 < task["target"] <= max(r["peak_val_acc"] for r in runs if r["task"] == name)
+        assert task["oracle_s"]["0"] is not None  # the best grid LR reaches the target by construction
+        assert len(task["cells"]) == 2
+        for cell in task["cells"]:
+            assert {"naive_s", "preset_s", "preset_auto_s", "oracle_s", "preset_vs_naive", "auto_vs_naive"} <= set(cell)
+    summary = result["summary"]
+    assert summary["cells"] == 4
+    assert summary["noise_allowance"] == 0.10
+    assert 0 <= summary["preset_later_than_naive"] <= 4
+    assert 0 <= summary["auto_later_than_naive"] <= 4
+    assert "auto_over_oracle_median_over_tasks" in summary
