@@ -1,7 +1,17 @@
-"""Data helpers: a packed cache of decoded samples, checked on every read."""
+"""Data helpers: a packed cache of decoded samples, checked on every read; litdata streaming datasets beyond it."""
 
 from lightning_speedkit.data.cache import CacheBudgetError, CachedDataset
 from lightning_speedkit.data.fingerprint import callable_fingerprint, dataset_fingerprint
 from lightning_speedkit.data.packed import CacheDamagedError
+from lightning_speedkit.data.streaming import StreamingFormatError, streaming_dataset, write_streaming
 
-__all__ = ["CacheBudgetError", "CacheDamagedError", "CachedDataset", "callable_fingerprint", "dataset_fingerprint"]
+__all__ = [
+    "CacheBudgetError",
+    "CacheDamagedError",
+    "CachedDataset",
+    "StreamingFormatError",
+    "callable_fingerprint",
+    "dataset_fingerprint",
+    "streaming_dataset",
+    "write_streaming",
+]
