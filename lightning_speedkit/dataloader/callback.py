@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
+from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.dataloader.counted import CountedBlock, CountedLoader, LiveSettings
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
@@ -24,6 +25,7 @@ from lightning_speedkit.dataloader.rebuild import (
     rebuild_dataloader,
     settings_name,
 )
+from lightning_speedkit.dataloader.streaming import streaming_candidates, streaming_settings, untuned_settings
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
@@ -91,6 +93,8 @@ class DataLoaderTuner(Lever):
         "speedup": float,
         "candidates": ListOf(dict),
         "max_workers": int,
+        "streaming": bool,
+        "not_tuned": ListOf(str),
     }
 
     MAX_GAIN = 0.5
@@ -208,6 +212,9 @@ class DataLoaderTuner(Lever):
             candidates=tried,
             max_workers=self._planned["max_workers"],
         )
+        if self._planned.get("streaming"):
+            decision.extra.update(streaming=True, not_tuned=list(self._planned["not_tuned"]))
+            rank_zero_info(f"DataLoaderTuner: StreamingDataLoader; not tuned: {'; '.join(self._planned['not_tuned'])}.")
         return decision
 
     @override
@@ -268,12 +275,22 @@ class DataLoaderTuner(Lever):
         loader = owner.train_dataloader()
         if not isinstance(loader, DataLoader):
             return {"left_alone": f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader"}
-        baseline = loader_settings(loader)
+        streaming = is_streaming_loader(loader)
+        baseline = streaming_settings(loader) if streaming else loader_settings(loader)
         max_workers = self.max_workers
         if max_workers is None:
             max_workers = max(0, cpu_info().available_cores // max(1, trainer.num_devices))
         pin = bool(loader.pin_memory)
-        if self.candidates is None:
+        if streaming:  # litdata's own loader: workers and prefetch, its pre-download when remote (not persistent)
+            wanted = (
+                streaming_candidates(max_workers, baseline)
+                if self.candidates is None
+                else [
+                    {**baseline, **complete_settings(**{"pin_memory": pin, "persistent_workers": False, **c})}
+                    for c in self.candidates
+                ]
+            )
+        elif self.candidates is None:
             wanted = default_candidates(max_workers, pin_memory=trainer.strategy.root_device.type == "cuda")
         else:
             wanted = [complete_settings(**{"pin_memory": pin, **c}) for c in self.candidates]
@@ -286,14 +303,17 @@ class DataLoaderTuner(Lever):
                 rebuild_dataloader(loader, settings)
         except NotRebuildableError as error:
             return {"left_alone": str(error)}
-        try:
-            batches: int | None = len(loader) // trainer.world_size  # at most what a rank gets from its sampler
+        try:  # a streaming loader's length is already this rank's; a sampler's is at most world_size times it
+            batches: int | None = len(loader) // (1 if streaming else trainer.world_size)
         except TypeError:
             batches = None
         map_style = not isinstance(loader.dataset, IterableDataset)
-        return {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches} | {
-            "map_style": map_style
-        }
+        plan = {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
+        return (
+            plan
+            | {"map_style": map_style, "streaming": streaming}
+            | ({"not_tuned": untuned_settings(loader)} if streaming else {})
+        )
 
     def _left_alone(self, reason: str) -> None:
         if reason not in self._left:

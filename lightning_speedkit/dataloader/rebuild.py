@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from typing_extensions import override
 
+from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.trials import Setting
 
 __all__ = [
@@ -75,7 +76,8 @@ def settings_name(settings: dict[str, Any]) -> str:
         >>> settings_name(complete_settings(0))
         'num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False'
     """
-    return ", ".join(f"{name}={settings[name]}" for name in SETTINGS)
+    names = (*SETTINGS, *sorted(k for k in settings if k not in SETTINGS))  # a streaming dataset's own, after
+    return ", ".join(f"{name}={settings[name]}" for name in names)
 
 
 def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[str, Any]]:
@@ -103,9 +105,13 @@ def rebuild_dataloader(
     With ``batch_sampler``, it serves those batches of indices instead of drawing its own (counted trials serve
     an epoch's batches, drawn once, through several loaders: `lightning_speedkit.dataloader.counted`).
 
+    A litdata ``StreamingDataLoader`` is rebuilt as one, its state kept
+    (`lightning_speedkit.dataloader.streaming.rebuild_streaming`).
+
     Raises:
-        NotRebuildableError: For a DataLoader subclass (its extra behaviour would be lost) or an IterableDataset
-            with workers (each worker would yield the whole dataset unless it shards itself).
+        NotRebuildableError: For a DataLoader subclass (its extra behaviour would be lost), an IterableDataset
+            with workers (each worker would yield the whole dataset unless it shards itself), or a StreamingDataLoader
+            whose state cannot move to the new settings.
 
     Example:
         >>> loader = DataLoader(list(range(10)), batch_size=4, shuffle=True, drop_last=True)
@@ -113,6 +119,10 @@ def rebuild_dataloader(
         >>> new.num_workers, new.batch_size, new.drop_last, new.sampler is loader.sampler
         (2, 4, True, True)
     """
+    if is_streaming_loader(loader) and batch_sampler is None:
+        from lightning_speedkit.dataloader.streaming import rebuild_streaming
+
+        return rebuild_streaming(loader, settings)
     if type(loader) is not DataLoader:
         raise NotRebuildableError(f"{type(loader).__name__} is a DataLoader subclass; rebuilding it would lose it.")
     workers = int(settings.get("num_workers", loader.num_workers))
