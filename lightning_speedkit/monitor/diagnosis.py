@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.monitor.flops import mfu
 from lightning_speedkit.timing import WindowStats
 
@@ -38,6 +39,8 @@ class LoaderSettings:
         cores: CPU cores this process may use.
         ranks_per_node: Training processes sharing those cores.
         accelerator: ``"cuda"``, ``"cpu"``, ...
+        streaming: Whether it is a litdata ``StreamingDataLoader`` (its advice is litdata's own levers).
+        remote: Whether that streaming dataset is read from a URL (chunks downloaded and cached) or a local directory.
     """
 
     num_workers: int = 0
@@ -48,6 +51,8 @@ class LoaderSettings:
     cores: int = 1
     ranks_per_node: int = 1
     accelerator: str = "cpu"
+    streaming: bool = False
+    remote: bool = False
 
     @classmethod
     def from_loader(cls, loader: Any, cores: int, ranks_per_node: int = 1, accelerator: str = "cpu") -> LoaderSettings:
@@ -64,6 +69,8 @@ class LoaderSettings:
             cores=cores,
             ranks_per_node=max(1, ranks_per_node),
             accelerator=accelerator,
+            streaming=is_streaming_loader(loader),
+            remote=getattr(getattr(getattr(loader, "dataset", None), "input_dir", None), "url", None) is not None,
         )
 
     @property
@@ -306,6 +313,29 @@ def format_summary(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _streaming_advice(loader: LoaderSettings, have: str) -> str:
+    r"""A data-bound litdata StreamingDataLoader: its own levers (workers shard it; chunks, cache, pre-download).
+
+    Example:
+        >>> advice = _streaming_advice(LoaderSettings(streaming=True, remote=True, cores=8), "num_workers=0")
+        >>> print(*advice.replace(", a ", ",\na ").split("; "), sep="\n")
+        a litdata StreamingDataLoader with num_workers=0
+        try num_workers=8, prefetch_factor=4 (DataLoaderTuner times them on real steps),
+        a cache_dir on local NVMe,
+        a larger max_cache_size, max_pre_download above 2, or larger chunks (write_streaming(chunk_bytes=...))
+    """
+    tries = [f"num_workers={loader.suggested_workers}"] if loader.num_workers < loader.suggested_workers else []
+    if loader.prefetch_factor is None or loader.prefetch_factor < 4:
+        tries.append("prefetch_factor=4")
+    tuner = f"{', '.join(tries)} (DataLoaderTuner times them on real steps), " if tries else ""
+    larger = "larger chunks (write_streaming(chunk_bytes=...))"
+    if loader.remote:
+        chunks = f"a cache_dir on local NVMe, a larger max_cache_size, max_pre_download above 2, or {larger}"
+    else:
+        chunks = f"{larger}, or on one machine a CachedDataset (a random read in microseconds, not milliseconds)"
+    return f"a litdata StreamingDataLoader with {have}; try {tuner}{chunks}"
+
+
 def _loader_advice(loader: LoaderSettings | None) -> str:
     if loader is None:
         return "try more DataLoader workers, pin_memory=True and persistent_workers=True"
@@ -313,6 +343,8 @@ def _loader_advice(loader: LoaderSettings | None) -> str:
     if loader.ranks_per_node > 1:
         where = f"per rank, {loader.ranks_per_node} ranks {where}"
     have = f"num_workers={loader.num_workers} {where}"
+    if loader.streaming:
+        return _streaming_advice(loader, have)
     cuda = loader.accelerator == "cuda"
     if loader.num_workers < loader.suggested_workers:
         tries = [f"num_workers={loader.suggested_workers}"]
