@@ -1,0 +1,146 @@
+"""Fits from a litdata directory, on real litdata in a temporary directory.
+
+The loader tuner on a StreamingDataLoader, mid-epoch resume under ``preset()`` (one process, and two gloo ranks under
+torchrun), and a 2-"node" torchrun launch on one host (c10d rendezvous).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+pytest.importorskip("litdata")
+
+from conftest import rank_records
+
+from lightning_speedkit import DataLoaderTuner
+from lightning_speedkit.dataloader import settings_name
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from streaming_fit import NUM_SAMPLES, STOP_AT, Recorded, StreamingData, resume_run, write_numbered
+
+SCRIPT = Path(__file__).parent / "scripts" / "streaming_fit.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """64 numbered samples in litdata's format, written once for the module."""
+    return write_numbered(tmp_path_factory.mktemp("streaming_fit") / "numbered")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(launch: list[str], mode: str, data: Path, out: Path) -> subprocess.Popen[bytes]:
+    """``torchrun LAUNCH tests/scripts/streaming_fit.py MODE DATA OUT``, its output in ``out/torchrunN.log``."""
+    log = (out / f"torchrun{len(list(out.glob('torchrun*')))}.log").open("wb")
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, str(SCRIPT), mode, str(data), str(out)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(processes: list[subprocess.Popen[bytes]], out: Path) -> None:
+    codes = [p.wait(timeout=300) for p in processes]
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("torchrun*.log")))
+    assert codes == [0] * len(codes), logs
+
+
+class _Epochs(L.Callback):
+    """The sample indices each epoch trained on (counted from the model's record at each epoch's start and end)."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.epochs: list[list[int]] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = len(pl_module.seen)  # type: ignore[arg-type]
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epochs.append(list(pl_module.seen[self.start :]))  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_tuner_times_workers_on_a_streaming_loader_and_rebuilds_it_as_one(tmp_path: Path) -> None:
+    """With a slow per-sample read the tuner times workers and prefetch, rebuilds a StreamingDataLoader with the winner.
+
+    It also says which litdata settings it left alone, and every epoch after the probe trains on every sample once.
+    """
+    from litdata import StreamingDataLoader
+
+    data = write_numbered(tmp_path / "data", count=640, chunk_bytes="4KB")
+    tuner = DataLoaderTuner(max_workers=2, remember=False)
+    epochs = _Epochs()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[tuner, epochs],
+    )
+    trainer.fit(Recorded(), StreamingData(data, delay=0.003))
+    report = tuner.report()
+    assert report["probed"], report["reason"]
+    assert report["streaming"] is True
+    assert [note.split(":")[0] for note in report["not_tuned"]] == ["chunk size", "max_cache_size", "max_pre_download"]
+    tried = set(report["step_ms"])
+    assert settings_name(report["baseline"]) in tried
+    assert any("prefetch_factor=4" in name for name in tried)
+    assert report["rebuilt"] is True  # 3 ms a sample read in the step's process: 2 workers win by far on 2 cores
+    assert report["chosen"]["num_workers"] >= 1
+    loader = trainer.train_dataloader
+    assert isinstance(loader, StreamingDataLoader)
+    assert (loader.num_workers, loader.batch_size) == (report["chosen"]["num_workers"], 4)
+    for seen in epochs.epochs[1:]:  # epoch 0 also holds the probe's restored steps
+        assert sorted(seen) == list(range(640))
+
+
+def test_mid_epoch_resume_under_preset_sees_every_sample_once(numbered: Path, tmp_path: Path) -> None:
+    """A preset() fit from litdata, stopped mid-epoch and resumed from its checkpoint, sees every sample once."""
+    record = resume_run(numbered, tmp_path, num_workers=2)
+    assert len(record["before"]) == STOP_AT * 4
+    assert Counter(record["before"] + record["after"]) == Counter(range(NUM_SAMPLES))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_mid_epoch_resume_on_two_gloo_ranks_sees_every_sample_once(numbered: Path, tmp_path: Path) -> None:
+    """Two gloo ranks under preset(), resumed mid-epoch: every sample once, each rank its own, identical weights."""
+    run = _torchrun(["--nproc-per-node=2", f"--master-port={_free_port()}"], "resume", numbered, tmp_path)
+    _wait([run], tmp_path)
+    ranks = rank_records(tmp_path)
+    assert [len(r["before"]) for r in ranks] == [STOP_AT * 4] * 2
+    seen = [r["before"] + r["after"] for r in ranks]
+    assert not set(seen[0]) & set(seen[1])
+    assert Counter(seen[0] + seen[1]) == Counter(range(NUM_SAMPLES))
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_two_node_torchrun_launch_reads_one_shard_per_rank(numbered: Path, tmp_path: Path) -> None:
+    """Two torchrun "nodes" (c10d, one process each, preset(num_nodes=2)): each rank its own half, identical weights."""
+    port = _free_port()
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    nodes = [_torchrun([*args, "--rdzv-id=speedkit-streaming"], "nodes", numbered, tmp_path) for _ in range(2)]
+    _wait(nodes, tmp_path)
+    ranks = rank_records(tmp_path)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert sorted(r["node_rank"] for r in ranks) == [0, 1]
+    assert [len(r["after"]) for r in ranks] == [math.ceil(NUM_SAMPLES / 2)] * 2
+    assert not set(ranks[0]["after"]) & set(ranks[1]["after"])
+    assert sorted(ranks[0]["after"] + ranks[1]["after"]) == list(range(NUM_SAMPLES))
+    assert ranks[0]["weights"] == ranks[1]["weights"]
