@@ -1,0 +1,84 @@
+"""The LR search's maths: paired trials see through a plateau, the user's LR is kept unless clearly and much worse."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_speedkit.lr import MIN_SIGNAL, curve_signal
+from lightning_speedkit.lr_search import REFERENCE, broke, choose_scale, moved, next_scale, paired_gain, plateau
+
+
+def _plateau_curves(drift_per_lr: float, scales: tuple[float, ...], steps: int = 16) -> dict[float, list[float]]:
+    """Losses at chance (2.3) with batch noise far above the LRs' effect, the same batches (noise) for every trial."""
+    rng = random.Random(0)
+    batch_noise = [rng.gauss(0.0, 0.15) for _ in range(steps)]
+    jitter = random.Random(1)
+    curves = {}
+    for scale in (REFERENCE, *scales):
+        curves[scale] = [
+            2.3 + batch_noise[t] - drift_per_lr * scale * t + jitter.gauss(0.0, 0.002) for t in range(steps)
+        ]
+    return curves
+
+
+def test_paired_trials_see_an_lr_through_a_plateau_a_range_test_cannot() -> None:
+    """On a plateau, one curve's fall is noise (curve_signal < 3), but paired trials tell ten times the LR is better."""
+    curves = _plateau_curves(drift_per_lr=0.001, scales=(1.0, 10.0, 100.0))
+    assert curve_signal(curves[10.0], beta=0.0) < MIN_SIGNAL  # a range test would see nothing here
+    assert moved(curves, 10.0)
+    assert next_scale({s: curves[s] for s in (REFERENCE, 1.0, 10.0)}, 0.01, 100) == 100.0
+    scale, why = choose_scale(curves)
+    assert scale == 100.0, why
+
+
+def test_an_lr_about_right_is_kept() -> None:
+    """Ten times the LR does less than three times the progress: the user's LR is kept (a raise is not free)."""
+    steps = 12
+    reference = [2.0] * steps
+    mine = [2.0 - 0.05 * t for t in range(steps)]
+    faster = [2.0 - 0.09 * t for t in range(steps)]  # 1.8x the progress: more, but not KEEP's 3x
+    scale, why = choose_scale({REFERENCE: reference, 1.0: mine, 10.0: faster})
+    assert scale == 1.0
+    assert why == f"your LR does {0.05 / 0.09:.0%} of the best progress (x10): kept"
+
+
+def test_an_lr_that_blows_the_loss_up_is_lowered() -> None:
+    """The user's LR spikes the loss: the search goes down, and picks the LR that learns."""
+    reference = [2.0, 2.1, 2.0, 2.1, 2.0, 2.1, 2.0, 2.1]
+    mine = [2.0, 9.0, 4.0, 2.5, 2.2, 2.1, 2.1, 2.1]
+    assert broke({REFERENCE: reference, 1.0: mine}, 1.0)
+    curves: dict[float, list[float]] = {REFERENCE: reference, 1.0: mine}
+    assert next_scale(curves, 0.01, 100) == 0.1
+    curves[0.1] = [2.0 - 0.05 * t for t in range(8)]
+    assert next_scale(curves, 0.01, 100) == 0.01
+    curves[0.01] = [2.0 - 0.01 * t for t in range(8)]
+    assert next_scale(curves, 0.01, 100) is None
+    assert choose_scale(curves)[0] == 0.1
+
+
+def test_a_nan_trial_is_broken_and_never_chosen() -> None:
+    """A trial with a non-finite loss gains -inf against anything and is not chosen."""
+    reference = [2.0, 2.0, 2.0, 2.0]
+    curves = {REFERENCE: reference, 1.0: [2.0, 1.9, 1.8, 1.7], 10.0: [2.0, math.nan, math.nan, math.nan]}
+    assert paired_gain(curves[1.0], curves[10.0]) == (-math.inf, 0.0)
+    assert broke(curves, 10.0)
+    assert next_scale(curves, 0.01, 100) is None  # the user's LR learns: no need to go down
+    assert choose_scale(curves)[0] == 1.0
+
+
+def test_the_search_stays_within_its_bounds() -> None:
+    """Going up stops at ``high``; going down stops at ``low``."""
+    reference = [2.0] * 8
+    better = {REFERENCE: reference, 1.0: [2.0 - 0.01 * t for t in range(8)], 10.0: [2.0 - 0.1 * t for t in range(8)]}
+    assert next_scale(better, 0.01, 10) is None
+    assert next_scale(better, 0.01, 100) == 100.0
+
+
+def test_nothing_moved_is_a_plateau() -> None:
+    """No trial ends clearly below the reference: `plateau` says so (the finder may then try longer trials)."""
+    curves = _plateau_curves(drift_per_lr=0.0, scales=(1.0, 10.0))
+    assert plateau(curves)
+    assert choose_scale(curves)[0] == 1.0
