@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import random
 
-import pytest
-
 from lightning_speedkit.lr import MIN_SIGNAL, curve_signal
 from lightning_speedkit.lr_search import REFERENCE, broke, choose_scale, moved, next_scale, paired_gain, plateau
 
