@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="seed for data, split and weights")
     demo.add_argument("--seeds", help="run several seeds, e.g. 0-4 or 0,2,5, and summarise the speed-ups")
     demo.add_argument("--lr", type=float, help="the AdamW LR both runs are given (default 1e-3)")
+    demo.add_argument(
+        "--data",
+        choices=("files", "streaming"),
+        help="files: JPEGs decoded per sample (default); streaming: both runs stream from litdata's format"
+        " (pip install 'lightning-speedkit[streaming]')",
+    )
     demo.add_argument("--cache-dir", help="where generated images are kept (default: $SPEEDKIT_CACHE_DIR or ~/.cache)")
     commands.add_parser(
         "forget",
@@ -137,6 +143,7 @@ def _demo_plan(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
             "seed": args.seed,
             "lr": args.lr,
             "cache_dir": args.cache_dir,
+            "data": args.data,
         }.items()
         if value is not None
     }

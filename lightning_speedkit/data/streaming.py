@@ -213,9 +213,12 @@ def write_streaming(
                 f"optimize wrote no usable dataset for {str(target)!r} (a sample it cannot serialise, or a worker"
                 f" that failed: its traceback is above): {error}"
             ) from error
-        if target.exists():
+        if target.exists() and overwrite:
             shutil.rmtree(target)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process wrote it meanwhile: theirs stands when it is whole
+            check_streaming_dir(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "ShapesDataset",
     "default_cache_dir",
     "ensure_shapes",
+    "ensure_streaming",
     "render_shape",
 ]
 
@@ -154,6 +156,22 @@ class DecodedShapes(Dataset[tuple[np.ndarray[Any, Any], int]]):
         return hashlib.sha256(f"{self.directory.resolve()}|{self._manifest}|{self.indices}".encode()).hexdigest()
 
 
+def ensure_streaming(decoded: DecodedShapes, directory: str | Path) -> Path:
+    """Litdata's copy of a split's decoded images under ``directory/litdata``, written once; later calls reuse it.
+
+    Written with `~lightning_speedkit.data.write_streaming` (1 MB chunks; forked workers where the platform has
+    them), named by the split's fingerprint, so another split or other images get their own copy.
+    """
+    from lightning_speedkit.data.streaming import StreamingFormatError, check_streaming_dir, write_streaming
+
+    target = Path(directory) / "litdata" / decoded.cache_fingerprint()[:16]
+    try:
+        return check_streaming_dir(target)
+    except StreamingFormatError:
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        return write_streaming(decoded, target, chunk_bytes="1MB", start_method="fork" if fork else None)
+
+
 class ShapeAugment:
     """Crop (random when training, centred otherwise), flip (training only) and normalise decoded pixels.
 
@@ -225,6 +243,9 @@ class DemoDataModule(L.LightningDataModule):
         cache: Serve decoded images from a packed memory-mapped file
             (:class:`~lightning_speedkit.data.CachedDataset`, built once next to the images) instead of decoding a
             JPEG per sample; augmentation still runs per sample.
+        streaming: Stream the decoded images from litdata's format (`ensure_streaming`, written once next to the
+            images) through a litdata ``StreamingDataLoader``, as a run beyond one machine would (needs the
+            ``[streaming]`` extra); augmentation runs per sample. Takes precedence over ``cache``.
 
     Example:
         >>> import tempfile
@@ -247,6 +268,7 @@ class DemoDataModule(L.LightningDataModule):
         seed: int = 0,
         root: str | Path | None = None,
         cache: bool = False,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
         check_int("num_images", num_images, low=len(CLASSES))  # one image per class at least
@@ -259,26 +281,45 @@ class DemoDataModule(L.LightningDataModule):
         check_int("num_workers", num_workers, low=0)
         check_bool("pin_memory", pin_memory)
         check_bool("cache", cache)
+        check_bool("streaming", streaming)
         self.save_hyperparameters(ignore=["root"])
         self.num_images, self.image_size, self.crop_size = num_images, image_size, crop_size
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.val_fraction, self.seed, self.root, self.cache = val_fraction, seed, root, cache
+        self.streaming = streaming
         self.train_set: Dataset[tuple[torch.Tensor, int]] | None = None
         self.val_set: Dataset[tuple[torch.Tensor, int]] | None = None
 
     def prepare_data(self) -> None:
-        """Generate the images once (Lightning calls this on one process per node)."""
-        ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
+        """Generate the images once, and with ``streaming`` their litdata copies (Lightning: one process a node)."""
+        directory = ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
+        if self.streaming:
+            for indices in self._splits():
+                ensure_streaming(DecodedShapes(directory, indices), directory)
 
     def setup(self, stage: str) -> None:
         """Split the images into train and validation sets, the same way on every rank."""
         directory = ensure_shapes(self.num_images, self.image_size, self.seed, self.root)
+        train, val = self._splits()
+        self.train_set = self._split(directory, train, train=True)
+        self.val_set = self._split(directory, val, train=False)
+
+    def _splits(self) -> tuple[list[int], list[int]]:
+        """The image indices of the train and validation splits, from the seed."""
         order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(self.seed)).tolist()
         num_val = max(1, int(self.num_images * self.val_fraction))
-        self.train_set = self._split(directory, order[num_val:], train=True)
-        self.val_set = self._split(directory, order[:num_val], train=False)
+        return order[num_val:], order[:num_val]
 
     def _split(self, directory: Path, indices: Sequence[int], train: bool) -> Dataset[tuple[torch.Tensor, int]]:
+        if self.streaming:
+            from lightning_speedkit.data.streaming import streaming_dataset
+
+            source = ensure_streaming(DecodedShapes(directory, indices), directory)
+            augment = ShapeAugment(self.crop_size, train)
+            dataset: Dataset[tuple[torch.Tensor, int]] = streaming_dataset(
+                source, shuffle=train, seed=self.seed, transform=augment
+            )
+            return dataset
         if not self.cache:
             return ShapesDataset(directory, indices, self.crop_size, train)
         from lightning_speedkit.data import CachedDataset
@@ -291,6 +332,13 @@ class DemoDataModule(L.LightningDataModule):
     ) -> DataLoader[tuple[torch.Tensor, int]]:
         if dataset is None:
             raise RuntimeError("DemoDataModule: call `setup()` before asking for a dataloader.")
+        if self.streaming:  # the dataset shuffles itself, by epoch
+            from litdata import StreamingDataLoader  # type: ignore[import-untyped]
+
+            loader: DataLoader[tuple[torch.Tensor, int]] = StreamingDataLoader(
+                dataset, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory
+            )
+            return loader
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

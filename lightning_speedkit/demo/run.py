@@ -83,6 +83,8 @@ class DemoConfig:
     precision: str = "32-true"
     cache_dir: str | None = None
     stop_at_target: bool = True
+    data: str = "files"
+    """``"files"`` (JPEGs decoded per sample) or ``"streaming"`` (both runs stream from litdata's format)."""
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing or mislabel the table, naming the field."""
@@ -91,6 +93,8 @@ class DemoConfig:
             check_int(name, getattr(self, name))
         check_int("num_workers", self.num_workers, low=0)
         check_bool("stop_at_target", self.stop_at_target)
+        if self.data not in ("files", "streaming"):
+            raise ValueError(f"`data` must be one of files, streaming, got {self.data!r}.")
         check_number("target_acc", self.target_acc, 0, 1, open_low=True)
         if not is_int(self.seed, 0) or self.seed > _MAX_SEED:
             raise ValueError(f"`seed` must be an int in [0, {_MAX_SEED}] (a numpy seed), got {self.seed!r}.")
@@ -187,6 +191,7 @@ def train_variant(
         seed=config.seed,
         root=config.cache_dir,
         cache="cache" in levers,
+        streaming=config.data == "streaming",
     )
     datamodule.prepare_data()  # generating the images is not part of either run
     if "cache" in levers:  # every run that uses the packed cache pays for building it, inside its timed fit
