@@ -84,7 +84,7 @@ def test_tuner_times_workers_on_a_streaming_loader_and_rebuilds_it_as_one(tmp_pa
     epochs = _Epochs()
     trainer = L.Trainer(
         accelerator="cpu",
-        max_epochs=3,
+        max_epochs=3,  # the probe pays back in 3 epochs of 160 steps (not in 2)
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -106,6 +106,42 @@ def test_tuner_times_workers_on_a_streaming_loader_and_rebuilds_it_as_one(tmp_pa
     assert (loader.num_workers, loader.batch_size) == (report["chosen"]["num_workers"], 4)
     for seen in epochs.epochs[1:]:  # epoch 0 also holds the probe's restored steps
         assert sorted(seen) == list(range(640))
+
+
+class _StopAt(L.Callback):
+    """Stop the fit after ``step`` optimizer steps, as a preempted job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.slow
+def test_a_tuned_streaming_loader_resumes_mid_epoch_with_its_state(tmp_path: Path) -> None:
+    """A fit whose tuner rebuilt the StreamingDataLoader, resumed mid-epoch, sees the epoch's samples exactly once."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = write_numbered(tmp_path / "data", count=640, chunk_bytes="4KB")
+    stop = 160 + 80  # half-way through the second epoch (160 batches an epoch; the probe's steps are restored)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=stop, save_top_k=-1)
+    tuner, epochs, first = DataLoaderTuner(max_workers=2, remember=False), _Epochs(), Recorded()
+    options = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    slow = StreamingData(data, num_workers=0, delay=0.003)
+    stopper = _StopAt(stop)  # a stop the run did not plan: its budget (3 epochs) lets the probe pay back
+    L.Trainer(max_epochs=3, callbacks=[tuner, epochs, checkpoint, stopper], **options).fit(first, slow)
+    assert tuner.report()["rebuilt"] is True, tuner.report()["reason"]
+    workers = tuner.report()["chosen"]["num_workers"]
+    resumed_tuner, second = DataLoaderTuner(max_workers=2, remember=False), Recorded()
+    resumed = L.Trainer(max_epochs=2, callbacks=[resumed_tuner], enable_checkpointing=False, **options)  # to epoch end
+    resumed.fit(second, slow, ckpt_path=checkpoint.best_model_path)
+    assert resumed_tuner.report()["source"] == "resumed"
+    assert resumed.train_dataloader.num_workers == workers >= 1
+    before = first.seen[epochs.start :]  # the second epoch's first half, before the stop
+    assert len(before) == 80 * 4
+    assert Counter(before + second.seen) == Counter(range(640))
 
 
 def test_mid_epoch_resume_under_preset_sees_every_sample_once(numbered: Path, tmp_path: Path) -> None:
