@@ -54,7 +54,10 @@ class DataLoaderTuner(Lever):
     not probe again (the life cycle is `lightning_speedkit.trials.Lever`'s).
 
     A loader that cannot be rebuilt safely (a DataLoader subclass, an IterableDataset with workers) or loaders
-    passed straight to ``fit()`` are left alone, with one line saying why.
+    passed straight to ``fit()`` are left alone, with one line saying why. A litdata ``StreamingDataLoader`` is tuned
+    on its own terms (`lightning_speedkit.dataloader.streaming`): workers and prefetch (and ``max_pre_download`` when
+    streamed from a URL), rebuilt as a ``StreamingDataLoader`` with its state; the decision's ``not_tuned`` says
+    which of litdata's settings were left alone, and why.
 
     Args:
         candidates: Settings to try (dicts with ``num_workers`` and optionally ``persistent_workers``,
