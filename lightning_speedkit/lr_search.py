@@ -209,16 +209,21 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
     Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least
-    three times the user's progress (`KEEP`); of the LRs within `NEAR` of the best one's progress on that side, the
-    one closest to the user's.
+    three times the user's progress (`KEEP`). Down, of the LRs within `NEAR` of the best one's progress, the one
+    closest to the user's. Up, one decade below the edge: the highest LR that still ended clearly lower than the
+    one below it. Over a few steps a higher LR nearly always looks better (early progress grows with the LR, for SGD
+    in proportion), so the edge is where the short trials stop telling, and a run at the edge is the run that can
+    miss its target; a decade below it is what a range test's rule of thumb picks too (a tenth of the divergence).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
-        >>> choose_scale({0.0: ref, 1.0: [2.0, 1.9, 1.8, 1.7], 3.16228: [2.0, 1.88, 1.78, 1.66]})
-        (1.0, 'your LR does 89% of the best progress (x3.162): kept')
-        >>> choose_scale({0.0: ref, 1.0: [2.0, 2.0, 1.99, 1.99], 3.16228: [2.0, 1.9, 1.8, 1.7],
-        ...               10.0: [2.0, 1.7, 1.5, 1.4]})
-        (10.0, 'x10 lowers the loss by 0.66 in 4 steps, your LR by 0.011')
+        >>> choose_scale({0.0: ref, 1.0: [2.0, 1.9, 1.8, 1.7], 10.0: [2.0, 1.88, 1.78, 1.66]})
+        (1.0, 'your LR does 89% of the best progress (x10): kept')
+        >>> slow = [2.0, 2.0, 1.99, 1.99]
+        >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 9.0, 9.0, 9.0]})
+        (1.0, 'x10 is the highest LR that helped (x100 did not): one decade below it is yours, kept')
+        >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 1.7, 1.5, 1.4]})
+        (10.0, 'x10 lowers the loss by 0.3 in 4 steps, your LR by 0.011; x100 helped more, but is the edge')
     """
     progress = progress_of(curves)
     best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
@@ -228,11 +233,35 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     if math.isfinite(mine) and mine >= KEEP * progress[best]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
-    side = [s for s in progress if (s - 1.0) * (best - 1.0) > 0 and progress[s] >= NEAR * progress[best]]
-    chosen = min(side, key=lambda s: abs(math.log(s)))
     steps = len(curves[1.0])
     mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
+    if best > 1.0:
+        edge, higher = _edge(curves)
+        chosen = max(1.0, grid_scale(_index(edge) - 1))
+        if chosen == 1.0:
+            after = f" (x{higher:.4g} did not)" if higher is not None else ""
+            return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
+        return chosen, (
+            f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"
+            f" x{edge:.4g} helped more, but is the edge"
+        )
+    side = [s for s in progress if s < 1.0 and progress[s] >= NEAR * progress[best]]
+    chosen = min(side, key=lambda s: abs(math.log(s)))
     return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text}"
+
+
+def _edge(curves: Curves) -> tuple[float, float | None]:
+    """The edge of the search up: the last LR that ended clearly lower than the one below it, and the next one tried.
+
+    The next one is None when the search stopped at its bound.
+    """
+    ups = sorted(s for s in curves if s > 1.0)
+    edge = 1.0
+    for scale in ups:
+        if not _better(curves, scale, edge):
+            return edge, scale
+        edge = scale
+    return edge, None
 
 
 def _scales(curves: Curves) -> str:

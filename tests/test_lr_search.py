@@ -23,13 +23,30 @@ def _plateau_curves(drift_per_lr: float, scales: tuple[float, ...], steps: int =
 
 
 def test_paired_trials_see_an_lr_through_a_plateau_a_range_test_cannot() -> None:
-    """On a plateau, one curve's fall is noise (curve_signal < 3), but paired trials tell ten times the LR is better."""
+    """On a plateau, one curve's fall is noise (curve_signal < 3), but paired trials tell a higher LR is better."""
     curves = _plateau_curves(drift_per_lr=0.001, scales=(1.0, 10.0, 100.0))
     assert curve_signal(curves[10.0], beta=0.0) < MIN_SIGNAL  # a range test would see nothing here
     assert moved(curves, 10.0)
     assert next_scale({s: curves[s] for s in (REFERENCE, 1.0, 10.0)}, 0.01, 100) == 100.0
     scale, why = choose_scale(curves)
-    assert scale == 100.0, why
+    assert scale == 10.0, why  # x100 is the edge (the search's bound): one decade below it
+
+
+def test_a_raise_stops_a_decade_below_the_edge() -> None:
+    """Ten times the LR helps much (early progress grows with the LR) but a hundred times blows up: kept, not raised."""
+    steps = 12
+    reference = [2.0] * steps
+    curves = {
+        REFERENCE: reference,
+        1.0: [2.0 - 0.01 * t for t in range(steps)],
+        10.0: [2.0 - 0.1 * t for t in range(steps)],
+        100.0: [2.0 + (5.0 if t else 0.0) for t in range(steps)],
+    }
+    assert next_scale({s: curves[s] for s in (REFERENCE, 1.0, 10.0)}, 0.01, 100) == 100.0
+    assert next_scale(curves, 0.01, 100) is None
+    scale, why = choose_scale(curves)
+    assert scale == 1.0
+    assert why.startswith("x10 is the highest LR that helped (x100 did not)")
 
 
 def test_an_lr_about_right_is_kept() -> None:
