@@ -4,7 +4,9 @@ Every fit trains the demo model (`lightning_speedkit.demo`) for the same epochs 
 epoch; its seconds include everything the fit does (probes, worker start-ups, validation). The data is written once
 before the fits and that time is reported apart: litdata's ``optimize`` (`lightning_speedkit.data.write_streaming`,
 both splits) and the CachedDataset's pack (both splits). An untimed two-step fit first warms the process up (the
-first fit of a process pays torch's one-time start-up), so no setting pays it. Four epochs by default: the loader
+first fit of a process pays torch's one-time start-up), so no setting pays it. Each row keeps the 1-minute load
+average before and after its fit: on a shared 2-core machine a fit that ran beside another job is several times
+slower (two intra-op threads stall for whole time slices), and its row says so. Four epochs by default: the loader
 probe (4 settings) cannot pay back in three epochs of 125 steps (`lightning_speedkit.decisions`), and then there
 would be nothing tuned to compare.
 
@@ -88,7 +90,9 @@ def fit_one(setting: str, num_images: int, root: str, epochs: int) -> dict[str, 
         trainer = preset(accelerator="cpu", verbose=False, max_epochs=epochs, **QUIET)
     else:
         trainer = quiet_trainer(max_epochs=epochs, callbacks=[tuner] if tuner else [])
+    load_before, cpu_before = os.getloadavg()[0], time.process_time()
     fit = timed_fit(trainer, model, data)
+    cpu_s, load_after = time.process_time() - cpu_before, os.getloadavg()[0]
     found = next((c for c in trainer.callbacks if isinstance(c, DataLoaderTuner)), None)  # type: ignore[attr-defined]
     report = found.report() if found is not None else None
     loader = trainer.train_dataloader
@@ -101,6 +105,8 @@ def fit_one(setting: str, num_images: int, root: str, epochs: int) -> dict[str, 
         "val_acc": fit.val_acc,
         "loader": type(loader).__name__,
         "num_workers": getattr(loader, "num_workers", None),
+        "load_1m": [load_before, load_after],  # above ~2 on 2 cores: another job shared them (the fit is slower)
+        "cpu_s": cpu_s,  # this process's CPU seconds (workers not counted)
         "tuner": None if report is None else {k: report.get(k) for k in ("decision", "reason", "probed", "probe_s")},
     }
 
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Column("vs naive", 9, "fit_ratio", ".2f", suffix="x"),
         Column("workers", 8, "num_workers"),
         Column("val_acc", 8, "val_acc", ".3f"),
+        Column("load", 6, lambda row: max(row["load_1m"]), ".1f"),
     ]
     lines = [
         f"\nstreaming vs cached on {result['cores']} cores: demo ({num_images} images, batch 32, {epochs} epochs);"

@@ -70,7 +70,7 @@ def test_streaming_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path
         "CachedDataset + preset()",
     ]
     assert [row["loader"] for row in saved["rows"]] == ["StreamingDataLoader"] * 3 + ["DataLoader"] * 2
-    assert all(row["fit_s"] > 0 and row["steps"] > 0 for row in saved["rows"])
+    assert all(row["fit_s"] > 0 and row["steps"] > 0 and len(row["load_1m"]) == 2 for row in saved["rows"])
     assert saved["rows"][0]["fit_ratio"] == 1.0
     assert saved["rows"][1]["tuner"]["reason"]
     assert saved["prepare"]["litdata_optimize_s"] > 0
