@@ -1,11 +1,12 @@
 """Three of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
 
-``speedkit demo``'s speedkit side (``preset(lr=True)`` on the embedded workload, the same config and budget) is run
+``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
 six ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
 
 - ``library``: as every user gets it.
-- ``no_signal_rule``: ``LRFinder(min_signal=0)``, which follows the valley of any range-test curve (fastai's rule),
-  however flat and noisy, instead of keeping the user's LR when the loss fell by less than 3x its noise.
+- ``no_signal_rule``: ``LRFinder(method="range", min_signal=0)``: the range test that follows the valley of any
+  curve (fastai's rule), however flat and noisy, instead of keeping the user's LR when the loss fell by less than 3x
+  its noise.
 - ``no_first_round_drop``: `lightning_speedkit.trials.measure` times every candidate in both rounds, also the ones
   the first round showed clearly slower (`lightning_speedkit.decisions.clearly_slower` switched off for this run
   only: a patch, since no lever exposes it).
@@ -25,6 +26,7 @@ it), how many seeds reached it, and the median probe seconds.
 
     python benchmarks/demo_rules.py                 # seeds 0-4, about 7 minutes on 2 CPU cores
     python benchmarks/demo_rules.py --quick         # a smoke run
+    python benchmarks/demo_rules.py --ways library,no_probes   # the baseline and two ways
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import lightning as L
 from lightning_speedkit import ChannelsLast, LRFinder
 from lightning_speedkit.demo import DemoConfig
 from lightning_speedkit.demo.run import parse_seeds, train_variant
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.oom import release_memory
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
@@ -55,8 +58,16 @@ from _harness import fresh_decisions, print_and_write, rotated
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
 WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
-GIVEN = {"precision": "bf16-mixed", "lr": False, "tune_data": False}
-"""``no_probes``' preset options: the precision and the loader as the library chose them here, and no LR finder."""
+
+
+def given() -> dict[str, Any]:
+    """``no_probes``' preset options: what the library keeps on the demo, here.
+
+    The precision (bf16 autocast where the CPU has bf16 instructions, fp32 elsewhere, as
+    ``benchmarks/results/demo.json`` records), the loader as built and the user's LR (no LR search).
+    """
+    precision = "bf16-mixed" if cpu_info().bf16_instructions() else "32-true"
+    return {"precision": precision, "lr": False, "tune_data": False}
 
 
 @contextlib.contextmanager
@@ -87,10 +98,10 @@ def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
     if way == "baseline":
         return {"way": way, **_figures(train_variant(config, "baseline", progress=False))}
     fresh_decisions()  # every way probes afresh: a decision remembered from another way would hide its probes
-    callbacks: list[L.Callback] = [LRFinder(min_signal=0.0)] if way == "no_signal_rule" else []
+    callbacks: list[L.Callback] = [LRFinder(method="range", min_signal=0.0)] if way == "no_signal_rule" else []
     options: dict[str, Any] = {}
     if way in ("no_probes", "lr_x2"):
-        callbacks, options = [ChannelsLast(measure=False)], GIVEN  # NHWC, as measured faster here, without a probe
+        callbacks, options = [ChannelsLast(measure=False)], given()  # NHWC, as measured faster here, without a probe
         config = dataclasses.replace(config, lr=2 * config.lr) if way == "lr_x2" else config
     with _patched(*PATCHES[way]) if way in PATCHES else contextlib.nullcontext():
         result = train_variant(config, "speedkit", progress=False, callbacks=callbacks, preset_options=options)
@@ -110,15 +121,18 @@ def _figures(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> dict[str, Any]:
-    """Every way on every seed, in rotating order; print a table and the summary; write the JSON."""
+def run(
+    seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT, ways: tuple[str, ...] = WAYS
+) -> dict[str, Any]:
+    """Every way (of ``ways``; the baseline always) on every seed, in rotating order; print the table and summary."""
+    ways = ("baseline", *(w for w in ways if w != "baseline"))
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     for position, seed in enumerate(seeds):
         seeded = dataclasses.replace(config, seed=seed)
-        rows.extend({"seed": seed, **run_way(seeded, way)} for way in rotated(WAYS, position))
-        base = next(r["time_to_target_s"] for r in rows[-len(WAYS) :] if r["way"] == "baseline")
-        for row in rows[-len(WAYS) :]:
+        rows.extend({"seed": seed, **run_way(seeded, way)} for way in rotated(ways, position))
+        base = next(r["time_to_target_s"] for r in rows[-len(ways) :] if r["way"] == "baseline")
+        for row in rows[-len(ways) :]:
             row["speedup"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else 0.0
             reached = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] else "missed"
             print(
@@ -128,7 +142,7 @@ def run(seeds: list[int], config: DemoConfig, out: str | Path = DEFAULT_OUT) -> 
             )
     summary: dict[str, Any] = {}
     lines = []
-    for way in WAYS:
+    for way in ways:
         mine = [r for r in rows if r["way"] == way]
         times = [r["time_to_target_s"] or math.inf for r in mine]  # a miss is slower than any time
         median = statistics.median(times)
@@ -161,10 +175,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", default="0-4", help="seeds, as for `speedkit demo --seeds` (default 0-4)")
     parser.add_argument("--quick", action="store_true", help="one epoch of 200 images on one seed, a smoke run")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the JSON results")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"ways to run, of {', '.join(WAYS)} (default all)")
     args = parser.parse_args(argv)
+    ways = tuple(w.strip() for w in args.ways.split(",") if w.strip())
+    unknown = [w for w in ways if w not in WAYS]
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(unknown)}; choose from {', '.join(WAYS)}")
     if args.quick:
-        return run([0], DemoConfig.quick(num_images=200, max_epochs=1), out=args.out)
-    return run(parse_seeds(args.seeds), DemoConfig(), out=args.out)
+        return run([0], DemoConfig.quick(num_images=200, max_epochs=1, stop_at_target=True), out=args.out, ways=ways)
+    return run(parse_seeds(args.seeds), DemoConfig(), out=args.out, ways=ways)
 
 
 if __name__ == "__main__":
