@@ -19,6 +19,8 @@ Usage::
 
     python benchmarks/streaming.py            # 5000 images, 4 epochs -> benchmarks/results/streaming.json
     python benchmarks/streaming.py --quick    # 300 images, 1 epoch (a smoke run; its ratios mean nothing)
+    python benchmarks/streaming.py --threads 1   # one intra-op thread: on a machine another job shares, two
+                                                 # threads stall for whole time slices and the fits crawl
 """
 
 from __future__ import annotations
@@ -117,9 +119,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="300 images, 1 epoch: a smoke run")
     parser.add_argument("--epochs", type=int, default=None, help="epochs of every fit (default 4; 1 with --quick)")
     parser.add_argument("--out", default=str(OUT), help="JSON path (default: %(default)s)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's); 1 on a shared machine"
+    )
     parser.add_argument("--cache-dir", default=None, help="where images and both formats go (default: a temp dir)")
     args = parser.parse_args(argv)
     num_images = 300 if args.quick else 5000
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     epochs = args.epochs or (1 if args.quick else 4)
     root = args.cache_dir or tempfile.mkdtemp(prefix="speedkit-bench-streaming-")
     load_before = os.getloadavg()
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "versions": {"litdata": litdata.__version__, "torch": torch.__version__, "lightning": L.__version__},
         "python": sys.version,
-        "command": "python benchmarks/streaming.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/streaming.py", *(argv if argv is not None else sys.argv[1:])]),
         "prepare": prepared,
         "rows": rows,
     }
