@@ -6,6 +6,12 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# Every extra of .[all] but `streaming`, whose litdata requires torchvision, and pip would replace the CPU torch with
+# the CUDA torch the newest torchvision pins (multi-GB). litdata imports and streams without torchvision, so the venv
+# gets it without its dependencies, then the ones it uses (keep LITDATA_SPEC as pyproject's `streaming` extra).
+EXTRAS ?= wandb,export,gpu,plot,cli
+LITDATA_SPEC ?= litdata>=0.2.70,<0.3
+LITDATA_DEPS ?= boto3 obstore tifffile requests urllib3 filelock
 
 .PHONY: install demo test test-avx2 lint typecheck pytest clean
 
@@ -24,7 +30,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	else \
 		$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; \
 	fi
-	$(BIN)/python -m pip install --quiet -e ".[all,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS),dev]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(LITDATA_SPEC)"
+	$(BIN)/python -m pip install --quiet $(LITDATA_DEPS)
 	touch $@
 
 install: $(VENV)/.installed

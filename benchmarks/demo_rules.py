@@ -66,7 +66,7 @@ def given() -> dict[str, Any]:
     The precision (bf16 autocast where the CPU has bf16 instructions, fp32 elsewhere, as
     ``benchmarks/results/demo.json`` records), the loader as built and the user's LR (no LR search).
     """
-    precision = "bf16-mixed" if cpu_info().bf16_instructions() else "32-true"
+    precision = "bf16-mixed" if cpu_info().bf16_instructions else "32-true"
     return {"precision": precision, "lr": False, "tune_data": False}
 
 

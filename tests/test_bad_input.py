@@ -216,7 +216,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.default_callbacks, {"channels_last": "no"}, "channels_last", "'no'"),
     (speedkit.default_callbacks, {"tune_precision": "bf16"}, "tune_precision", "'bf16'"),
     (speedkit.default_callbacks, {"lr": 1}, "lr", "1"),
-    (speedkit.default_callbacks, {"lr": "auto"}, "lr", "'auto'"),
+    (speedkit.default_callbacks, {"lr": "Auto"}, "lr", "'Auto'"),
     (speedkit.preset, {"tune_data": None}, "tune_data", "None"),
     (speedkit.preset, {"precision": "32-true", "tune_precision": {"margin": 0.1}}, "tune_precision", "{'margin': 0.1}"),
     (speedkit.default_callbacks, {"guard": "on"}, "guard", "'on'"),

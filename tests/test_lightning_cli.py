@@ -67,6 +67,8 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "remember": False,
     },
     "LRFinder": {
+        "method": "range",
+        "trial_steps": 8,
         "steps": 30,
         "start_factor": 0.001,
         "end_factor": 10.0,
