@@ -167,14 +167,18 @@ def test_trials_hold_back_lightning_info_lines_about_their_own_loops(tmp_path: P
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger(LIGHTNING_INFO)
     logger.addHandler(handler)
-    level = logger.level
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.INFO)  # as Lightning sets it, whatever an earlier test in this process left
+    logger.disabled = False
     try:
         _fit(tmp_path, "quiet", trials=True, max_steps=12)
+        assert logger.level == logging.INFO  # the trials put the level back
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
     assert "`Trainer.fit` stopped: `max_steps=3` reached." not in records
     assert "`Trainer.fit` stopped: `max_steps=12` reached." in records  # the run's own line still shows
-    assert logger.level == level
 
 
 @pytest.mark.slow
