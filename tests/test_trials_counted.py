@@ -133,9 +133,10 @@ def test_a_counted_probe_costs_only_the_slower_blocks_extra_seconds(tmp_path: Pa
     _fit(tmp_path, [lever])
     report = lever.report()
     assert report["decision"] in ("as is", "fast")
-    assert report["dropped"] == ["slow"]
+    assert "slow" in report["dropped"]  # "fast" may be dropped too: as fast as "as is", noise can make it 10% slower
     blocks = [b["setting"] for b in report["blocks"]]
-    assert blocks == ["as is", "slow", "fast", "as is", "fast", "as is", "fast"]  # slow timed in round one only
+    assert blocks[:3] == ["as is", "slow", "fast"]
+    assert "slow" not in blocks[3:]  # slow timed in round one only
     assert report["steps"] == 4 * len(blocks)
     slow_steps = 4
     assert 0.03 * (slow_steps - 1) <= report["probe_s"] < report["probe_wall_s"]
