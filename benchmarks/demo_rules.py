@@ -18,6 +18,9 @@ six ways on each seed, beside the demo's naive baseline, all in an order that ro
   the most that cheaper probes could win. Not a library setting: it knows the answers.
 - ``lr_x2``: ``no_probes`` at twice the user's LR, hand-picked: whether a higher peak LR, which no range test found
   here, would shorten the run on every seed. Not a library setting either.
+- ``remembered``: ``library`` run twice with the same lever memory; the second run is the one counted (every lever
+  applies its remembered decision, nothing is probed), the first is kept under ``first_run``: what a user's second
+  run of the same job gets, beside ``no_probes`` in the same benchmark run.
 
 For each run: time to the target ``val_acc``, epochs, the LR chosen and why, each lever's probe seconds, and the
 speed-up over the baseline of the same seed (0.0 for a miss, as ``speedkit demo --seeds`` counts it). The summary
@@ -27,6 +30,7 @@ it), how many seeds reached it, and the median probe seconds.
     python benchmarks/demo_rules.py                 # seeds 0-4, about 7 minutes on 2 CPU cores
     python benchmarks/demo_rules.py --quick         # a smoke run
     python benchmarks/demo_rules.py --ways library,no_probes   # the baseline and two ways
+    python benchmarks/demo_rules.py --ways no_probes,remembered --out benchmarks/results/demo_remembered_rules.json
 """
 
 from __future__ import annotations
@@ -57,7 +61,16 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when 
 from _harness import fresh_decisions, print_and_write, rotated
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "demo_rules.json"
-WAYS = ("baseline", "library", "no_signal_rule", "no_first_round_drop", "collect_at_exit", "no_probes", "lr_x2")
+WAYS = (
+    "baseline",
+    "library",
+    "no_signal_rule",
+    "no_first_round_drop",
+    "collect_at_exit",
+    "no_probes",
+    "lr_x2",
+    "remembered",
+)
 
 
 def given() -> dict[str, Any]:
@@ -98,6 +111,10 @@ def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
     if way == "baseline":
         return {"way": way, **_figures(train_variant(config, "baseline", progress=False))}
     fresh_decisions()  # every way probes afresh: a decision remembered from another way would hide its probes
+    if way == "remembered":  # the first run probes and remembers; the second applies what the first decided
+        first = train_variant(config, "speedkit", progress=False)
+        second = train_variant(config, "speedkit", progress=False)
+        return {"way": way, **_figures(second), "sources": second["choices"]["sources"], "first_run": _figures(first)}
     callbacks: list[L.Callback] = [LRFinder(method="range", min_signal=0.0)] if way == "no_signal_rule" else []
     options: dict[str, Any] = {}
     if way in ("no_probes", "lr_x2"):
