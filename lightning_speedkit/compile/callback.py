@@ -15,11 +15,13 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_number, check_probe_steps
+from lightning_speedkit.compile.counted import DECISION_FIELDS, EAGER, CountedCompile
 from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks
-from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back, compile_worth_probing
+from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back
 from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec
+from lightning_speedkit.trials.counted import counted_cost
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ __all__ = ["COMPILE_MODES", "Compile"]
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The ``mode`` values ``torch.compile`` accepts."""
 
-_EAGER, _COMPILED = "eager", "compiled"
+_EAGER, _COMPILED = EAGER, "compiled"
 _LOSS_TOLERANCE = 0.1
 """How much higher (relative) the compiled trial's mean loss may be than eager's on the same batches."""
 
@@ -37,6 +39,7 @@ class _Compiled(trials.Setting):
     """The module compiled for a trial; tallies the calls, compile seconds, graphs and graph breaks of its trials."""
 
     name = _COMPILED
+    changes_math = False  # the same step, compiled: its steps can count (up to the compiled kernels' numerics)
 
     def __init__(self, callback: Compile) -> None:
         self.callback = callback
@@ -61,25 +64,27 @@ class _Compiled(trials.Setting):
 class Compile(trials.Lever):
     """Compile the LightningModule with ``torch.compile`` when, and only when, it pays back within the run.
 
-    At fit start, after any DDP wrapper is built (so the module is compiled inside it and DDP's communication stays
-    eager), ``probe_steps`` real training steps run eager, then compiled, then both again (through
-    `lightning_speedkit.trials`: same weights, same batches, everything restored afterwards), with one validation
-    batch after each trial when the fit validates, so the validation graph's compile is paid in the probe too. The
-    compile seconds are dynamo's own (every graph, forward and backward); the step times are the medians after the
-    first step. The compiled module is kept only when `compile_pays_back`: the projected saving over the steps left
-    (``trainer.estimated_stepping_batches``) exceeds the compile seconds by ``margin``. The compile paid in the probe
-    is counted although it is spent: it stands for the graphs still to come (new batch shapes) and keeps a decision
-    honest about what compiling the run costs.
+    The probe runs on the fit's own first training steps, after any DDP wrapper is built (so the module is compiled
+    inside it and DDP's communication stays eager): blocks of ``probe_steps`` steps alternate eager and compiled,
+    three rounds (`lightning_speedkit.trials.counted`: compiling does not change what a step computes, so nothing is
+    restored and every probe step trains; the optimizer steps, epochs, LR schedule and sample order are the run's).
+    The compile seconds are dynamo's own (every graph, forward and backward); the step times are each block's after
+    its first step. The compiled module is kept only when `compile_pays_back`: the projected saving over the steps
+    left (``trainer.estimated_stepping_batches``) exceeds the compile seconds by ``margin``. The compile paid in the
+    probe is counted although it is spent: it stands for the graphs still to come (the validation graph, new batch
+    shapes) and keeps a decision honest about what compiling the run costs. The probe costs (``probe_s``) the blocks'
+    seconds beyond the setting kept's step time: the compile itself when the module stays eager.
 
     The probe is skipped, and the module stays eager, when the run is too short to repay the probe's steps
-    (`~lightning_speedkit.decisions.probe_pays_back`), or when, after one eager trial, even steps 50% shorter could
-    not repay a compile of ``min_compile_s`` (`compile_worth_probing`). If compiling fails (in the probe, or later
-    at a call), breaks the graph more than ``max_graph_breaks`` times, or gives a clearly different loss, the module
-    stays eager with one warning and training goes on. Batch-size changes and a partial last batch cost one
-    recompile each graph (automatic dynamic shapes), not one per step: `report` counts the graphs compiled after the
-    decision. The module is compiled in place (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys,
-    and a deep copy of the module is eager. A module the user compiled already is left alone. The decision is in
-    ``state_dict``: a resumed run applies it without probing (the life cycle is `lightning_speedkit.trials.Lever`'s).
+    (`~lightning_speedkit.decisions.probe_pays_back`), or when, after one eager block, even steps 50% shorter could
+    not repay a compile of ``min_compile_s`` (`compile_worth_probing`). If compiling fails (in the probe, or later at
+    a call), breaks the graph more than ``max_graph_breaks`` times, or gives a clearly higher loss than the eager
+    block before it, the module stays eager with one warning and training goes on (a failed compile's steps run
+    eager). Batch-size changes and a partial last batch cost one recompile each graph (automatic dynamic shapes), not
+    one per step: `report` counts the graphs compiled after the decision. The module is compiled in place
+    (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys, and a deep copy of the module is eager. A
+    module the user compiled already is left alone. The decision is in ``state_dict``: a resumed run applies it
+    without probing (the life cycle is `lightning_speedkit.trials.Lever`'s).
 
     Args:
         mode: ``torch.compile`` mode: one of `COMPILE_MODES`.
@@ -87,10 +92,10 @@ class Compile(trials.Lever):
         fullgraph: Refuse graph breaks (a break then fails the compile, and the module stays eager).
         dynamic: ``torch.compile``'s ``dynamic``: None marks a dimension dynamic once it changes.
         options: Backend options (a dict), instead of ``mode``.
-        measure: Time eager and compiled steps and decide; ``False`` compiles without timing (one compiled trial
-            still checks that it compiles).
+        measure: Time eager and compiled steps and decide; ``False`` compiles without timing (one restored compiled
+            trial still checks that it compiles).
         margin: How much (relative, in [0, 1)) the projected saving must exceed the compile seconds.
-        probe_steps: Training steps per trial (the first is left out of the step time).
+        probe_steps: Training steps per block (the first is left out of the step time).
         max_graph_breaks: The most graph breaks tolerated before staying eager.
         min_compile_s: The least a compile is taken to cost when deciding whether to probe at all. Inductor's first
             compile in a process took 19-45 s on a 2-core CPU, a tiny MLP's later ones 1.5-2 s; wrongly probing costs
@@ -189,14 +194,24 @@ class Compile(trials.Lever):
         super().on_fit_start(trainer, pl_module)
 
     @override
-    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision:
-        """Probe eager against compiled (unless the fit resumes without a decision, or the run is too short)."""
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision | None:
+        """Probe eager against compiled on the first training steps (None: `CountedCompile` decides), or skip."""
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped(_EAGER, resumed)
         report = self._decide(trainer)
-        fields = {k: report.pop(k) for k in ("decision", "reason", "probed", "probe_s", "step_s", "rejected")}
+        if report is None:
+            return None
+        fields = {k: report.pop(k) for k in DECISION_FIELDS}
         return trials.Decision(**fields, source="measured" if fields["probed"] else "skipped", extra=report)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if isinstance(self._counted, CountedCompile):
+            self._counted.record_loss(outputs)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
@@ -211,6 +226,7 @@ class Compile(trials.Lever):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)  # a fit that ended inside the probe keeps the module eager
         if self._status != _COMPILED or self._decision is None:
             return
         graphs, seconds = self._watch.since(self._mark)
@@ -239,49 +255,46 @@ class Compile(trials.Lever):
         return {"status": self._status}
 
     # ------------------------------------------------------------------------------------------------ private
-    def _decide(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Probe (unless the run is too short for it) and decide; every rank returns rank zero's report."""
+    def _decide(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """Start the counted probe (None), or the report of a decision made now.
+
+        A decision now: the run is too short for a probe, or ``measure=False`` (one restored compiled trial checks
+        that it compiles); every rank returns rank zero's.
+        """
         left = trials.steps_left(trainer)
         report: dict[str, Any] = {"decision": _EAGER, "reason": "", "probed": False, "probe_s": 0.0}
         report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
+        self._failure = None
         if self.measure:
-            pays, why, _ = trials.probe_cost(trainer, self.probe_steps * 2 * trials.PROBE_ROUNDS, MAX_GAIN)
+            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.probe_steps), MAX_GAIN)
             if not pays:
                 report["reason"] = why
                 return report
+            self._counted = CountedCompile(self, _Compiled(self), left)
+            self._counted.join(trainer)
+            return None
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         validate = bool(trainer.limit_val_batches) and val_loop._data_source.is_defined()
-        compiled, eager = _Compiled(self), trials.AsIs(_EAGER)
+        compiled = _Compiled(self)
         results: list[trials.TrialResult] = []
-        self._failure = None
         with trials.TrialSession(trainer, self.probe_steps, warmup=1, validate=validate) as session:
             session.require_steps("probe_steps")
-            order = [eager, compiled] * trials.PROBE_ROUNDS if self.measure else [compiled]
-            for setting in order:
-                try:
-                    results.append(self._trial(session, setting))
-                except Exception as err:  # the eager trial ran first, so this is the compiler's failure
-                    self._failure = err
-                if self._failure is not None:
-                    break
-                if setting is eager and len(results) == 1:
-                    worth, why = compile_worth_probing(
-                        results[0].median_step_s or 0.0, left, self.min_compile_s, MAX_GAIN, self.margin
-                    )
-                    if not worth:
-                        report["reason"] = why
-                        break
+            try:
+                results.append(self._trial(session, compiled))
+            except Exception as err:  # any compiler failure keeps the module eager
+                self._failure = err
         report.update(probed=True, probe_s=session.elapsed_s, trials=[r.as_dict() for r in results])
         failed = not trainer.strategy.reduce_boolean_decision(self._failure is None, all=True)
-        if report["reason"]:  # skipped after the eager trial
-            report["step_s"] = {_EAGER: results[0].median_step_s}
-            return dict(trainer.strategy.broadcast(report, src=0))
         self._conclude(report, results, compiled, left, failed)
         return dict(trainer.strategy.broadcast(report, src=0))
 
     def _trial(self, session: trials.TrialSession, setting: trials.Setting) -> trials.TrialResult:
-        """One trial (the seam where tests inject step times)."""
-        return session.run(setting)
+        """One restored trial (``measure=False``)."""
+        return self._timed(session.run(setting))
+
+    def _timed(self, result: trials.TrialResult) -> trials.TrialResult:
+        """A trial's or a counted block's result, as the decision reads it (the seam where tests inject times)."""
+        return result
 
     def _conclude(
         self,

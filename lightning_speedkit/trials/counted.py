@@ -139,11 +139,23 @@ class CountedTrials:
             return None
         name, times = self.blocks[-1]
         self.times[name].extend(times[self.warmup :])
+        ended = self.block_ended(trainer)
+        if ended is not None:
+            self.stop(trainer)
+            return ended
         if not self._queue:
             self._next_round(trainer)
         if self._queue:
             return None
         return self._decide(trainer)
+
+    def block_ended(self, trainer: pl.Trainer) -> Decision | None:
+        """After each block, on every rank at the same step: a decision that ends the probe early, or None to go on.
+
+        The seam for a lever whose probe can stop before its last block (`lightning_speedkit.compile.Compile`: after
+        the first block, when no speed-up could repay a compile; after a block that failed to compile).
+        """
+        return None
 
     def _next_round(self, trainer: pl.Trainer) -> None:
         """Queue the next round's blocks (after the first, without a candidate clearly slower than the reference)."""
@@ -169,13 +181,17 @@ class CountedTrials:
             {name: _median(times) for name, times in self.times.items()}, src=0
         )
         decision, reason = choose_setting(step_s, self.current.name, self.margin)
-        kept = step_s.get(decision) or 0.0
-        extra_s = sum(max(0.0, sum(times) - kept * len(times)) for _, times in self.blocks)
         blocks = [{"setting": name, "step_s": times} for name, times in self.blocks]
         extra: dict[str, Any] = {"counted": True, "steps": sum(len(t) for _, t in self.blocks), "blocks": blocks}
         extra.update(dropped=list(self._dropped), probe_wall_s=time.perf_counter() - self._began)
-        probe_s = float(trainer.strategy.broadcast(extra_s, src=0))
+        probe_s = self.extra_s(trainer, step_s.get(decision))
         return Decision(decision, f"{reason}; counted trials", True, probe_s, step_s, {}, "measured", extra)
+
+    def extra_s(self, trainer: pl.Trainer, kept_step_s: float | None) -> float:
+        """The probe's cost: the seconds its blocks took beyond the kept setting's median step (rank zero's)."""
+        kept = kept_step_s or 0.0
+        extra = sum(max(0.0, sum(times) - kept * len(times)) for _, times in self.blocks)
+        return float(trainer.strategy.broadcast(extra, src=0))
 
 
 def _median(times: list[float]) -> float | None:
