@@ -135,6 +135,10 @@ def _figures(result: dict[str, Any]) -> dict[str, Any]:
         "lr_reason": choices["lr_reason"],
         "probe_s": choices["probe_s"],
         "probes": choices["probes"],
+        "channels_last": choices["channels_last"],
+        "loader": choices.get("loader", "as built"),
+        "samples_per_s": result.get("samples_per_s"),
+        "data_wait_fraction": result.get("data_wait_fraction"),
     }
 
 

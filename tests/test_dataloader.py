@@ -242,6 +242,37 @@ def test_counted_probe_trains_on_the_runs_own_batches_in_order(tmp_path: Path) -
     assert all(labels == sorted(y for batch in runs[0][:40] for y in batch) for labels in epoch_labels)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_counted_blocks_resume_a_candidates_persistent_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate with persistent workers is built once for all its blocks: its workers start once, not per block.
+
+    Its later blocks resume the same workers from the batch the run has reached, so the batches stay the run's own.
+    """
+    from lightning_speedkit.dataloader import counted
+
+    built: list[int] = []
+
+    def counting(base: Any, settings: dict[str, Any], **kwargs: Any) -> Any:
+        built.append(settings["num_workers"])
+        return rebuild(base, settings, **kwargs)
+
+    rebuild = counted.rebuild_dataloader
+    monkeypatch.setattr(counted, "rebuild_dataloader", counting)
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40)
+    runs, reports = [], []
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)]):
+        L.seed_everything(0, verbose=False)
+        recorder = _RecordLabels()
+        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(Model(), SlowData(delay=0.002, n=160))  # a read workers can hide: no block dropped
+        runs.append(recorder.labels)
+        reports.extend(c.report() for c in callbacks)
+    blocks = [b["setting"] for b in reports[0]["blocks"]]
+    assert sum(1 for b in blocks if b.startswith("num_workers=1")) >= 2, blocks
+    assert built.count(1) == 1, built
+    assert runs[0][:40] == runs[1][:40]
+
+
 def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:
     """A fit too short for the probe to pay back runs no trial: the loader is kept, the reason is the payback rule."""
     counter = tmp_path / "reads.txt"

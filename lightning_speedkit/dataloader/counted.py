@@ -129,26 +129,48 @@ class CountedLoader:
 
     def _serve(self, epoch: _Epoch) -> Generator[Any, None, None]:
         position, switched = 0, True
-        while switched:
-            settings = dict(self.live.settings)
-            loader = rebuild_dataloader(self.base, settings, batch_sampler=_Batches(epoch, position))
-            self.loaders_built += 1
-            # the batches its workers prefetch at once are drawn here, from the run's RNG as the fit's iterator would
-            epoch.batch(position + loader.num_workers * (loader.prefetch_factor or 0))
-            generator = loader.generator
-            state = generator.get_state() if generator is not None else None
-            with isolate_rng(include_cuda=torch.cuda.is_available()):  # this iterator's seed draw is not the run's
-                iterator = iter(loader)
-            if generator is not None and state is not None:
-                generator.set_state(state)
-            switched = False
-            try:
-                for batch in iterator:
-                    position += 1
-                    epoch.served(position)
-                    yield batch
-                    if self.live.settings != settings:
-                        switched = True
-                        break
-            finally:
-                del iterator  # its workers shut down here, at the switch
+        kept: dict[str, tuple[DataLoader[Any], _Batches]] = {}  # loaders whose persistent workers outlive a block
+        try:
+            while switched:
+                settings = dict(self.live.settings)
+                name = settings_name(settings)
+                if name in kept:  # its workers wait, alive: the next iterator resumes them from ``position``
+                    loader, batches = kept[name]
+                    batches.start = position
+                else:
+                    batches = _Batches(epoch, position)
+                    loader = rebuild_dataloader(self.base, settings, batch_sampler=batches)
+                    self.loaders_built += 1
+                    if loader.num_workers > 0 and loader.persistent_workers:
+                        kept[name] = (loader, batches)
+                # the batches its workers prefetch at once are drawn here, from the run's RNG as the fit's iterator
+                # would draw them
+                epoch.batch(position + loader.num_workers * (loader.prefetch_factor or 0))
+                generator = loader.generator
+                state = generator.get_state() if generator is not None else None
+                with isolate_rng(include_cuda=torch.cuda.is_available()):  # this iterator's seed draw is not the run's
+                    iterator = iter(loader)
+                if generator is not None and state is not None:
+                    generator.set_state(state)
+                switched = False
+                try:
+                    for batch in iterator:
+                        position += 1
+                        epoch.served(position)
+                        yield batch
+                        if self.live.settings != settings:
+                            switched = True
+                            break
+                finally:
+                    del iterator  # a loader not kept shuts its workers down here, at the switch
+        finally:
+            for loader, _ in kept.values():
+                _shut_down(loader)
+
+
+def _shut_down(loader: DataLoader[Any]) -> None:
+    """End a kept loader's persistent workers (its batches left prefetched are dropped with them)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
