@@ -212,3 +212,60 @@ def test_two_levers_probe_one_after_the_other_never_in_the_same_steps(tmp_path: 
     assert timed == sorted(timed)  # the first lever's steps, then the second's
     assert 0 in timed
     assert 1 in timed
+
+
+class _Script:
+    """A step clock that returns scripted step times (seconds), in order."""
+
+    def __init__(self, times: Sequence[float]) -> None:
+        self.times = iter(times)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return next(self.times)
+
+
+class _Broadcast:
+    """The one-process stand-in for a Trainer, as counted trials use it: its strategy's broadcast."""
+
+    class strategy:
+        @staticmethod
+        def broadcast(obj: Any, src: int = 0) -> Any:
+            return obj
+
+
+def _decided(times_ms: Sequence[float]) -> Decision:
+    """A counted probe of ``candidate`` against ``current``, blocks of 3 steps, fed ``times_ms`` step by step."""
+    trainer: Any = _Broadcast()
+    counted = trials.counted.CountedTrials(AsIs("current"), [AsIs("candidate")], steps=3, margin=0.05, warmup=0)
+    counted._clock = _Script([t / 1000 for t in times_ms])  # type: ignore[assignment]
+    decision = None
+    while decision is None:
+        counted.step_started(trainer)
+        decision = counted.step_ended(trainer)
+    return decision
+
+
+@pytest.mark.parametrize(
+    ("candidate_rounds_ms", "kept", "reason_ends"),
+    [
+        (
+            (5, 5, 12),
+            "current",
+            "but faster in 2 of 3 rounds only: kept current; counted trials",
+        ),  # one round lost, pooled 50% faster
+        ((5, 5, 9), "candidate", "candidate 50.0% faster than current (margin 5%); counted trials"),
+    ],
+)
+def test_a_switch_must_win_every_rounds_paired_blocks(
+    candidate_rounds_ms: tuple[float, float, float], kept: str, reason_ends: str
+) -> None:
+    """The current setting's blocks take 10 ms a step; the candidate is kept only if it is faster in every round."""
+    times: list[float] = []
+    for candidate_ms in candidate_rounds_ms:
+        times += [10.0] * 3 + [candidate_ms] * 3
+    decision = _decided(times)
+    assert decision.decision == kept
+    assert decision.reason.endswith(reason_ends), decision.reason

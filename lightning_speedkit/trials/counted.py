@@ -4,11 +4,12 @@ A setting that does not change what a step computes (the memory layout, the load
 restored trial: its steps train the model exactly as the run would, so they can simply be the run's first steps. The
 settings take turns in blocks of ``steps`` training steps, ``rounds`` times (the setting in place first), every
 block timed step by step; then the fastest setting is kept when it beats the setting in place by the margin
-(`lightning_speedkit.decisions.choose_setting`), as `lightning_speedkit.trials.measure` would decide. Nothing is
-restored and nothing is thrown away: the number of optimizer steps, the epochs, the LR schedule and the sample order
-are those of the run without the probe. The probe's cost is only the extra seconds of the blocks that ran slower
-than the setting kept (``probe_s``), so blocks can be longer than a restored trial's, which makes the decision
-steadier on a noisy machine.
+(`lightning_speedkit.decisions.choose_setting`), as `lightning_speedkit.trials.measure` would decide, and also won
+the paired blocks of every round it ran (`round_wins`: a load change on a shared machine hits one block, not a
+round). Nothing is restored and nothing is thrown away: the number of optimizer steps, the epochs, the LR schedule
+and the sample order are those of the run without the probe. The probe's cost is only the extra seconds of the
+blocks that ran slower than the setting kept (``probe_s``), so blocks can be longer than a restored trial's, which
+makes the decision steadier on a noisy machine.
 
 Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
     from lightning_speedkit.trials.settings import Setting
 
-__all__ = ["COUNTED_ROUNDS", "CountedTrials", "counted_cost", "queued_steps"]
+__all__ = ["COUNTED_ROUNDS", "CountedTrials", "counted_cost", "queued_steps", "round_wins"]
 
 COUNTED_ROUNDS = 3
 """Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted."""
@@ -181,6 +182,13 @@ class CountedTrials:
             {name: _median(times) for name, times in self.times.items()}, src=0
         )
         decision, reason = choose_setting(step_s, self.current.name, self.margin)
+        if decision != self.current.name:  # a switch must also win the paired blocks of every round it ran
+            wins, rounds = trainer.strategy.broadcast(
+                round_wins(self.blocks, self.current.name, decision, self.warmup), 0
+            )
+            if wins < rounds:
+                reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
+                decision = self.current.name
         blocks = [{"setting": name, "step_s": times} for name, times in self.blocks]
         extra: dict[str, Any] = {"counted": True, "steps": sum(len(t) for _, t in self.blocks), "blocks": blocks}
         extra.update(dropped=list(self._dropped), probe_wall_s=time.perf_counter() - self._began)
@@ -192,6 +200,27 @@ class CountedTrials:
         kept = kept_step_s or 0.0
         extra = sum(max(0.0, sum(times) - kept * len(times)) for _, times in self.blocks)
         return float(trainer.strategy.broadcast(extra, src=0))
+
+
+def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidate: str, warmup: int) -> tuple[int, int]:
+    """In how many rounds ``candidate``'s block median beat the block of ``current`` in the same round; and of how many.
+
+    Blocks of one round run back to back, so a change of load on a shared machine slows both alike: a candidate that
+    is faster on the pooled median because one round of ``current`` ran under load loses a round here. The k-th
+    block of each setting is its k-th round; each block's first ``warmup`` steps are left out.
+
+    Example:
+        >>> ms = lambda *t: [x / 1000 for x in t]
+        >>> blocks = [("a", ms(10, 10)), ("b", ms(5, 5)), ("a", ms(10, 10)), ("b", ms(12, 12))]
+        >>> round_wins(blocks, "a", "b", warmup=0)
+        (1, 2)
+    """
+    own = {
+        name: [statistics.median(times[warmup:]) for n, times in blocks if n == name and times[warmup:]]
+        for name in (current, candidate)
+    }
+    pairs = list(zip(own[current], own[candidate], strict=False))
+    return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
 
 
 def _median(times: list[float]) -> float | None:
