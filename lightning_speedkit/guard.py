@@ -89,7 +89,9 @@ class TrainingGuard(Callback):
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
-      ``window`` losses;
+      ``window`` losses on two steps in a row. One batch alone is not enough: late in training a single hard batch
+      can lie 8 MADs out (the demo: a batch loss of 0.55 against a median of 0.18), while weights a bad step broke
+      give a high loss on the next batch too;
     - **stall**: with ``stall_steps``, the mean of the latest losses is still above ``stall_fraction`` times the mean
       of the first ones, ``stall_steps`` steps after the start (or after a stall rollback): a run stuck on a plateau
       (at too high an LR, typically). A stall rolls back to the first snapshot.
@@ -157,6 +159,7 @@ class TrainingGuard(Callback):
         self.backoff, self.max_rollbacks = float(backoff), max_rollbacks
         self.max_snapshot_bytes = max_snapshot_bytes
         self._losses: deque[float] = deque(maxlen=window)
+        self._spiked = False  # the last step's loss was a spike: one more in a row rolls back
         self._start_losses: list[float] = []
         self._stall_from = 0
         self._rollbacks = 0
@@ -170,6 +173,7 @@ class TrainingGuard(Callback):
 
     state_spec: ClassVar[StateSpec] = {
         "losses": ListOf(float),
+        "spiked": bool,
         "start_losses": ListOf(float),
         "stall_from": int,
         "rollbacks": int,
@@ -223,6 +227,7 @@ class TrainingGuard(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "losses": list(self._losses),
+            "spiked": self._spiked,
             "start_losses": list(self._start_losses),
             "stall_from": self._stall_from,
             "rollbacks": self._rollbacks,
@@ -233,6 +238,7 @@ class TrainingGuard(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._losses = deque(state_dict.get("losses", []), maxlen=self.window)
+        self._spiked = bool(state_dict.get("spiked", False))
         self._start_losses = list(state_dict.get("start_losses", []))
         self._stall_from = int(state_dict.get("stall_from", 0))
         self._rollbacks = int(state_dict.get("rollbacks", 0))
@@ -256,7 +262,9 @@ class TrainingGuard(Callback):
     def _judge(self, value: float, step: int) -> str | None:
         if not math.isfinite(value):
             return "non-finite loss"
-        if len(self._losses) >= self.window and robust_z(value, list(self._losses)) > self.spike_z:
+        spiked = len(self._losses) >= self.window and robust_z(value, list(self._losses)) > self.spike_z
+        self._spiked, twice = spiked, spiked and self._spiked
+        if twice:
             return "loss spike"
         if self._stall_at is not None and step - self._stall_from == self._stall_at:
             n = min(self.window, self._stall_at // 2)
@@ -304,6 +312,7 @@ class TrainingGuard(Callback):
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
         self._lr_scale = new_scale
         self._losses.clear()
+        self._spiked = False
         if trigger == "stalled":
             self._start_losses, self._stall_from = [], step
         self._events.append(

@@ -80,12 +80,27 @@ def test_a_nan_rolls_back_once_and_training_ends_finite(tmp_path: Path) -> None:
 
 
 def test_a_loss_spike_rolls_back_once(tmp_path: Path) -> None:
-    """A loss 1000x the window's typical value is a spike: one rollback, then training goes on."""
-    model = _Faulty(spike_at=(30,))
+    """A loss 1000x the window's typical value two steps in a row is a spike: one rollback, then training goes on."""
+    model = _Faulty(spike_at=(30, 31))
     guard = TrainingGuard(every_n_steps=5, window=10)
     _fit(tmp_path, model, guard)
-    assert [e["trigger"] for e in guard.report()["events"]] == ["loss spike"]
+    assert [(e["trigger"], e["step"]) for e in guard.report()["events"]] == [("loss spike", 32)]
     assert _finite(model)
+
+
+def test_one_outlying_batch_is_not_a_spike(tmp_path: Path) -> None:
+    """One batch far out (its loss only, not its gradient) and a normal loss after it: no rollback."""
+
+    class _OneHardBatch(TinyClassifier):
+        @override
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss + 1000.0 * loss.detach() if self.global_step == 30 else loss
+
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    _fit(tmp_path, _OneHardBatch(lr=0.05, num_samples=256, batch_size=8), guard)
+    assert guard.report()["rollbacks"] == 0
+    assert guard.state_dict()["spiked"] is False
 
 
 def test_a_stalled_run_rolls_back_to_the_start_once(tmp_path: Path) -> None:

@@ -81,6 +81,20 @@ def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict
     assert len(DecisionMemory().entries()) == 2
 
 
+def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(tmp_path: Path) -> None:
+    """A loader the tuner rebuilt (a remembered loader decision applied first) is the user's job: no new probe."""
+    from lightning_speedkit.dataloader.rebuild import rebuild_dataloader
+
+    _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
+    rebuilt = rebuild_dataloader(_images(), {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 2})
+    lever = speedkit.ChannelsLast(probe_steps=3)
+    L.seed_everything(0, verbose=False)
+    trainer = tiny_trainer(tmp_path / "b", max_epochs=6, callbacks=[lever], limit_val_batches=0)
+    trainer.fit(DemoClassifier(width=16, crop_size=16), rebuilt)
+    assert lever.report()["source"] == "remembered"
+    assert len(DecisionMemory().entries()) == 1
+
+
 @pytest.mark.parametrize(
     ("damage", "note"),
     [

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.trials import Setting
+from lightning_speedkit.trials.memory import BUILT_FROM
 
 __all__ = [
     "SETTINGS",
@@ -118,7 +119,17 @@ def rebuild_dataloader(
         >>> new = rebuild_dataloader(loader, {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4})
         >>> new.num_workers, new.batch_size, new.drop_last, new.sampler is loader.sampler
         (2, 4, True, True)
+        >>> getattr(new, BUILT_FROM)["num_workers"]  # the settings the user built it with, for remembered decisions
+        0
     """
+    new = _rebuilt(loader, settings, batch_sampler)
+    setattr(new, BUILT_FROM, getattr(loader, BUILT_FROM, None) or loader_settings(loader))  # the user's, for memory
+    return new
+
+
+def _rebuilt(
+    loader: DataLoader[Any], settings: dict[str, Any], batch_sampler: Sampler[list[int]] | None
+) -> DataLoader[Any]:
     if is_streaming_loader(loader) and batch_sampler is None:
         from lightning_speedkit.dataloader.streaming import rebuild_streaming
 

@@ -129,6 +129,12 @@ def _sample(trainer: pl.Trainer, dataset: Any) -> Any:
     return seen[id(dataset)]
 
 
+BUILT_FROM = "_speedkit_built_from"
+"""The attribute of a loader speedkit rebuilt that holds the settings of the user's loader it was built from: the
+fingerprint is the user's job, so a remembered loader decision applied before another lever fingerprints the run
+does not make that lever's fingerprint another."""
+
+
 def _loader(trainer: pl.Trainer) -> dict[str, Any]:
     """The train loader's settings and one sample's shapes (read without drawing from any RNG the run uses)."""
     fit_loop = trainer.fit_loop
@@ -151,6 +157,7 @@ def _loader(trainer: pl.Trainer) -> dict[str, Any]:
                 drop_last=getattr(loader, "drop_last", None),
                 dataset=type(getattr(loader, "dataset", None)).__name__,
             )
+            found.update(getattr(loader, BUILT_FROM, None) or {})  # the user's settings, under our rebuild
             found["sample"] = _sample(trainer, getattr(loader, "dataset", None))
     if not built and fit_loop._combined_loader is not None:
         if fit_loop._data_fetcher is not None:
