@@ -7,6 +7,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,21 @@ class _RecordLabels(L.Callback):
         self.labels.append(batch[1].tolist())
 
 
+def _without_and_with_a_worker_probe(
+    tmp_path: Path, epochs: int, data: Callable[[], L.LightningDataModule]
+) -> tuple[list[list[list[int]]], list[dict[str, Any]]]:
+    """The same seeded fit without the tuner, then with a counted probe of 1 worker: batch labels, and its report."""
+    runs, reports = [], []
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)]):
+        L.seed_everything(0, verbose=False)
+        recorder = _RecordLabels()
+        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(Model(), data())
+        runs.append(recorder.labels)
+        reports.extend(c.report() for c in callbacks)
+    return runs, reports
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_counted_probe_trains_on_the_runs_own_batches_in_order(tmp_path: Path) -> None:
     """The probe's steps are the epoch's own: the first epoch's batches are the run's own, in order, none added.
@@ -226,14 +242,7 @@ def test_counted_probe_trains_on_the_runs_own_batches_in_order(tmp_path: Path) -
     there (num_workers=0): as with any change of workers, their order is not the run without the tuner's.
     """
     epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40)
-    runs, reports = [], []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)]):
-        L.seed_everything(0, verbose=False)
-        recorder = _RecordLabels()
-        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
-        trainer.fit(Model(), SlowData(n=160))
-        runs.append(recorder.labels)
-        reports.extend(c.report() for c in callbacks)
+    runs, reports = _without_and_with_a_worker_probe(tmp_path, epochs, lambda: SlowData(n=160))
     assert reports[0]["probed"]
     assert reports[0]["reason"].endswith("counted trials")
     assert len(runs[1]) == epochs * 40
@@ -259,14 +268,8 @@ def test_counted_blocks_resume_a_candidates_persistent_workers(tmp_path: Path, m
     rebuild = counted.rebuild_dataloader
     monkeypatch.setattr(counted, "rebuild_dataloader", counting)
     epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40)
-    runs, reports = [], []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)]):
-        L.seed_everything(0, verbose=False)
-        recorder = _RecordLabels()
-        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
-        trainer.fit(Model(), SlowData(delay=0.002, n=160))  # a read workers can hide: no block dropped
-        runs.append(recorder.labels)
-        reports.extend(c.report() for c in callbacks)
+    slow = lambda: SlowData(delay=0.002, n=160)  # noqa: E731 - a read workers can hide: no block is dropped
+    runs, reports = _without_and_with_a_worker_probe(tmp_path, epochs, slow)
     blocks = [b["setting"] for b in reports[0]["blocks"]]
     assert sum(1 for b in blocks if b.startswith("num_workers=1")) >= 2, blocks
     assert built.count(1) == 1, built

@@ -60,7 +60,7 @@ class CountedCompile(CountedTrials):
     def block_ended(self, trainer: pl.Trainer) -> trials.Decision | None:
         failed = not trainer.strategy.reduce_boolean_decision(self.callback._failure is None, all=True)
         if failed:
-            return self._decide(trainer)
+            return self._finish(trainer, failed=True)
         if len(self.blocks) != 1:
             return None
         eager_s = self.results()[0].median_step_s or 0.0
@@ -74,15 +74,17 @@ class CountedCompile(CountedTrials):
 
     @override
     def _decide(self, trainer: pl.Trainer) -> trials.Decision:
-        decision = super()._decide(trainer)  # stops the blocks; the counted fields (blocks, steps, dropped)
+        return self._finish(trainer, failed=False)  # `block_ended` checked this last block for a failure
+
+    def _finish(self, trainer: pl.Trainer, failed: bool) -> trials.Decision:
+        """Stop the blocks and conclude by `Compile`'s rules (``failed``: compiling failed on some rank)."""
+        self.stop(trainer)
         report: dict[str, Any] = {"decision": EAGER, "reason": "", "rejected": {}, "compile_s": None}
         report["steps_left"] = None if math.isinf(self.left) else self.left
-        failed = self.callback._failure is not None
-        failed = not trainer.strategy.reduce_boolean_decision(not failed, all=True)
         results = self.results()
         self.callback._conclude(report, results, self.compiled, self.left, failed)
         report = dict(trainer.strategy.broadcast(report, src=0))
-        extra = {**decision.extra, **{k: v for k, v in report.items() if k not in DECISION_FIELDS}}
+        extra = {**self.counted_fields(), **{k: v for k, v in report.items() if k not in DECISION_FIELDS}}
         extra["trials"] = [r.as_dict() for r in results]
         fields = {k: report[k] for k in ("decision", "reason", "step_s", "rejected")}
         probe_s = self.extra_s(trainer, report["step_s"].get(report["decision"]))  # the compile, when kept eager

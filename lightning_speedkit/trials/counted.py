@@ -199,11 +199,16 @@ class CountedTrials:
             if wins < rounds:
                 reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
                 decision = self.current.name
+        probe_s = self.extra_s(trainer, step_s.get(decision))
+        extra = self.counted_fields()
+        return Decision(decision, f"{reason}; counted trials", True, probe_s, step_s, {}, "measured", extra)
+
+    def counted_fields(self) -> dict[str, Any]:
+        """The probe's own fields for a decision's ``extra``: its blocks, steps, dropped candidates, wall seconds."""
         blocks = [{"setting": name, "step_s": times} for name, times in self.blocks]
         extra: dict[str, Any] = {"counted": True, "steps": sum(len(t) for _, t in self.blocks), "blocks": blocks}
         extra.update(dropped=list(self._dropped), probe_wall_s=time.perf_counter() - self._began)
-        probe_s = self.extra_s(trainer, step_s.get(decision))
-        return Decision(decision, f"{reason}; counted trials", True, probe_s, step_s, {}, "measured", extra)
+        return extra
 
     def extra_s(self, trainer: pl.Trainer, kept_step_s: float | None) -> float:
         """The probe's cost: the seconds its blocks took beyond the kept setting's median step (rank zero's)."""
