@@ -34,11 +34,13 @@ from lightning_speedkit.trials import PROBE_ROUNDS
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """16 features, 4 classes; each item sleeps ``delay`` seconds like a slow decode; counts its reads in a file."""
 
-    def __init__(self, n: int = 64, delay: float = 0.0, seed: int = 0, counter: Path | None = None) -> None:
+    def __init__(
+        self, n: int = 64, delay: float = 0.0, seed: int = 0, counter: Path | None = None, augment: bool = True
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 16, generator=g)
         self.y = self.x[:, :4].argmax(dim=1)
-        self.delay, self.counter = delay, counter
+        self.delay, self.counter, self.augment = delay, counter, augment
 
     def __len__(self) -> int:
         return len(self.x)
@@ -49,6 +51,8 @@ class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if self.counter is not None:
             with open(self.counter, "a") as handle:
                 handle.write("x")
+        if not self.augment:
+            return self.x[i], self.y[i]
         return self.x[i] + 0.01 * torch.randn(16), self.y[i]  # augmentation draws from the RNG
 
 
@@ -60,12 +64,14 @@ def collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
 class SlowData(L.LightningDataModule):
     """A DataModule with a custom collate_fn and drop_last, so a rebuild that loses them is caught."""
 
-    def __init__(self, delay: float = 0.0, counter: Path | None = None, batch_size: int = 4, n: int = 64) -> None:
+    def __init__(
+        self, delay: float = 0.0, counter: Path | None = None, batch_size: int = 4, n: int = 64, augment: bool = True
+    ) -> None:
         super().__init__()
-        self.delay, self.counter, self.batch_size, self.n = delay, counter, batch_size, n
+        self.delay, self.counter, self.batch_size, self.n, self.augment = delay, counter, batch_size, n, augment
 
     def train_dataloader(self) -> DataLoader[Any]:
-        data = SlowDataset(n=self.n, delay=self.delay, counter=self.counter)
+        data = SlowDataset(n=self.n, delay=self.delay, counter=self.counter, augment=self.augment)
         return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=collate)
 
     def val_dataloader(self) -> DataLoader[Any]:
@@ -249,6 +255,29 @@ def test_counted_probe_trains_on_the_runs_own_batches_in_order(tmp_path: Path) -
     assert runs[0][:40] == runs[1][:40]
     epoch_labels = [sorted(y for batch in runs[1][e * 40 : (e + 1) * 40] for y in batch) for e in range(epochs)]
     assert all(labels == sorted(y for batch in runs[0][:40] for y in batch) for labels in epoch_labels)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_counted_probe_that_keeps_the_loader_leaves_every_epochs_order_as_without_it(tmp_path: Path) -> None:
+    """A probe that keeps the loader as built changes no epoch's batches, the later ones included.
+
+    Lightning builds the next epoch's loader again after a counted epoch, and the seed its iterator draws would move
+    the main process's RNG, so every later shuffle would differ from the run without the tuner's. (A dataset that
+    draws random numbers in the main process is another matter: a worker's blocks draw them from the worker's.)
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40) + 1
+    runs = []
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6, margin=0.99)]):
+        L.seed_everything(0, verbose=False)
+        recorder = _RecordLabels()
+        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(Model(), SlowData(n=160, augment=False))
+        runs.append(recorder.labels)
+    report = callbacks[0].report()
+    assert report["reason"].endswith("counted trials")
+    assert report["rebuilt"] is False
+    assert len(runs[1]) == epochs * 40
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
@@ -194,7 +196,13 @@ class DataLoaderTuner(Lever):
         if self._serving is not None:  # the next epoch's loader comes from the (rebuilt) hooks again
             self._serving.close()
             self._serving = None
-            trainer.fit_loop._combined_loader = None
+            loop = trainer.fit_loop
+            loop._combined_loader = None
+            if loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch + 1 < loop.max_epochs:
+                # built now, off the run's RNG: Lightning's setup draws an iterator's seed the run without the tuner
+                # does not, and the next epoch's shuffle would differ
+                with isolate_rng(include_cuda=torch.cuda.is_available()):
+                    loop.setup_data()
 
     @override
     def finish(self, decision: Decision) -> Decision:
