@@ -156,12 +156,18 @@ def warmups(trainer: pl.Trainer) -> list[WarmupLike]:
     return [c for c in trainer.callbacks if isinstance(c, WarmupLike)]  # type: ignore[attr-defined]
 
 
+RAISED_RAMP = 0.05
+"""The least share of the steps left a warmup callback ramps over when the LR is raised, a 0-step warmup included:
+the user's own LR runs from the first step (it is what they ran), a raised one is reached over a ramp."""
+
+
 def rescale_run_lrs(trainer: pl.Trainer, scale: float, lengthen_warmup: bool = True) -> None:
     """Scale every LR of the run once; warmup callbacks follow, and lengthen their warmup when the LR grows.
 
     With a warmup callback the rescale goes through its ``rescale_base_lrs`` (so its ramp reaches the new peak);
-    with ``lengthen_warmup`` and ``scale > 1`` each warmup's length is multiplied by ``scale`` (capped at its total),
-    since a higher peak needs a longer ramp. Without one, `scale_trainer_lrs` does it.
+    with ``lengthen_warmup`` and ``scale > 1`` each warmup's length is multiplied by ``scale``, and made at least
+    `RAISED_RAMP` of its total (capped at the total), since a higher peak needs a ramp. Without one,
+    `scale_trainer_lrs` does it.
     """
     found = warmups(trainer)
     if not found:
@@ -177,9 +183,11 @@ def rescale_run_lrs(trainer: pl.Trainer, scale: float, lengthen_warmup: bool = T
         steps = warmup.warmup if isinstance(warmup.warmup, int) else None
         if steps is None and total is not None:
             steps = math.ceil(warmup.warmup * total)
-        if steps:
-            longer = math.ceil(steps * scale)
-            warmup.set_warmup_steps(min(longer, total) if total is not None else longer)
+        longer = math.ceil((steps or 0) * scale)
+        if total is not None:
+            longer = min(max(longer, math.ceil(RAISED_RAMP * total)), total)
+        if longer:
+            warmup.set_warmup_steps(longer)
 
 
 # ---------------------------------------------------------------------------------------------------- LR range test

@@ -68,7 +68,9 @@ class WarmupScheduler(Callback):
 
     Args:
         warmup: Warmup length: an int (optimizer steps, 0 for none) or a float in (0, 1) (fraction of total steps,
-            rounded up).
+            rounded up). The default, 0, runs your LR from the first step, as your run without the callback did (a
+            ramp only lowers the mean LR); a callback that raises the LR (`LRFinder`, `BatchSizeFinder`) gives the
+            raised peak a ramp of at least `lightning_speedkit.lr.RAISED_RAMP` of the steps left.
         decay: After warmup: ``"wsd"`` (hold the LR, then cool down over the last ``cooldown`` of the budget;
             `lightning_speedkit.schedule`), ``"cosine"``, ``"linear"`` or ``"constant"``.
         total_steps: Steps of warmup plus decay; None for the Trainer's estimate of the remaining steps.
@@ -92,7 +94,7 @@ class WarmupScheduler(Callback):
 
     def __init__(
         self,
-        warmup: int | float = 0.05,
+        warmup: int | float = 0,
         decay: str = "wsd",
         total_steps: int | None = None,
         min_lr_ratio: float = 0.0,

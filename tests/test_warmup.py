@@ -229,6 +229,29 @@ def test_default_holds_the_lr_then_cools_down_over_the_last_fifth(tmp_path: Path
     assert sum(lrs) / len(lrs) > 0.8 * BASE_LR  # cosine's mean would be about half
 
 
+def test_the_default_runs_the_users_lr_from_the_first_step(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """No warmup by default: every step before the cool-down is the constant-LR run (a ramp only lowers the mean)."""
+    recorder, warmup = LRRecorder(), WarmupScheduler()
+    fit(tmp_path, tiny_model, warmup, recorder, max_epochs=5)
+    assert warmup.schedule == (0, 40, 0)
+    assert recorder.lrs()[:33] == pytest.approx([BASE_LR] * 33)
+
+
+def test_a_raised_lr_gets_a_ramp_even_without_a_warmup(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """A callback that raises the LR x4 through `rescale_run_lrs` gives a 0-step warmup a ramp of 5% of the steps."""
+    from lightning_speedkit.lr import RAISED_RAMP, rescale_run_lrs
+
+    class Raise(Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            rescale_run_lrs(trainer, 4.0)
+
+    recorder, warmup = LRRecorder(), WarmupScheduler(decay="constant")
+    fit(tmp_path, tiny_model, warmup, Raise(), recorder, max_epochs=5)
+    ramp = math.ceil(RAISED_RAMP * 40)
+    assert warmup.schedule == (ramp, 40, 0)
+    assert recorder.lrs() == pytest.approx([4 * BASE_LR * min(1.0, k / ramp) for k in range(40)])
+
+
 def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_model: TinyClassifier) -> None:
     """With ``max_time`` and no step budget the cool-down follows the share of the time spent."""
     from lightning_speedkit import warmup as warmup_module

@@ -274,7 +274,9 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     warmup = next((c for c in ours if isinstance(c, WarmupScheduler)), None)
     schedule = "constant"
     if warmup is not None:
-        length = f"{warmup.warmup:.0%}" if isinstance(warmup.warmup, float) else f"{warmup.warmup} steps"
+        asked, resolved = warmup.report()["warmup"], warmup.schedule  # as set by a finder that raised the LR, if so
+        length = f"{asked:.0%}" if isinstance(asked, float) else f"{asked} steps"
+        length = f"{resolved[0]} steps" if resolved is not None else length
         decay = f"wsd (cool-down {warmup.cooldown:.0%})" if warmup.decay == "wsd" else warmup.decay
         schedule = f"warmup {length}, {decay}"
     layout = reports.get("ChannelsLast", {})
