@@ -103,15 +103,15 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
     assert len(result["load_average"]["before"]) == len(result["load_average"]["after"]) == 3
 
     runs = result["runs"]
-    assert len(runs) == 2 * 2 * 3  # tasks x user LRs x variants; the quick grid (1x) is the naive fit at 1x
-    assert {r["variant"] for r in runs} == {"naive", "preset", "preset_auto"}
+    assert len(runs) == 2 * 2 * 4  # tasks x user LRs x variants; the quick grid (1x) is the naive fit at 1x
+    assert {r["variant"] for r in runs} == {"naive", "preset", "preset_auto", "naive_again"}
     for run in runs:
         assert run["timeline"], run
         assert {"epoch", "seconds", "val_acc"} <= set(run["timeline"][0])
         assert run["reached"] == (run["time_to_target_s"] is not None)
         assert run["peak_val_acc"] >= run["final_val_acc"]
         assert run["fit_s"] >= run["timeline"][-1]["seconds"]
-        if run["variant"] != "naive":
+        if run["variant"] not in ("naive", "naive_again"):
             assert {"levers", "lr_finder", "warmup"} <= set(run["decisions"])
             assert run["chosen_lr"] > 0
 
@@ -121,9 +121,11 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
         assert len(task["cells"]) == 2
         for cell in task["cells"]:
             assert {"naive_s", "preset_s", "preset_auto_s", "oracle_s", "preset_vs_naive", "auto_vs_naive"} <= set(cell)
+            assert cell["preset_later_than_both"] <= cell["preset_later"]  # the slower naive fit is the later one
     summary = result["summary"]
     assert summary["cells"] == 4
     assert summary["noise_allowance"] == 0.10
     assert 0 <= summary["preset_later_than_naive"] <= 4
     assert 0 <= summary["auto_later_than_naive"] <= 4
+    assert summary["preset_later_than_both_naive_fits"] <= summary["preset_later_than_naive"]
     assert "auto_over_oracle_median_over_tasks" in summary
