@@ -70,7 +70,15 @@ def snapshot_bytes(*states: Any) -> int:
 
 
 def _host_copy(value: Any) -> Any:
-    return copy.deepcopy(apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu", copy=True)))
+    """``value`` with each tensor copied to host memory once; the rest deep-copied (not the copies again)."""
+    copies: dict[int, Tensor] = {}
+
+    def host(tensor: Tensor) -> Tensor:
+        copied = tensor.detach().to("cpu", copy=True)
+        copies[id(copied)] = copied
+        return copied
+
+    return copy.deepcopy(apply_to_collection(value, Tensor, host), memo=copies)
 
 
 def _host_memory() -> int:
