@@ -28,7 +28,7 @@ from lightning_speedkit.dataloader import (
     rebuild_dataloader,
 )
 from lightning_speedkit.decisions import probe_pays_back
-from lightning_speedkit.trials import PROBE_ROUNDS
+from lightning_speedkit.trials import PROBE_ROUNDS, Decision
 
 
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -303,6 +303,27 @@ def test_counted_blocks_resume_a_candidates_persistent_workers(tmp_path: Path, m
     assert sum(1 for b in blocks if b.startswith("num_workers=1")) >= 2, blocks
     assert built.count(1) == 1, built
     assert runs[0][:40] == runs[1][:40]
+
+
+def test_workers_measured_slower_names_the_fastest_losing_worker_setting() -> None:
+    """A kept loader whose worker settings all timed slower is named for the monitor; a faster one, or none, is not.
+
+    The decisions are loaded as a resume would load them.
+    """
+    tuner = DataLoaderTuner()
+    assert tuner.workers_measured_slower() is None  # nothing decided yet
+    base = {"num_workers": 0}
+    tried = [{"num_workers": 1, "step_s": 0.0126}, {"num_workers": 2, "step_s": 0.0150}]
+    kept = {"rebuilt": False, "baseline": base, "baseline_step_s": 0.010, "candidates": tried}
+    tuner.load_state_dict({"decision": Decision("num_workers=0", "kept", probed=True, extra=kept).as_dict()})
+    assert tuner.workers_measured_slower() == "num_workers=1 26% slower"
+    tuner.load_state_dict({"decision": Decision("num_workers=1", "faster", extra={**kept, "rebuilt": True}).as_dict()})
+    assert tuner.workers_measured_slower() is None
+    faster = [{"num_workers": 1, "step_s": 0.008}, {"num_workers": 2, "step_s": None}]
+    tuner.load_state_dict(
+        {"decision": Decision("num_workers=0", "kept", extra={**kept, "candidates": faster}).as_dict()}
+    )
+    assert tuner.workers_measured_slower() is None
 
 
 def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:

@@ -274,6 +274,25 @@ def test_slow_dataset_is_data_bound_and_advice_names_workers(tmp_path: Path) -> 
     assert not sampler_threads()
 
 
+def test_advice_does_not_suggest_workers_a_tuner_measured_slower(tmp_path: Path) -> None:
+    """With a loader tuner that measured more workers slower on this run, the advice says so and offers no workers.
+
+    The monitor finds the tuner by its ``workers_measured_slower`` method (`DataLoaderTuner`'s), not its class.
+    """
+
+    class Measured(L.Callback):
+        def workers_measured_slower(self) -> str:
+            return "num_workers=1 26% slower"
+
+    monitor = UtilizationMonitor(window=4)
+    with pytest.warns(UserWarning, match="UtilizationMonitor: data_bound"):
+        tiny_trainer(tmp_path, callbacks=[Measured(), monitor], max_steps=8).fit(SlowData())
+    report = monitor.report()
+    assert report["diagnosis"] == "data_bound"
+    assert "DataLoaderTuner measured num_workers=1 26% slower on real steps here" in report["advice"]
+    assert "try num_workers" not in report["advice"]
+
+
 def test_heavy_model_is_compute_bound_with_mfu_from_flop_counter(tmp_path: Path) -> None:
     """A wide MLP on in-memory data is compute_bound; MFU uses FLOPs counted once by torch.utils.flop_counter."""
     model = HeavyModel()

@@ -260,6 +260,23 @@ class DataLoaderTuner(Lever):
             self._applied.revert(trainer)
             self._applied = None
 
+    def workers_measured_slower(self) -> str | None:
+        """What more workers measured, when each setting tried with more was slower: ``"num_workers=1 26% slower"``.
+
+        The fastest of them is named, against the loader kept; None when none was tried or one was faster (read by
+        `UtilizationMonitor`, so its advice does not suggest workers this run measured slower).
+        """
+        extra = self.decision.extra if self.decision is not None else {}
+        base_s, kept = extra.get("baseline_step_s"), extra.get("baseline")
+        if extra.get("rebuilt", True) or not base_s or not isinstance(kept, dict):
+            return None
+        more = [c for c in extra.get("candidates", []) if c.get("step_s") and c["num_workers"] > kept["num_workers"]]
+        if not more:
+            return None
+        best = min(more, key=lambda c: float(c["step_s"]))
+        slower = float(best["step_s"]) / float(base_s) - 1.0
+        return f"num_workers={best['num_workers']} {slower:.0%} slower" if slower > 0 else None
+
     @override
     def status(self) -> dict[str, Any]:
         """``left_alone``: why a loader was not rebuilt, if so.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -330,7 +330,7 @@ class UtilizationMonitor(Callback):
             stats,
             _gather(trainer, mine),
             readings,
-            loader=self._loader,
+            loader=_as_tuned(self._loader, trainer),
             flops_per_batch=flops,
             peak_flops=self._peak,
             cuda=self._cuda,
@@ -374,6 +374,18 @@ class UtilizationMonitor(Callback):
             if strategy.__dict__.get("batch_to_device") is wrapper:
                 del strategy.batch_to_device
             self._wrapped = None
+
+
+def _as_tuned(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderSettings | None:
+    """``loader`` with what a loader tuner in ``trainer.callbacks`` measured of more workers (found by its method)."""
+    if loader is None:
+        return None
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        measured = getattr(callback, "workers_measured_slower", None)
+        note = measured() if callable(measured) else None
+        if note:
+            return replace(loader, workers_measured_slower=note)
+    return loader
 
 
 def _gather(trainer: pl.Trainer, mine: RankWindow) -> list[RankWindow]:

@@ -41,6 +41,8 @@ class LoaderSettings:
         accelerator: ``"cuda"``, ``"cpu"``, ...
         streaming: Whether it is a litdata ``StreamingDataLoader`` (its advice is litdata's own levers).
         remote: Whether that streaming dataset is read from a URL (chunks downloaded and cached) or a local directory.
+        workers_measured_slower: What a loader tuner measured of more workers on real steps, when they all lost
+            (``"num_workers=1 26% slower"``): the advice then does not suggest them.
     """
 
     num_workers: int = 0
@@ -53,6 +55,7 @@ class LoaderSettings:
     accelerator: str = "cpu"
     streaming: bool = False
     remote: bool = False
+    workers_measured_slower: str | None = None
 
     @classmethod
     def from_loader(cls, loader: Any, cores: int, ranks_per_node: int = 1, accelerator: str = "cpu") -> LoaderSettings:
@@ -117,6 +120,11 @@ def diagnose(
         data_bound: 62% of each step waits for data
         num_workers=0 on a 16-core machine
         try num_workers=8, pin_memory=True, persistent_workers=True (batch_size=32).
+        >>> tuned = LoaderSettings(num_workers=0, cores=2, workers_measured_slower="num_workers=1 26% slower")
+        >>> print(*diagnose(0.27, loader=tuned).advice.split("; "), sep="\n")
+        data_bound: 27% of each step waits for data
+        num_workers=0 on a 2-core machine, and DataLoaderTuner measured num_workers=1 26% slower on real steps here
+        make each sample cheaper (cache decoded data, augment on the device, a faster decoder).
         >>> diagnose(0.05, utilization=0.95).label
         'compute_bound'
     """
@@ -346,6 +354,11 @@ def _loader_advice(loader: LoaderSettings | None) -> str:
     if loader.streaming:
         return _streaming_advice(loader, have)
     cuda = loader.accelerator == "cuda"
+    if loader.workers_measured_slower:
+        return (
+            f"{have}, and DataLoaderTuner measured {loader.workers_measured_slower} on real steps here; make each"
+            " sample cheaper (cache decoded data, augment on the device, a faster decoder)"
+        )
     if loader.num_workers < loader.suggested_workers:
         tries = [f"num_workers={loader.suggested_workers}"]
         tries += ["pin_memory=True"] if cuda and not loader.pin_memory else []
