@@ -20,6 +20,7 @@ from lightning_speedkit import ChannelsLast, trials
 from lightning_speedkit.demo import DemoClassifier
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.layout import has_convolutions, is_channels_last, nhwc_unsafe_convs
+from lightning_speedkit.trials.counted import CONSISTENT
 
 
 def _images(n: int = 32, size: int = 16, batch_size: int = 8) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -264,11 +265,17 @@ def test_a_model_nhwc_does_not_speed_up_stays_in_the_default_layout(tmp_path: Pa
 
 
 def test_the_decision_follows_the_measurement(tmp_path: Path) -> None:
-    """On the demo ResNet the layout kept is NHWC exactly when its measured step is at least the margin faster."""
+    """On the demo ResNet the layout kept is NHWC exactly when its measured step is at least the margin faster.
+
+    A gain under three margins must also have held in every round of the counted blocks (`trials.counted`): a
+    switch refused for a lost round says so, and only such a small gain can be refused that way.
+    """
     model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(margin=0.03, probe_steps=4))
     report = callback.report()
-    faster = report["step_ms"]["channels_last"] <= (1 - 0.03) * report["step_ms"]["default"]
-    assert report["decision"] == ("channels_last" if faster else "default")
+    gain = 1 - report["step_ms"]["channels_last"] / report["step_ms"]["default"]
+    faster, lost_a_round = gain >= 0.03, "rounds only" in report["reason"]
+    assert not lost_a_round or (faster and gain < CONSISTENT * 0.03)
+    assert report["decision"] == ("channels_last" if faster and not lost_a_round else "default")
     assert is_channels_last(model) == faster
     assert report["probe_s"] > 0
 
