@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_int, check_number
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
@@ -43,11 +43,18 @@ def robust_z(value: float, window: Sequence[float]) -> float:
     """
     if len(window) < 2:
         return 0.0
-    median = statistics.median(window)
-    mad = statistics.median(abs(v - median) for v in window)
+    ordered = sorted(window)  # checked after every step: one sort, no `statistics` call overhead
+    median = _middle(ordered)
+    mad = _middle(sorted([abs(v - median) for v in ordered]))
     if mad <= 0:
         return 0.0
     return round((value - median) / (1.4826 * mad), 2)
+
+
+def _middle(ordered: Sequence[float]) -> float:
+    """The median of an already sorted sequence."""
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 def snapshot_bytes(*states: Any) -> int:
@@ -88,7 +95,7 @@ def _host_memory() -> int:
         return 16 * 2**30
 
 
-class TrainingGuard(Callback):
+class TrainingGuard(LeanCallback):
     """Roll training back to the last good state, at a lower LR, when the loss goes wrong; then go on.
 
     Every ``every_n_steps`` optimizer steps (and at the first step), the weights, optimizer, LR-scheduler and

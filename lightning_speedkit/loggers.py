@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.report import collect_reports, flatten_reports, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def choose_logger(logger: Logger | bool | str, root: Any) -> tuple[Logger | bool
     return chosen, f"{source}: {mode}, speedkit/* grouped on trainer/global_step"
 
 
-class RunSummary(Callback):
+class RunSummary(LeanCallback):
     """At the end of fit, gather the ``report()`` of every callback that has one into the run summary.
 
     Every callback with a ``report()`` method (the `~lightning_speedkit.report.Reports` protocol) contributes the

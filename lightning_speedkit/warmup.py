@@ -7,11 +7,12 @@ import math
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.checks import is_int
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
@@ -40,7 +41,7 @@ class _Schedule(NamedTuple):
     start_step: int
 
 
-class WarmupScheduler(Callback):
+class WarmupScheduler(LeanCallback):
     """Linear LR warmup over optimizer steps, then warmup-stable-decay (or cosine, linear, constant), on every group.
 
     The step is ``trainer.global_step`` (optimizer steps), so gradient accumulation is counted right and an epoch

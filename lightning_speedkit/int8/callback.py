@@ -8,11 +8,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.int8.args import check_export_args, check_metric
 from lightning_speedkit.int8.export import Int8VerificationError, export_int8
 from lightning_speedkit.int8.inputs import InputsFromBatch
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Int8Export"]
 
 
-class Int8Export(Callback):
+class Int8Export(LeanCallback):
     """At the end of fit, export the model to a verified INT8 ONNX file with a size, latency and accuracy report.
 
     Runs `lightning_speedkit.int8.export_int8` at ``on_train_end`` on the weights of the best checkpoint when a

@@ -8,13 +8,13 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit.batch import first_tensor
 from lightning_speedkit.checks import check_bool, check_callable, check_int, check_number
 from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
 from lightning_speedkit.monitor.readings import DeviceReadings
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["UtilizationMonitor"]
 
 
-class UtilizationMonitor(Callback):
+class UtilizationMonitor(LeanCallback):
     """Time every training step (data wait vs compute), read the device in the background, diagnose each window.
 
     Every ``window`` training batches it takes the last ``window`` completed steps, the device readings since the

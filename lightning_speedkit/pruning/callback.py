@@ -6,13 +6,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.pruning.arguments import check_example_fits, check_pruning_args, first_sample
 from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
 from lightning_speedkit.pruning.report import (
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 __all__ = ["StructuredPruning"]
 
 
-class StructuredPruning(Callback):
+class StructuredPruning(LeanCallback):
     """Removes whole channels (and attention heads) with torch-pruning during training, then fine-tunes.
 
     Unlike Lightning's ``ModelPruning`` (masks: same parameter count and latency), channels are cut out of the

@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import Self, override
 
+from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 
@@ -142,7 +142,7 @@ class Decision:
         return out
 
 
-class Lever(Callback):
+class Lever(LeanCallback):
     """The life cycle every speed lever shares; a lever fills in `plan` and `apply` (and `decide` if it must).
 
     At ``on_fit_start``, in this order: a decision from a checkpoint is taken as it is (no probe); a resumed fit
@@ -220,6 +220,7 @@ class Lever(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_speedkit.trials.memory import Remembering
 
+        self._step_hooks(on=True)
         if self._decision is not None:  # from a checkpoint, or made at setup
             self.apply(trainer, pl_module, self._decision)
             rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
@@ -259,6 +260,21 @@ class Lever(Callback):
                 self._settle(trainer, pl_module, decision, store=True)
         elif self._memory is not None and self._decision is not None:
             self._memory.step_ended(trainer, self._decision)
+        if self._counted is None and (self._memory is None or not self._memory.timing):
+            self._step_hooks(on=False)
+
+    def _step_hooks(self, on: bool) -> None:
+        """Lightning calls a lever's own step hooks only while it has a step to time (`lightning_speedkit.hooks`).
+
+        Once decided, and once the memory's live check is over, a lever has nothing to do on a step; its hooks are
+        set to None on the instance (a subclass's own hooks are kept) until the next fit starts.
+        """
+        for name in ("on_train_batch_start", "on_train_batch_end"):
+            if getattr(type(self), name) is getattr(Lever, name):
+                if on:
+                    self.__dict__.pop(name, None)
+                else:
+                    setattr(self, name, None)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

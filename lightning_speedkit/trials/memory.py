@@ -347,9 +347,14 @@ class Remembering:
                 _WARNED.add(self.memory.root)
                 log.warning("lightning_speedkit: lever decisions are not remembered: %s", why)
 
+    @property
+    def timing(self) -> bool:
+        """Whether the check still times steps (until then the lever needs its step hooks)."""
+        return self.enabled and self._steps < self.CHECK_SKIP + self.CHECK_STEPS
+
     def step_started(self) -> None:
         """Start timing a training step (while the check still needs steps)."""
-        if self.enabled and self._steps < self.CHECK_SKIP + self.CHECK_STEPS:
+        if self.timing:
             self._clock.start()
 
     def step_ended(self, trainer: pl.Trainer, decision: Decision) -> None:

@@ -1,0 +1,66 @@
+"""`LeanCallback`: a callback that Lightning does not call on every step for the per-step hooks it leaves alone.
+
+Lightning calls each per-step hook of every callback on every step, overridden or not: for each it reads the
+callback's ``state_key``, opens its profiler's context and calls the method (``_call_callback_hooks``). On a 2-core
+AVX2-only EPYC each such call costs about 5-8 us, so six callbacks that override two of the six training-step hooks
+each spent about 0.25 ms of every step on the other four: 8% of a 3 ms step. Lightning skips a hook that is not
+callable; a `LeanCallback` sets the per-step hooks its class does not override to None on the instance, and keeps
+every hook it (or a user's subclass) overrides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import Self
+
+__all__ = ["STEP_HOOKS", "LeanCallback", "unused_step_hooks"]
+
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+"""The hooks Lightning calls once per batch, only through its dispatcher (never directly, unlike ``state_dict``)."""
+
+
+def unused_step_hooks(cls: type[Callback]) -> tuple[str, ...]:
+    """The per-step hooks (`STEP_HOOKS`) that ``cls`` inherits unchanged from Lightning's `Callback`.
+
+    Example:
+        >>> class OnlyBatchEnd(Callback):
+        ...     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx): ...
+        >>> unused = unused_step_hooks(OnlyBatchEnd)
+        >>> "on_train_batch_end" in unused, "on_before_backward" in unused
+        (False, True)
+    """
+    return tuple(name for name in STEP_HOOKS if getattr(cls, name) is getattr(Callback, name))
+
+
+class LeanCallback(Callback):
+    """A `Callback` whose per-step hooks that its class leaves as Lightning's no-ops are not called at all.
+
+    Example:
+        >>> class OnlyBatchEnd(LeanCallback):
+        ...     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx): ...
+        >>> callback = OnlyBatchEnd()
+        >>> callback.on_before_backward is None, callable(callback.on_train_batch_end)
+        (True, True)
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """A new instance, with the per-step hooks of `unused_step_hooks` set to None."""
+        callback = super().__new__(cls)
+        for name in unused_step_hooks(cls):
+            setattr(callback, name, None)  # Lightning's dispatcher skips a hook that is not callable
+        return callback
