@@ -67,19 +67,20 @@ def fit(kind: str, steps: int) -> float:
     data = TensorDataset(torch.randn(64 * steps, 4, generator=generator), torch.randint(0, 2, (64 * steps,)))
     loader = DataLoader(data, batch_size=64, shuffle=True)
     options: dict[str, Any] = {"max_epochs": 1, "num_sanity_val_steps": 0, "limit_val_batches": 0}
-    options["default_root_dir"] = tempfile.mkdtemp(prefix="speedkit-step-overhead-")
-    if kind == "plain":
-        trainer = quiet_trainer("cpu", devices=1, **options)
-    else:
-        fresh_decisions()
-        trainer = speedkit.preset(verbose=False, tune_data=False, **QUIET, **options)
-    started = time.perf_counter()
-    trainer.fit(Linear(), loader)
-    return time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="speedkit-step-overhead-") as root:
+        options["default_root_dir"] = root
+        if kind == "plain":
+            trainer = quiet_trainer("cpu", devices=1, **options)
+        else:
+            fresh_decisions()
+            trainer = speedkit.preset(verbose=False, tune_data=False, **QUIET, **options)
+        started = time.perf_counter()
+        trainer.fit(Linear(), loader)
+        return time.perf_counter() - started
 
 
 def _child(kind: str, steps: int, code: str | None, valgrind: bool) -> dict[str, Any]:
-    env = dict(os.environ, SPEEDKIT_CACHE_DIR=tempfile.mkdtemp(prefix="speedkit-step-overhead-cache-"))
+    env = dict(os.environ)  # the child's levers decide afresh: `fit` points their memory at a new directory
     if code:
         env["PYTHONPATH"] = code
     command = [sys.executable, __file__, "--child", kind, str(steps)]

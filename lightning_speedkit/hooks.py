@@ -11,12 +11,13 @@ A caller that calls such a hook directly gets None: call it through the Trainer,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import Self
 
-__all__ = ["STEP_HOOKS", "LeanCallback", "unused_step_hooks"]
+__all__ = ["STEP_HOOKS", "LeanCallback", "inherited_hooks"]
 
 STEP_HOOKS = (
     "on_train_batch_start",
@@ -35,17 +36,17 @@ STEP_HOOKS = (
 """The hooks Lightning calls once per batch, only through its dispatcher (never directly, unlike ``state_dict``)."""
 
 
-def unused_step_hooks(cls: type[Callback]) -> tuple[str, ...]:
-    """The per-step hooks (`STEP_HOOKS`) that ``cls`` inherits unchanged from Lightning's `Callback`.
+def inherited_hooks(cls: type[Callback], names: Sequence[str] = STEP_HOOKS, owner: type = Callback) -> tuple[str, ...]:
+    """The hooks among ``names`` (by default `STEP_HOOKS`) that ``cls`` inherits unchanged from ``owner``.
 
     Example:
         >>> class OnlyBatchEnd(Callback):
         ...     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx): ...
-        >>> unused = unused_step_hooks(OnlyBatchEnd)
+        >>> unused = inherited_hooks(OnlyBatchEnd)
         >>> "on_train_batch_end" in unused, "on_before_backward" in unused
         (False, True)
     """
-    return tuple(name for name in STEP_HOOKS if getattr(cls, name) is getattr(Callback, name))
+    return tuple(name for name in names if getattr(cls, name) is getattr(owner, name))
 
 
 class LeanCallback(Callback):
@@ -60,8 +61,20 @@ class LeanCallback(Callback):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        """A new instance, with the per-step hooks of `unused_step_hooks` set to None."""
+        """A new instance, with the per-step hooks its class inherits from `Callback` set to None."""
         callback = super().__new__(cls)
-        for name in unused_step_hooks(cls):
-            setattr(callback, name, None)  # Lightning's dispatcher skips a hook that is not callable
+        callback._skip_hooks(STEP_HOOKS, Callback)
         return callback
+
+    def _skip_hooks(self, names: Sequence[str], owner: type) -> None:
+        """Set to None the hooks among ``names`` that this callback's class inherits unchanged from ``owner``.
+
+        Lightning's dispatcher skips a hook that is not callable; a subclass's own hooks are kept.
+        """
+        for name in inherited_hooks(type(self), names, owner):
+            setattr(self, name, None)
+
+    def _resume_hooks(self, names: Sequence[str], owner: type) -> None:
+        """Undo `_skip_hooks` for the same ``names`` and ``owner``: Lightning calls them again."""
+        for name in inherited_hooks(type(self), names, owner):
+            self.__dict__.pop(name, None)

@@ -52,6 +52,10 @@ DECISION_SPEC: StateSpec = {
 }
 """What a saved `Decision` holds (its fields, and the ones `measure` adds), checked before a checkpoint is restored."""
 
+_OWN_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+"""A lever's step hooks: needed while its counted trials or its memory's live check time steps, then skipped
+(`lightning_speedkit.hooks.LeanCallback`) until the next fit starts."""
+
 SOURCES = ("measured", "remembered", "resumed", "skipped")
 """Where a decision came from: measured now, remembered from an earlier run, resumed from a checkpoint, or skipped
 (nothing was measured: the probe could not pay back, there was nothing to try, or it was not asked for)."""
@@ -220,7 +224,7 @@ class Lever(LeanCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_speedkit.trials.memory import Remembering
 
-        self._step_hooks(on=True)
+        self._resume_hooks(_OWN_STEP_HOOKS, Lever)
         if self._decision is not None:  # from a checkpoint, or made at setup
             self.apply(trainer, pl_module, self._decision)
             rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
@@ -261,20 +265,7 @@ class Lever(LeanCallback):
         elif self._memory is not None and self._decision is not None:
             self._memory.step_ended(trainer, self._decision)
         if self._counted is None and (self._memory is None or not self._memory.timing):
-            self._step_hooks(on=False)
-
-    def _step_hooks(self, on: bool) -> None:
-        """Lightning calls a lever's own step hooks only while it has a step to time (`lightning_speedkit.hooks`).
-
-        Once decided, and once the memory's live check is over, a lever has nothing to do on a step; its hooks are
-        set to None on the instance (a subclass's own hooks are kept) until the next fit starts.
-        """
-        for name in ("on_train_batch_start", "on_train_batch_end"):
-            if getattr(type(self), name) is getattr(Lever, name):
-                if on:
-                    self.__dict__.pop(name, None)
-                else:
-                    setattr(self, name, None)
+            self._skip_hooks(_OWN_STEP_HOOKS, Lever)  # decided, nothing left to time: off until the next fit starts
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
