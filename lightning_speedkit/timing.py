@@ -34,13 +34,15 @@ class StepClock:
         False
         >>> clock.start(); clock.running
         True
-        >>> clock.stop() >= 0.0, clock.running
-        (True, False)
+        >>> clock.stop() >= 0.0, clock.running, clock.last_wait
+        (True, False, 0.0)
     """
 
     def __init__(self) -> None:
         self._started = 0.0
         self._last_end = 0.0
+        self.last_wait = 0.0
+        """The part of the last stopped step before its `start`: waiting for its batch (0 for a first step)."""
 
     @property
     def running(self) -> bool:
@@ -55,6 +57,7 @@ class StepClock:
         """The step ends: its seconds from the previous step's end (or from its `start`)."""
         now = time.perf_counter()
         seconds = now - (self._last_end or self._started)
+        self.last_wait = max(0.0, self._started - self._last_end) if self._last_end else 0.0
         self._started, self._last_end = 0.0, now
         return seconds
 

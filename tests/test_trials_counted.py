@@ -215,15 +215,18 @@ def test_two_levers_probe_one_after_the_other_never_in_the_same_steps(tmp_path: 
 
 
 class _Script:
-    """A step clock that returns scripted step times (seconds), in order."""
+    """A step clock that returns scripted step times (seconds), in order, and their waits for data (default 0)."""
 
-    def __init__(self, times: Sequence[float]) -> None:
+    def __init__(self, times: Sequence[float], waits: Sequence[float] | None = None) -> None:
         self.times = iter(times)
+        self.waits = iter(waits) if waits is not None else None
+        self.last_wait = 0.0
 
     def start(self) -> None:
         pass
 
     def stop(self) -> float:
+        self.last_wait = next(self.waits) if self.waits is not None else 0.0
         return next(self.times)
 
 

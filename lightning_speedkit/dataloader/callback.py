@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
 from lightning_speedkit.data.streaming import is_streaming_loader
-from lightning_speedkit.dataloader.counted import CountedBlock, CountedLoader, LiveSettings
+from lightning_speedkit.dataloader.counted import CountedBlock, CountedLoader, LiveSettings, LoaderTrials
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -31,7 +31,7 @@ from lightning_speedkit.dataloader.streaming import streaming_candidates, stream
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
-from lightning_speedkit.trials.counted import COUNTED_ROUNDS, queued_steps
+from lightning_speedkit.trials.counted import COUNTED_ROUNDS, CountedTrials, queued_steps
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,10 @@ class DataLoaderTuner(Lever):
         self._live = None  # restored trials: an epoch too short (or an iterable dataset) for the counted window
         current = AsIs(settings_name(baseline))
         return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in candidates]
+
+    @override
+    def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
+        return LoaderTrials(current, others, steps, self.margin, warmup=warmup)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

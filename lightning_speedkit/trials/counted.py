@@ -99,6 +99,8 @@ class CountedTrials:
         self.steps, self.margin, self.warmup, self.rounds = steps, margin, warmup, rounds
         self.times: dict[str, list[float]] = {s.name: [] for s in self.settings}
         self.blocks: list[tuple[str, list[float]]] = []
+        self.waits: list[list[float]] = []  # per block, each step's wait for its batch (`StepClock.last_wait`)
+        self.notes: list[str] = []  # what `drop` left untried, and why: added to the decision's reason
         self._queue: list[Setting] = list(self.settings)
         self._active: Setting | None = None
         self._left = 0
@@ -136,6 +138,7 @@ class CountedTrials:
             self._active.apply(trainer)
             self._left = self.steps
             self.blocks.append((self._active.name, []))
+            self.waits.append([])
             self._began = self._began or time.perf_counter()
         self._clock.start()
 
@@ -144,6 +147,7 @@ class CountedTrials:
         if self._active is None or self._waiting(trainer):
             return None
         self.blocks[-1][1].append(self._clock.stop())
+        self.waits[-1].append(self._clock.last_wait)
         self._left -= 1
         if self._left > 0:
             return None
@@ -167,13 +171,27 @@ class CountedTrials:
         """
         return None
 
+    def drop(self, names: Sequence[str], why: str) -> None:
+        """Leave the settings ``names`` out of every block still to come (called on every rank alike), noting ``why``.
+
+        The seam for a lever that learns from one block that other settings cannot win
+        (`lightning_speedkit.dataloader.counted.LoaderTrials`: more workers, after fewer lost without waiting for data).
+        """
+        names = [n for n in names if n not in self._dropped and n != self.current.name]
+        if not names:
+            return
+        self._dropped.extend(names)
+        self._queue = [s for s in self._queue if s.name not in names]
+        self.notes.append(f"{', '.join(names)} not tried: {why}")
+
     def _next_round(self, trainer: pl.Trainer) -> None:
         """Queue the next round's blocks (after the first, without a candidate clearly slower than the reference)."""
         if self._round >= self.rounds:
             return
         if self._round == 1:
             medians = trainer.strategy.broadcast({n: _median(t) for n, t in self.times.items()}, src=0)
-            self._dropped = clearly_slower(medians, self.current.name, self.margin)
+            slower = clearly_slower(medians, self.current.name, self.margin)
+            self._dropped += [name for name in slower if name not in self._dropped]
         self._round += 1
         kept = [s for s in self.settings if s.name not in self._dropped]
         self._queue = kept if len(kept) > 1 else []
@@ -199,13 +217,17 @@ class CountedTrials:
             if wins < rounds:
                 reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
                 decision = self.current.name
+        reason = "; ".join([reason, *self.notes])
         probe_s = self.extra_s(trainer, step_s.get(decision))
         extra = self.counted_fields()
         return Decision(decision, f"{reason}; counted trials", True, probe_s, step_s, {}, "measured", extra)
 
     def counted_fields(self) -> dict[str, Any]:
         """The probe's own fields for a decision's ``extra``: its blocks, steps, dropped candidates, wall seconds."""
-        blocks = [{"setting": name, "step_s": times} for name, times in self.blocks]
+        blocks = [
+            {"setting": name, "step_s": times, "wait_s": waits}
+            for (name, times), waits in zip(self.blocks, self.waits, strict=True)
+        ]
         extra: dict[str, Any] = {"counted": True, "steps": sum(len(t) for _, t in self.blocks), "blocks": blocks}
         extra.update(dropped=list(self._dropped), probe_wall_s=time.perf_counter() - self._began)
         return extra

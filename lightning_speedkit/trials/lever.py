@@ -286,7 +286,7 @@ class Lever(LeanCallback):
         then comes after the first training steps (this returns None); else on restored trials
         (`lightning_speedkit.trials.measure`).
         """
-        from lightning_speedkit.trials.counted import CountedTrials, counted_cost
+        from lightning_speedkit.trials.counted import counted_cost
         from lightning_speedkit.trials.measure import measure, probe_cost
 
         plan = self.plan(trainer, pl_module)
@@ -303,7 +303,7 @@ class Lever(LeanCallback):
             pays, why, left = probe_cost(trainer, counted_cost(1 + len(others), block), self.MAX_GAIN)
             if not pays:
                 return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
-            self._counted = CountedTrials(current, others, block, self.margin, warmup=min(self.WARMUP, block - 1))
+            self._counted = self.counted_trials(current, others, block, warmup=min(self.WARMUP, block - 1))
             self._counted.join(trainer)
             return None
         return measure(
@@ -316,6 +316,12 @@ class Lever(LeanCallback):
             warmup=min(self.WARMUP, self.probe_steps - 1),
             loss_tolerance=self.loss_tolerance,
         )
+
+    def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
+        """The counted probe of ``current`` against ``others`` (a lever with its own rules between blocks overrides)."""
+        from lightning_speedkit.trials.counted import CountedTrials
+
+        return CountedTrials(current, others, steps, self.margin, warmup=warmup)
 
     def finish(self, decision: Decision) -> Decision:
         """A new decision, completed with the lever's own fields before it is stored, logged and applied."""
