@@ -6,11 +6,13 @@ indices are the ones the fit's own loader drew (so the sample order is the run's
 with the settings in force (`LiveSettings`); when the counted trials switch to another setting, the loader is rebuilt
 over the batches left. After the decision the rest of the epoch is served with the settings kept, and later epochs
 by the rebuilt loaders themselves. `LoaderTrials` is the probe itself: the lever contract's counted trials, which
-leave out more workers once fewer lost while their steps hardly waited for data.
+stop after the loader in place's block when its wait for data cannot repay the probe, and leave out more workers
+once fewer lost while their steps hardly waited for data.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Generator, Iterator
@@ -23,13 +25,22 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from typing_extensions import override
 
 from lightning_speedkit.dataloader.rebuild import rebuild_dataloader, settings_name
-from lightning_speedkit.trials import Decision, Setting
-from lightning_speedkit.trials.counted import CountedTrials
+from lightning_speedkit.decisions import probe_pays_back
+from lightning_speedkit.trials import Decision, Setting, steps_left
+from lightning_speedkit.trials.counted import CountedTrials, counted_cost
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["CountedBlock", "CountedLoader", "LiveSettings", "LoaderTrials", "more_workers_cannot_win"]
+__all__ = [
+    "WORKER_START_S",
+    "CountedBlock",
+    "CountedLoader",
+    "LiveSettings",
+    "LoaderTrials",
+    "more_workers_cannot_win",
+    "wait_can_repay",
+]
 
 
 class _Epoch:
@@ -117,35 +128,91 @@ def more_workers_cannot_win(reference_s: float, step_s: float, wait_s: float, ma
     return step_s - wait_s > reference_s * (1.0 - margin)
 
 
-class LoaderTrials(CountedTrials):
-    """The loader tuner's counted trials (`lightning_speedkit.trials.counted.CountedTrials`), with one rule more.
+WORKER_START_S = 0.2
+"""Seconds a candidate's workers take to start, priced into its probe: the first step of a one-worker block on the demo
+took 146-222 ms against a 22-26 ms step (2-core EPYC; two workers 253 ms). Persistent workers start once a probe."""
 
-    After a worker candidate's first block, the candidates with more workers (and the same pinning) are left out
-    when `more_workers_cannot_win`; rank zero's timings decide, and every rank drops the same candidates.
+
+def wait_can_repay(
+    step_s: float,
+    wait_s: float,
+    steps_left: float,
+    counted_steps: float,
+    start_ups: int,
+    start_s: float = WORKER_START_S,
+) -> tuple[bool, str]:
+    """Whether other loader settings can repay their counted probe, when at best they save each step's ``wait_s``.
+
+    Every loader setting (workers, prefetch, pinning) changes only how a batch reaches the step, so none can save
+    more than the time the step in place waits for its batch. That measured wait is the best case
+    (`lightning_speedkit.decisions.probe_pays_back`'s ``max_gain``, as a fraction of ``step_s``); the probe's price is
+    its worst case in steps (``counted_steps``, `lightning_speedkit.trials.counted.counted_cost`) plus the start-up
+    of each candidate's workers (``start_ups`` of ``start_s`` seconds), in steps of ``step_s``.
+
+    Example:
+        >>> wait_can_repay(step_s=0.026, wait_s=0.0042, steps_left=934, counted_steps=36, start_ups=2)
+        (False, 'the probe (51 steps) cannot pay back in 934 steps left (at best 151 saved, 206 needed)')
+        >>> wait_can_repay(step_s=0.026, wait_s=0.0042, steps_left=50_000, counted_steps=36, start_ups=2)[0]
+        True
+    """
+    cost = counted_steps + start_ups * start_s / step_s
+    pays, why = probe_pays_back(cost, steps_left, max_gain=wait_s / step_s)
+    return pays, why.removeprefix("skipped: ")
+
+
+class LoaderTrials(CountedTrials):
+    """The loader tuner's counted trials (`lightning_speedkit.trials.counted.CountedTrials`), with two rules more.
+
+    - After the first block (the loader in place), the probe goes on only when what that block's steps waited for
+      data can repay it (`wait_can_repay`): otherwise the loader is kept, no candidate tried.
+    - After a worker candidate's first block, the candidates with more workers (and the same pinning) are left out
+      when `more_workers_cannot_win`.
+
+    Rank zero's timings decide; every rank keeps or drops the same settings.
     """
 
     @override
     def block_ended(self, trainer: pl.Trainer) -> Decision | None:
         name, times = self.blocks[-1]
-        settings: dict[str, CountedBlock] = {s.name: s for s in self.settings if isinstance(s, CountedBlock)}
-        tried = settings.get(name)
-        reference = self.times.get(self.current.name) or []
+        if self._round != 1 or not times[self.warmup :]:
+            return None
+        step_s = statistics.median(times[self.warmup :])
+        wait_s = statistics.median(self.waits[-1][self.warmup :])
+        if name == self.current.name:
+            return self._worth_trying(trainer, step_s, wait_s)
+        settings = {s.name: s for s in self.settings if isinstance(s, CountedBlock)}
         drop: list[str] = []
-        if self._round == 1 and tried is not None and name != self.current.name and reference and times[self.warmup :]:
-            step_s = statistics.median(times[self.warmup :])
-            wait_s = statistics.median(self.waits[-1][self.warmup :])
+        tried = settings.get(name)
+        if tried is not None and more_workers_cannot_win(
+            statistics.median(self.times[self.current.name]), step_s, wait_s, self.margin
+        ):
             workers, pinned = tried.settings["num_workers"], tried.settings.get("pin_memory")
-            if more_workers_cannot_win(statistics.median(reference), step_s, wait_s, self.margin):
-                drop = [
-                    n
-                    for n, s in settings.items()
-                    if s.settings["num_workers"] > workers and s.settings.get("pin_memory") == pinned
-                ]
+            drop = [
+                n
+                for n, s in settings.items()
+                if s.settings["num_workers"] > workers and s.settings.get("pin_memory") == pinned
+            ]
         drop = trainer.strategy.broadcast(drop, src=0)
         if drop:
-            why = f"{name} lost without waiting for data, and more workers only shorten that wait"
-            self.drop(drop, why)
+            self.drop(drop, f"{name} lost without waiting for data, and more workers only shorten that wait")
         return None
+
+    def _worth_trying(self, trainer: pl.Trainer, step_s: float, wait_s: float) -> Decision | None:
+        """After the block of the loader in place: None to go on, or the decision to keep it (nothing to repay)."""
+        candidates = [s for s in self.settings[1:] if isinstance(s, CountedBlock)]
+        start_ups = sum(1 for s in candidates if s.settings["num_workers"] > 0)
+        left = steps_left(trainer)
+        counted = counted_cost(len(self.settings), self.steps, self.rounds)
+        pays, why = trainer.strategy.broadcast(wait_can_repay(step_s, wait_s, left, counted, start_ups), src=0)
+        if pays:
+            return None
+        step_s, wait_s = trainer.strategy.broadcast((step_s, wait_s), src=0)
+        reason = (
+            f"kept {self.current.name}: its steps wait {1e3 * wait_s:.1f} ms of {1e3 * step_s:.1f} ms for data, the"
+            f" most another loader setting can save, and {why}; counted trials"
+        )
+        extra = {**self.counted_fields(), "steps_left": None if math.isinf(left) else left}
+        return Decision(self.current.name, reason, True, 0.0, {self.current.name: step_s}, {}, "measured", extra)
 
 
 class CountedLoader:
