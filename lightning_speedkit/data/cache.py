@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import itertools
 import logging
 import operator
 import os
@@ -30,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_speedkit.checks import check_bool, check_int
+from lightning_speedkit.data.build import decode_all
 from lightning_speedkit.data.fingerprint import callable_fingerprint, check_source, dataset_fingerprint
 from lightning_speedkit.data.packed import (
     FORMAT_VERSION,
@@ -68,12 +70,14 @@ class CacheBudgetError(RuntimeError):
 class CachedDataset(Dataset[Any]):
     """Serve ``pre_transform(source[i])`` from a packed cache of checked rows, then apply ``transform`` per sample.
 
-    The first use decodes every sample once and writes it, with its checksum, into a private temporary directory,
-    which is checked, then renamed into place with its manifest, under an exclusive file lock: concurrent processes
-    (DataLoader workers, DDP ranks, a second job) build it once and share it, and a build killed half-way leaves
-    only a stale temporary directory that the next build removes. The cache directory's name holds a fingerprint
-    of the source (`dataset_fingerprint`) and of ``pre_transform`` (`callable_fingerprint`), so a change of either
-    builds a new cache. Random augmentation belongs in ``transform``, which runs on every access.
+    The first use decodes every sample once (in worker processes when timing the first samples says they are
+    faster: `lightning_speedkit.data.build`; `build_report` says which) and writes it, with its checksum, into a
+    private temporary directory, which is checked, then renamed into place with its manifest, under an exclusive
+    file lock: concurrent processes (DataLoader workers, DDP ranks, a second job) build it once and share it, and a
+    build killed half-way leaves only a stale temporary directory that the next build removes. The cache
+    directory's name holds a fingerprint of the source (`dataset_fingerprint`) and of ``pre_transform``
+    (`callable_fingerprint`), so a change of either builds a new cache. Random augmentation belongs in
+    ``transform``, which runs on every access.
 
     A damaged cache is never served. Opening one checks that its manifest is intact and every file has its size;
     every read checks its sample's checksum; `build` and `verify` check every byte. A cache found damaged on open,
@@ -141,6 +145,9 @@ class CachedDataset(Dataset[Any]):
         self.max_disk_bytes = max_disk_bytes
         self.in_memory = in_memory
         self.max_memory_bytes = max_memory_bytes
+        self.build_report: dict[str, Any] = {}
+        """What this object's build of the cache decided (`lightning_speedkit.data.build.decode_all`); empty when it
+        found the cache built."""
         identity = fingerprint if fingerprint is not None else dataset_fingerprint(source)
         key = hashlib.sha256(f"{identity}|{callable_fingerprint(pre_transform)}".encode()).hexdigest()[:20]
         self.directory = self.root / f"cache-v{FORMAT_VERSION}-{key}"
@@ -242,11 +249,16 @@ class CachedDataset(Dataset[Any]):
             raise CacheBudgetError(
                 f"CachedDataset: the cache needs {total:,} bytes, but {self.root} has {free:,} free."
             )
-        samples = (first if index == 0 else self._decoded(index) for index in range(length))
+        self.build_report = {}
+        samples = itertools.chain([first], decode_all(self._decoded, 1, length, report=self.build_report))
         with _staging(self.directory) as tmp:
             manifest = write_packed(tmp, samples, length, fields, is_tuple)
             check_cache(tmp, full=True)  # read back: a bad write fails here, not in training
-        log.info("CachedDataset: packed %d samples (%s bytes) into %s", length, total, self.directory)
+        way = self.build_report
+        shown = f"{way['workers']} workers" if way["way"] == "workers" else "this process"
+        log.info(
+            "CachedDataset: packed %d samples (%s bytes) into %s, decoded by %s", length, total, self.directory, shown
+        )
         return manifest
 
     def _decoded(self, index: int) -> Any:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from typing_extensions import override
 
+from lightning_speedkit.data.build import WORKER_START_S
 from lightning_speedkit.dataloader.rebuild import rebuild_dataloader, settings_name
 from lightning_speedkit.decisions import probe_pays_back
 from lightning_speedkit.trials import Decision, Setting, steps_left
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
-    "WORKER_START_S",
     "CountedBlock",
     "CountedLoader",
     "LiveSettings",
@@ -126,11 +126,6 @@ def more_workers_cannot_win(reference_s: float, step_s: float, wait_s: float, ma
         False
     """
     return step_s - wait_s > reference_s * (1.0 - margin)
-
-
-WORKER_START_S = 0.2
-"""Seconds a candidate's workers take to start, priced into its probe: the first step of a one-worker block on the demo
-took 146-222 ms against a 22-26 ms step (2-core EPYC; two workers 253 ms). Persistent workers start once a probe."""
 
 
 def wait_can_repay(
