@@ -20,6 +20,7 @@ import operator
 import os
 import shutil
 import struct
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -146,8 +147,8 @@ class CachedDataset(Dataset[Any]):
         self.in_memory = in_memory
         self.max_memory_bytes = max_memory_bytes
         self.build_report: dict[str, Any] = {}
-        """What this object's build of the cache decided (`lightning_speedkit.data.build.decode_all`); empty when it
-        found the cache built."""
+        """What this object's build of the cache decided (`lightning_speedkit.data.build.decode_all`) and its
+        ``seconds`` (decoding, writing and checking); empty when it found the cache built."""
         identity = fingerprint if fingerprint is not None else dataset_fingerprint(source)
         key = hashlib.sha256(f"{identity}|{callable_fingerprint(pre_transform)}".encode()).hexdigest()[:20]
         self.directory = self.root / f"cache-v{FORMAT_VERSION}-{key}"
@@ -236,6 +237,7 @@ class CachedDataset(Dataset[Any]):
                 raise CacheDamagedError(message, damage.directory, damage.file, damage.index, damage.problem) from error
 
     def _write(self) -> dict[str, Any]:
+        began = time.perf_counter()
         first = self._decoded(0)
         fields, is_tuple = describe_fields(first)
         length = self._source_length
@@ -255,6 +257,7 @@ class CachedDataset(Dataset[Any]):
             manifest = write_packed(tmp, samples, length, fields, is_tuple)
             check_cache(tmp, full=True)  # read back: a bad write fails here, not in training
         way = self.build_report
+        way["seconds"] = time.perf_counter() - began
         shown = f"{way['workers']} workers" if way["way"] == "workers" else "this process"
         log.info(
             "CachedDataset: packed %d samples (%s bytes) into %s, decoded by %s", length, total, self.directory, shown

@@ -252,6 +252,10 @@ def train_variant(
         "diagnosis": monitored["diagnosis"],
         "advice": monitored["advice"],
         "choices": choices,
+        "cache_build": {  # the packed cache's build, inside the timed fit (None: not cached)
+            split: getattr(getattr(datamodule, f"{split}_set", None), "build_report", None)
+            for split in ("train", "val")
+        },
         "lr": choices["lr"],
         "schedule": choices["schedule"],
         "max_epochs": config.max_epochs,
