@@ -84,7 +84,7 @@ def test_tuner_times_workers_on_a_streaming_loader_and_rebuilds_it_as_one(tmp_pa
     epochs = _Epochs()
     trainer = L.Trainer(
         accelerator="cpu",
-        max_epochs=3,  # the probe pays back in 3 epochs of 160 steps (not in 2)
+        max_epochs=4,  # 4 epochs of 160 steps: the read's wait repays the candidates' trials and worker start-ups
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -15,7 +16,13 @@ from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
 from lightning_speedkit.data.streaming import is_streaming_loader
-from lightning_speedkit.dataloader.counted import CountedBlock, CountedLoader, LiveSettings, LoaderTrials
+from lightning_speedkit.dataloader.counted import (
+    CountedBlock,
+    CountedLoader,
+    LiveSettings,
+    LoaderTrials,
+    wait_too_short,
+)
 from lightning_speedkit.dataloader.rebuild import (
     SETTINGS,
     LoaderSettings,
@@ -30,7 +37,7 @@ from lightning_speedkit.dataloader.rebuild import (
 from lightning_speedkit.dataloader.streaming import streaming_candidates, streaming_settings, untuned_settings
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
-from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
+from lightning_speedkit.trials import PROBE_ROUNDS, AsIs, Decision, Lever, Setting, TrialResult
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, CountedTrials, queued_steps
 
 log = logging.getLogger(__name__)
@@ -172,6 +179,21 @@ class DataLoaderTuner(Lever):
     @override
     def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
         return LoaderTrials(current, others, steps, self.margin, warmup=warmup)
+
+    @override
+    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
+        """Restored trials: keep the loader as built when its steps' wait for data cannot repay trying the others.
+
+        The same rule as counted trials' (`lightning_speedkit.dataloader.counted.wait_too_short`).
+        """
+        step_s, timed = result.median_step_s, waits[result.warmup :]
+        candidates = self._planned.get("candidates", [])
+        if not step_s or not timed or not candidates:
+            return ""
+        cost = self.probe_steps * (PROBE_ROUNDS * (1 + len(candidates)) - 1)  # the trials still to run, at worst
+        start_ups = sum(1 for c in candidates if c["num_workers"] > 0)
+        wait_s = statistics.median(timed)
+        return wait_too_short(result.setting, step_s, wait_s, steps_left, cost, start_ups)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "LoaderTrials",
     "more_workers_cannot_win",
     "wait_can_repay",
+    "wait_too_short",
 ]
 
 
@@ -155,6 +156,26 @@ def wait_can_repay(
     return pays, why.removeprefix("skipped: ")
 
 
+def wait_too_short(
+    name: str, step_s: float, wait_s: float, steps_left: float, probe_steps: float, start_ups: int
+) -> str:
+    """Why the loader ``name`` is kept without trying others (`wait_can_repay` says no), or "" when they may repay.
+
+    Example:
+        >>> wait_too_short("as built", step_s=0.026, wait_s=0.0042, steps_left=934, probe_steps=36, start_ups=2)[:74]
+        'kept as built: its steps wait 4.2 ms of 26.0 ms for data, the most another'
+        >>> wait_too_short("as built", step_s=0.026, wait_s=0.02, steps_left=934, probe_steps=36, start_ups=2)
+        ''
+    """
+    pays, why = wait_can_repay(step_s, wait_s, steps_left, probe_steps, start_ups)
+    if pays:
+        return ""
+    return (
+        f"kept {name}: its steps wait {1e3 * wait_s:.1f} ms of {1e3 * step_s:.1f} ms for data, the most another loader"
+        f" setting can save, and {why}"
+    )
+
+
 class LoaderTrials(CountedTrials):
     """The loader tuner's counted trials (`lightning_speedkit.trials.counted.CountedTrials`), with two rules more.
 
@@ -198,14 +219,11 @@ class LoaderTrials(CountedTrials):
         start_ups = sum(1 for s in candidates if s.settings["num_workers"] > 0)
         left = steps_left(trainer)
         counted = counted_cost(len(self.settings), self.steps, self.rounds)
-        pays, why = trainer.strategy.broadcast(wait_can_repay(step_s, wait_s, left, counted, start_ups), src=0)
-        if pays:
-            return None
         step_s, wait_s = trainer.strategy.broadcast((step_s, wait_s), src=0)
-        reason = (
-            f"kept {self.current.name}: its steps wait {1e3 * wait_s:.1f} ms of {1e3 * step_s:.1f} ms for data, the"
-            f" most another loader setting can save, and {why}; counted trials"
-        )
+        reason = wait_too_short(self.current.name, step_s, wait_s, left, counted, start_ups)
+        if not reason:
+            return None
+        reason += "; counted trials"
         extra = {**self.counted_fields(), "steps_left": None if math.isinf(left) else left}
         return Decision(self.current.name, reason, True, 0.0, {self.current.name: step_s}, {}, "measured", extra)
 

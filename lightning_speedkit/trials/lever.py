@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from lightning_speedkit.trials.counted import CountedTrials
     from lightning_speedkit.trials.memory import Remembering
-    from lightning_speedkit.trials.settings import Setting
+    from lightning_speedkit.trials.settings import Setting, TrialResult
 
 __all__ = ["DECISION_SPEC", "SOURCES", "Decision", "Lever"]
 
@@ -315,7 +315,16 @@ class Lever(LeanCallback):
             self.MAX_GAIN,
             warmup=min(self.WARMUP, self.probe_steps - 1),
             loss_tolerance=self.loss_tolerance,
+            after_reference=lambda result, waits, left: self.after_reference(result, waits, left),
         )
+
+    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
+        """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
+
+        ``waits`` are that trial's steps' waits for data (both rank zero's, the same on every rank); ``steps_left``
+        the run's steps left before the probe (inside it the Trainer counts the trial's steps).
+        """
+        return ""
 
     def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
         """The counted probe of ``current`` against ``others`` (a lever with its own rules between blocks overrides)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +15,7 @@ from lightning_speedkit.decisions import choose_setting, clearly_slower, loss_is
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
-from lightning_speedkit.trials.settings import Setting
+from lightning_speedkit.trials.settings import Setting, TrialResult
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -68,6 +68,7 @@ def measure(
     warmup: int = 1,
     rounds: int = PROBE_ROUNDS,
     loss_tolerance: float | None = None,
+    after_reference: Callable[[TrialResult, list[float], float], str] | None = None,
 ) -> Decision:
     """Decide between the setting in place and ``candidates`` by real training steps.
 
@@ -78,7 +79,10 @@ def measure(
     by over three margins, at least 10%) is not timed again, and when all are, no second round runs. The fastest
     candidate is chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate whose
     first-round losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the
-    same decision; the caller applies it.
+    same decision; the caller applies it. ``after_reference`` (given the setting in place's first trial, each of its
+    steps' wait for data, the same on every rank, and the steps left before the probe) can end the probe there with
+    a reason: the setting in place is kept, no candidate tried (`lightning_speedkit.dataloader.DataLoaderTuner`: a
+    wait too short to repay the probe).
 
     Returns:
         The `Decision`; its ``extra`` holds ``steps_left``, ``dropped`` (candidates timed in the first round only) and
@@ -94,12 +98,20 @@ def measure(
         return Decision(current.name, why, source="skipped", extra=extra)
     with TrialSession(trainer, steps, warmup) as session:
         session.require_steps("probe_steps")
-        first = [session.run(setting) for setting in settings]
-        medians = {r.setting: r.median_step_s for r in first}
-        dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
-        later = [s for s in settings if s.name not in dropped]
-        later = later if len(later) > 1 else []  # every candidate dropped: the decision is made
-        results = first + [session.run(setting) for _ in range(rounds - 1) for setting in later]
+        first = [session.run(current)]
+        stop = after_reference(first[0], session.waits.get(current.name, []), left) if after_reference else ""
+        dropped: list[str] = []
+        if not stop:
+            first += [session.run(setting) for setting in candidates]
+            medians = {r.setting: r.median_step_s for r in first}
+            dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
+            later = [s for s in settings if s.name not in dropped]
+            later = later if len(later) > 1 else []  # every candidate dropped: the decision is made
+        results = first + ([] if stop else [session.run(setting) for _ in range(rounds - 1) for setting in later])
+    if stop:  # the setting in place kept after its own trial
+        extra.update(trials=[result.as_dict() for result in results])
+        step = {current.name: first[0].median_step_s}
+        return Decision(current.name, stop, True, session.elapsed_s, step, {}, "measured", extra)
     step_s: dict[str, float | None] = {}
     rejected: dict[str, str] = {}
     for setting, result in zip(settings, first, strict=True):

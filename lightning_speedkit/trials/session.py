@@ -101,10 +101,10 @@ class _Probe(Callback):
     ) -> None:
         _agree(trainer)
 
-    def measured(self) -> tuple[list[float], list[int]]:
+    def measured(self) -> tuple[list[float], list[int], list[float]]:
         self.timer.flush()
         steps = self.timer.recent_steps()
-        return [s.data_wait_s + s.compute_s for s in steps], [s.samples for s in steps]
+        return [s.data_wait_s + s.compute_s for s in steps], [s.samples for s in steps], [s.data_wait_s for s in steps]
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -142,6 +142,7 @@ class TrialSession:
         self.trainer, self.steps, self.warmup, self.validate = trainer, steps, warmup, validate
         self.probe = _Probe()
         self.seconds = 0.0
+        self.waits: dict[str, list[float]] = {}  # per setting, its last trial's waits for data (rank zero's)
         self.elapsed_s = 0.0
         self._started = 0.0
         self._saved: dict[str, Any] = {}
@@ -290,9 +291,9 @@ class TrialSession:
             _agree_failed(trainer)
         if outcome != "fits":  # the failed step's tensors may sit in reference cycles through its traceback
             release_memory()
-        step_s, samples = self.probe.measured() if outcome == "fits" else ([], [])
+        step_s, samples, waits = self.probe.measured() if outcome == "fits" else ([], [], [])
         mine = TrialResult(setting.name, outcome == "fits", step_s, self.probe.losses, samples, self.warmup, error)
-        result: TrialResult = trainer.strategy.broadcast(mine, src=0)
+        result, self.waits[setting.name] = trainer.strategy.broadcast((mine, waits), src=0)
         if outcome != "fits":  # a failure is every rank's verdict, whatever rank zero saw
             result = TrialResult(setting.name, False, [], [], [], self.warmup, error)
         self.seconds += result.seconds
