@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_speedkit.hardware import cpu_info
 
 __all__ = ["MARGIN", "PROBE_S", "WORKER_START_S", "build_workers", "decode_all", "workers_can_repay"]
 
@@ -69,8 +70,7 @@ def build_workers(limit: int = 8) -> int:
     """
     if multiprocessing.current_process().daemon:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(limit, cores)
+    return min(limit, cpu_info().available_cores)
 
 
 CHUNK_S = 0.05

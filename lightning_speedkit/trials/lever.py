@@ -315,7 +315,7 @@ class Lever(LeanCallback):
             self.MAX_GAIN,
             warmup=min(self.WARMUP, self.probe_steps - 1),
             loss_tolerance=self.loss_tolerance,
-            after_reference=lambda result, waits, left: self.after_reference(result, waits, left),
+            after_reference=self.after_reference,
         )
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:

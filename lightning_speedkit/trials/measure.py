@@ -100,14 +100,14 @@ def measure(
         session.require_steps("probe_steps")
         first = [session.run(current)]
         stop = after_reference(first[0], session.waits.get(current.name, []), left) if after_reference else ""
-        dropped: list[str] = []
+        results, dropped = first, []
         if not stop:
             first += [session.run(setting) for setting in candidates]
             medians = {r.setting: r.median_step_s for r in first}
             dropped = clearly_slower(medians, current.name, margin) if rounds > 1 else []
             later = [s for s in settings if s.name not in dropped]
             later = later if len(later) > 1 else []  # every candidate dropped: the decision is made
-        results = first + ([] if stop else [session.run(setting) for _ in range(rounds - 1) for setting in later])
+            results = first + [session.run(setting) for _ in range(rounds - 1) for setting in later]
     if stop:  # the setting in place kept after its own trial
         extra.update(trials=[result.as_dict() for result in results])
         step = {current.name: first[0].median_step_s}
