@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,12 +83,18 @@ def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict
     assert len(DecisionMemory().entries()) == 2
 
 
-def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(tmp_path: Path) -> None:
+def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A loader the tuner rebuilt (a remembered loader decision applied first) is the user's job: no new probe."""
     from lightning_speedkit.dataloader.rebuild import rebuild_dataloader
+    from lightning_speedkit.trials.memory import Remembering
 
+    # the live check is not what this test is about: steps of a few ms came out over 1.5x off the remembered ones in
+    # about one fit in four on a quiet 2-core AVX-512 EPYC (also at b061d44), and it then forgot the entry
+    monkeypatch.setattr(Remembering, "BAND", math.inf)
     _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
-    rebuilt = rebuild_dataloader(_images(), {"num_workers": 0, "pin_memory": True})  # as fast: the live check keeps it
+    rebuilt = rebuild_dataloader(_images(), {"num_workers": 0, "pin_memory": True})
     lever = speedkit.ChannelsLast(probe_steps=3)
     L.seed_everything(0, verbose=False)
     trainer = tiny_trainer(tmp_path / "b", max_epochs=6, callbacks=[lever], limit_val_batches=0)
