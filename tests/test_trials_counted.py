@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
+from lightning_speedkit.trials.counted import DROP_AFTER, EXTRA_ROUNDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,17 +130,17 @@ def test_counted_trials_train_the_run_as_it_would_have_been(tmp_path: Path) -> N
 
 
 def test_a_counted_probe_costs_only_the_slower_blocks_extra_seconds(tmp_path: Path) -> None:
-    """The slow setting loses its first round and is dropped; the probe's cost is its blocks' extra 30 ms a step."""
+    """The slow setting loses two rounds and is dropped; the probe's cost is its blocks' extra 30 ms a step."""
     lever = _TestLever(probe_steps=4)
     _fit(tmp_path, [lever])
     report = lever.report()
     assert report["decision"] in ("as is", "fast")
     assert "slow" in report["dropped"]  # "fast" may be dropped too: as fast as "as is", noise can make it 10% slower
     blocks = [b["setting"] for b in report["blocks"]]
-    assert blocks[:3] == ["as is", "slow", "fast"]
-    assert "slow" not in blocks[3:]  # slow timed in round one only
+    assert blocks[:6] == ["as is", "slow", "fast"] * 2  # every setting runs the first `DROP_AFTER` rounds
+    assert "slow" not in blocks[6:]  # slow timed in rounds one and two only
     assert report["steps"] == 4 * len(blocks)
-    slow_steps = 4
+    slow_steps = 4 * DROP_AFTER
     assert 0.03 * (slow_steps - 1) <= report["probe_s"] < report["probe_wall_s"]
     assert report["step_ms"]["slow"] > report["step_ms"]["as is"] + 25
 
@@ -239,8 +241,14 @@ class _Broadcast:
             return obj
 
 
-def _decided(times_ms: Sequence[float]) -> Decision:
-    """A counted probe of ``candidate`` against ``current``, blocks of 3 steps, fed ``times_ms`` step by step."""
+def _decided(
+    times_ms: Sequence[float], monkeypatch: pytest.MonkeyPatch, free: float = 0.0
+) -> tuple[Decision, trials.counted.CountedTrials]:
+    """A counted probe of ``candidate`` against ``current``, blocks of 3 steps, fed ``times_ms`` step by step.
+
+    ``free``: the steps the run has free for an extension (`EXTRA_ROUNDS`).
+    """
+    monkeypatch.setattr(trials.counted, "_free_steps", lambda trainer, counted: free)
     trainer: Any = _Broadcast()
     counted = trials.counted.CountedTrials(AsIs("current"), [AsIs("candidate")], steps=3, margin=0.05, warmup=0)
     counted._clock = _Script([t / 1000 for t in times_ms])  # type: ignore[assignment]
@@ -248,7 +256,15 @@ def _decided(times_ms: Sequence[float]) -> Decision:
     while decision is None:
         counted.step_started(trainer)
         decision = counted.step_ended(trainer)
-    return decision
+    return decision, counted
+
+
+def _rounds(*candidate_ms: float) -> list[float]:
+    """Blocks of 3 steps: the setting in place at 10 ms a step, then the candidate at each of ``candidate_ms``."""
+    times: list[float] = []
+    for ms in candidate_ms:
+        times += [10.0] * 3 + [ms] * 3
+    return times
 
 
 @pytest.mark.parametrize(
@@ -260,12 +276,72 @@ def _decided(times_ms: Sequence[float]) -> Decision:
     ],
 )
 def test_a_small_gain_must_hold_in_every_round(
-    candidate_rounds_ms: tuple[float, float, float], kept: str, reason_ends: str
+    candidate_rounds_ms: tuple[float, float, float], kept: str, reason_ends: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Current blocks take 10 ms a step: a gain under 3 margins must win every round, a large one need not."""
-    times: list[float] = []
-    for candidate_ms in candidate_rounds_ms:
-        times += [10.0] * 3 + [candidate_ms] * 3
-    decision = _decided(times)
+    """Current blocks take 10 ms a step: a gain under 3 margins must win every round, a large one need not.
+
+    No steps are free for an extension here (a probe queued behind needs them).
+    """
+    decision, _ = _decided(_rounds(*candidate_rounds_ms), monkeypatch)
     assert decision.decision == kept
     assert decision.reason.endswith(reason_ends), decision.reason
+
+
+@pytest.mark.parametrize(
+    ("candidate_rounds_ms", "kept", "reason_ends"),
+    [
+        (
+            (9, 9, 10.5, 9, 9),
+            "candidate",
+            "10.0% faster than current (margin 5%), in 4 of 5 rounds (2 rounds added: it had lost one)",
+        ),
+        ((9, 9, 10.5, 10.2), "current", "candidate only 4.0% faster than current (margin 5%): kept current"),
+    ],
+)
+def test_a_small_gain_that_lost_one_round_gets_more_rounds_when_steps_are_free(
+    candidate_rounds_ms: tuple[float, ...], kept: str, reason_ends: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to `EXTRA_ROUNDS` more rounds: kept when it loses no other; a second lost round ends the extension."""
+    decision, counted = _decided(_rounds(*candidate_rounds_ms), monkeypatch, free=math.inf)
+    assert decision.decision == kept
+    assert reason_ends in decision.reason, decision.reason
+    assert len(counted.blocks) == 2 * len(candidate_rounds_ms)
+    assert EXTRA_ROUNDS == 2
+
+
+@pytest.mark.parametrize(("candidate_rounds_ms", "blocks"), [((20, 10, 10), 6), ((20, 20), 4)])
+def test_a_candidate_is_dropped_only_after_losing_two_rounds_clearly(
+    candidate_rounds_ms: tuple[float, ...], blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One block twice as slow (a load spike) does not drop a candidate; clearly slower in rounds one and two does."""
+    decision, counted = _decided(_rounds(*candidate_rounds_ms), monkeypatch)
+    assert len(counted.blocks) == blocks
+    assert decision.extra["dropped"] == ([] if blocks == 6 else ["candidate"])
+    assert DROP_AFTER == 2
+
+
+class _AtStep:
+    """A Trainer stand-in at batch ``ready`` of an epoch of ``batches``: what `_free_steps` reads."""
+
+    def __init__(self, batches: int, ready: int) -> None:
+        self.num_training_batches = batches
+        progress = type("Progress", (), {"current": type("Current", (), {"ready": ready})()})()
+        self.fit_loop = type("Loop", (), {"epoch_loop": type("Epoch", (), {"batch_progress": progress})()})()
+
+
+def test_an_extension_takes_only_the_steps_no_probe_queued_behind_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free steps: the epoch's batches left (or the run's, if fewer), less the windows of the probes queued behind.
+
+    The demo's shape: a layout probe decides at step 60 of a 125-batch epoch with the loader's probe (54 steps, which
+    must run in the first epoch) queued behind it: 11 steps free, too few for a round of two 10-step blocks.
+    """
+    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 800.0)
+    trainer: Any = _AtStep(batches=125, ready=60)
+    layout = trials.counted.CountedTrials(AsIs("nchw"), [AsIs("nhwc")], steps=10, margin=0.03)
+    loader = trials.counted.CountedTrials(AsIs("as built"), [AsIs("1 worker"), AsIs("2 workers")], steps=6, margin=0.05)
+    layout.join(trainer)
+    loader.join(trainer)
+    assert trials.counted._free_steps(trainer, layout) == 125 - 60 - 54
+    assert trials.counted._free_steps(trainer, loader) == 125 - 60
+    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 30.0)  # the run ends before the epoch does
+    assert trials.counted._free_steps(trainer, loader) == 30

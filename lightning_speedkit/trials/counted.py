@@ -6,7 +6,9 @@ settings take turns in blocks of ``steps`` training steps, ``rounds`` times (the
 block timed step by step; then the fastest setting is kept when it beats the setting in place by the margin
 (`lightning_speedkit.decisions.choose_setting`), as `lightning_speedkit.trials.measure` would decide; a switch whose
 gain is under `CONSISTENT` margins must also have won the paired blocks of every round it ran (`round_wins`: a load
-change on a shared machine hits one block, not a round). Nothing is restored and nothing is thrown away: the number
+change on a shared machine hits one block, not a round); one that lost a single round gets up to `EXTRA_ROUNDS` more
+rounds to show it, when the steps are free. A candidate gets no more blocks only once it lost `DROP_AFTER` rounds
+clearly. Nothing is restored and nothing is thrown away: the number
 of optimizer steps, the epochs, the LR schedule and the sample order are those of the run without the probe. The
 probe's cost is only the extra seconds of the blocks that ran slower than the setting kept (``probe_s``), so blocks
 can be longer than a restored trial's, which makes the decision steadier on a noisy machine.
@@ -29,13 +31,23 @@ from typing import TYPE_CHECKING, Any
 from lightning_speedkit.decisions import choose_setting, clearly_slower
 from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.lever import Decision
+from lightning_speedkit.trials.measure import steps_left
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_speedkit.trials.settings import Setting
 
-__all__ = ["CONSISTENT", "COUNTED_ROUNDS", "CountedTrials", "counted_cost", "queued_steps", "round_wins"]
+__all__ = [
+    "CONSISTENT",
+    "COUNTED_ROUNDS",
+    "DROP_AFTER",
+    "EXTRA_ROUNDS",
+    "CountedTrials",
+    "counted_cost",
+    "queued_steps",
+    "round_wins",
+]
 
 COUNTED_ROUNDS = 3
 """Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted."""
@@ -50,12 +62,29 @@ while the demo's channels-last gain (12-30%, 17.5% over 250 steps a layout) lost
 four. A large gain is kept on the pooled median; a small one must be consistent."""
 
 
+DROP_AFTER = 2
+"""Rounds in each of which a candidate must be clearly slower (`clearly_slower`) before it gets no more blocks.
+
+One block of ten steps on a shared machine can be hit by a load spike: in the AVX-512 layout stability run
+(`benchmarks/results/avx512/layout_stability.json`) channels_last lost its first block by 18.5% and was dropped after
+it, in a probe whose long timing has it 12% faster. A block of a candidate that is really slower costs only its extra
+seconds, so a second round to confirm is cheap."""
+
+EXTRA_ROUNDS = 2
+"""Rounds a probe may add when a small gain (under `CONSISTENT` margins) lost exactly one round.
+
+Such a probe used to keep the setting in place (the same run: "channels_last 6.2% faster ..., but faster in 2 of 3
+rounds only"). Up to this many more rounds of the setting in place and the leading candidate run instead, while no
+probe queued behind needs the steps; the switch is then made when the candidate lost no other round. A second lost
+round ends the extension and keeps the setting in place."""
+
+
 def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS) -> int:
     """The steps a counted probe can cost at worst, for the payback rule: every candidate block twice as slow.
 
     A restored probe costs every trial step (`PROBE_ROUNDS` rounds of every setting); a counted one only the extra
     time of the slower blocks, at most their length when a candidate takes twice the setting in place's time (a
-    candidate more than 10% slower in its first round is dropped, so the worst case is rarely met).
+    candidate clearly slower in each of its first `DROP_AFTER` rounds is dropped, so the worst case is rarely met).
 
     Example:
         >>> counted_cost(settings=2, steps=10), counted_cost(settings=3, steps=8)
@@ -111,7 +140,10 @@ class CountedTrials:
 
     @property
     def window(self) -> int:
-        """The most training steps this probe takes: every setting's blocks, every round."""
+        """The most training steps this probe claims: every setting's blocks, every planned round.
+
+        An extension (`EXTRA_ROUNDS`) takes only steps beyond the windows of the probes queued behind.
+        """
         return len(self.settings) * self.steps * self.rounds
 
     def join(self, trainer: pl.Trainer) -> None:
@@ -185,16 +217,56 @@ class CountedTrials:
         self.notes.append(f"{', '.join(names)} not tried: {why}")
 
     def _next_round(self, trainer: pl.Trainer) -> None:
-        """Queue the next round's blocks (after the first, without a candidate clearly slower than the reference)."""
+        """Queue the next round's blocks, or none when the probe is over.
+
+        A candidate clearly slower in each of the first `DROP_AFTER` rounds gets no more blocks. After the last round,
+        a small gain that lost one round gets another round against the setting in place (`EXTRA_ROUNDS`).
+        """
         if self._round >= self.rounds:
+            leader = trainer.strategy.broadcast(self._to_confirm(trainer), src=0)  # rank zero's timings decide
+            if leader is not None:
+                self._round += 1
+                self._queue = [s for s in self.settings if s.name in (self.current.name, leader)]
             return
-        if self._round == 1:
-            medians = trainer.strategy.broadcast({n: _median(t) for n, t in self.times.items()}, src=0)
-            slower = clearly_slower(medians, self.current.name, self.margin)
+        if self._round == DROP_AFTER:
+            slower = trainer.strategy.broadcast(self._slower_every_round(), src=0)
             self._dropped += [name for name in slower if name not in self._dropped]
         self._round += 1
         kept = [s for s in self.settings if s.name not in self._dropped]
         self._queue = kept if len(kept) > 1 else []
+
+    def _block_medians(self) -> dict[str, list[float]]:
+        """Each setting's block medians in the order they ran (its k-th is its k-th round), warm-up steps left out."""
+        medians: dict[str, list[float]] = {s.name: [] for s in self.settings}
+        for name, times in self.blocks:
+            if times[self.warmup :]:
+                medians[name].append(statistics.median(times[self.warmup :]))
+        return medians
+
+    def _slower_every_round(self) -> list[str]:
+        """The candidates `clearly_slower` than the setting in place in each of the first `DROP_AFTER` rounds."""
+        medians = self._block_medians()
+        slower: set[str] | None = None
+        for k in range(DROP_AFTER):
+            this_round = {name: m[k] if len(m) > k else None for name, m in medians.items()}
+            found = set(clearly_slower(this_round, self.current.name, self.margin))
+            slower = found if slower is None else slower & found
+        return sorted(slower or ())
+
+    def _to_confirm(self, trainer: pl.Trainer) -> str | None:
+        """The candidate to give another round: a small pooled gain that lost exactly one round, steps free for it."""
+        if self._round >= self.rounds + EXTRA_ROUNDS:
+            return None
+        step_s = {name: _median(times) for name, times in self.times.items()}
+        leader, _ = choose_setting(step_s, self.current.name, self.margin)
+        if leader == self.current.name:
+            return None
+        if 1.0 - (step_s[leader] or 0.0) / (step_s[self.current.name] or 1.0) >= CONSISTENT * self.margin:
+            return None
+        wins, rounds = round_wins(self.blocks, self.current.name, leader, self.warmup)
+        if rounds - wins != 1:
+            return None
+        return leader if _free_steps(trainer, self) >= 2 * self.steps else None
 
     def stop(self, trainer: pl.Trainer) -> None:
         """Put the setting in place back (the caller then applies the decision, or keeps it); leave the queue."""
@@ -214,9 +286,15 @@ class CountedTrials:
             wins, rounds = trainer.strategy.broadcast(
                 round_wins(self.blocks, self.current.name, decision, self.warmup), 0
             )
-            if wins < rounds:
+            confirmed = wins == rounds or (wins == rounds - 1 and rounds >= self.rounds + EXTRA_ROUNDS)
+            if not confirmed:
                 reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
                 decision = self.current.name
+            elif wins < rounds:
+                reason = f"{reason}, in {wins} of {rounds} rounds"
+        added = self._round - self.rounds
+        if added > 0:
+            reason += f" ({added} {'round' if added == 1 else 'rounds'} added: it had lost one)"
         reason = "; ".join([reason, *self.notes])
         probe_s = self.extra_s(trainer, step_s.get(decision))
         extra = self.counted_fields()
@@ -258,6 +336,18 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
     }
     pairs = list(zip(own[current], own[candidate], strict=False))
     return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
+
+
+def _free_steps(trainer: pl.Trainer, trials: CountedTrials) -> float:
+    """Training steps this epoch (and run) has left beyond the windows of the counted probes queued behind ``trials``.
+
+    A loader's counted probe must run inside the first epoch (`lightning_speedkit.dataloader.counted.CountedLoader`),
+    and each probe was promised its window when it joined: an extension takes only the steps nobody needs.
+    """
+    queue = _QUEUES.get(trainer, [])
+    behind = queue[queue.index(trials) + 1 :] if trials in queue else []
+    in_epoch = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    return min(float(in_epoch), steps_left(trainer)) - sum(t.window for t in behind)
 
 
 def _median(times: list[float]) -> float | None:
