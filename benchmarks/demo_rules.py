@@ -135,6 +135,7 @@ def _figures(result: dict[str, Any]) -> dict[str, Any]:
         "lr_reason": choices["lr_reason"],
         "probe_s": choices["probe_s"],
         "probes": choices["probes"],
+        "precision": choices.get("precision", "32-true"),
         "channels_last": choices["channels_last"],
         "loader": choices.get("loader", "as built"),
         "samples_per_s": result.get("samples_per_s"),

@@ -13,6 +13,7 @@ often the most common decision came (issue 25 asks for 9 in 10 or more).
 
     python benchmarks/layout_stability.py            # 10 runs and the reference: a few minutes on 2 cores
     python benchmarks/layout_stability.py --quick    # a smoke run for the tests
+    python benchmarks/layout_stability.py --precision bf16-mixed   # as the demo trains on a CPU with bf16
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ class _StopWhenDecided(L.Callback):
             trainer.should_stop = True
 
 
-def decide_once(num_images: int, max_epochs: int, cache_dir: str | None, seed: int) -> dict[str, Any]:
-    """One demo-like fit with a fresh ``ChannelsLast``: its report and the steps it trained."""
+def decide_once(
+    num_images: int, max_epochs: int, cache_dir: str | None, seed: int, precision: str = "32-true"
+) -> dict[str, Any]:
+    """One demo-like fit in ``precision`` with a fresh ``ChannelsLast``: its report and the steps it trained."""
     L.seed_everything(seed, verbose=False)
     datamodule = DemoDataModule(num_images=num_images, batch_size=32, seed=0, root=cache_dir, cache=True)
     datamodule.prepare_data()
     lever = ChannelsLast(remember=False)
     trainer = quiet_trainer(
-        max_epochs=max_epochs, callbacks=[lever, _StopWhenDecided(lever)], num_sanity_val_steps=0, limit_val_batches=0
+        max_epochs=max_epochs,
+        callbacks=[lever, _StopWhenDecided(lever)],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        precision=precision,
     )
     trainer.fit(DemoClassifier(crop_size=datamodule.crop_size), datamodule)
     report = lever.report()
@@ -72,14 +79,19 @@ def decide_once(num_images: int, max_epochs: int, cache_dir: str | None, seed: i
     }
 
 
-def reference(rounds: int, repeats: int, crop: int) -> dict[str, Any]:
-    """Median ms per training step of the demo ResNet in each layout over interleaved rounds, on one batch."""
+def reference(rounds: int, repeats: int, crop: int, precision: str = "32-true") -> dict[str, Any]:
+    """Median ms per training step of the demo ResNet in each layout over interleaved rounds, on one batch.
+
+    ``precision``: ``"bf16-mixed"`` times the steps under bf16 autocast, as the fits train.
+    """
     torch.manual_seed(0)
     x, y = fixed_batch(32, crop)
     nchw = DemoResNet(width=16)
     nhwc = copy.deepcopy(nchw)
     to_channels_last(nhwc)
-    ms = interleaved_ms({"default": train_step(nchw, x, y), "channels_last": train_step(nhwc, x, y)}, rounds, repeats)
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    steps = {"default": train_step(nchw, x, y, autocast), "channels_last": train_step(nhwc, x, y, autocast)}
+    ms = interleaved_ms(steps, rounds, repeats)
     return {
         "rounds": rounds,
         "repeats": repeats,
@@ -118,14 +130,15 @@ def run(
     clear: float = 0.10,
     out: str | Path = DEFAULT_OUT,
     cache_dir: str | None = None,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
-    """Decide ``runs`` times, time the reference, judge, print and write the JSON."""
+    """Decide ``runs`` times, time the reference, judge, print and write the JSON; every step in ``precision``."""
     num_images, max_epochs = (400, 40) if quick else (5000, 8)
     if quick:
         runs, rounds, repeats = 2, 2, 3
     load_before = os.getloadavg()
-    decided = [decide_once(num_images, max_epochs, cache_dir, seed) for seed in range(runs)]
-    ref = reference(rounds, repeats, crop=56)
+    decided = [decide_once(num_images, max_epochs, cache_dir, seed, precision) for seed in range(runs)]
+    ref = reference(rounds, repeats, crop=56, precision=precision)
     verdict = judge([d["decision"] for d in decided], ref["nhwc_over_nchw"], clear)
     info = cpu_info()
     result = {
@@ -133,6 +146,7 @@ def run(
             "quick": quick,
             "runs": runs,
             "clear": clear,
+            "precision": precision,
             "num_images": num_images,
             "batch_size": 32,
             "torch_threads": torch.get_num_threads(),
@@ -162,8 +176,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=int, default=10, help="fits that each decide the layout afresh")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the JSON results")
     parser.add_argument("--cache-dir", default=None, help="where the demo images are (default: speedkit's cache)")
+    parser.add_argument(
+        "--precision",
+        default="32-true",
+        choices=("32-true", "bf16-mixed"),
+        help="the precision every step trains in (the demo keeps bf16-mixed on a CPU with bf16 instructions)",
+    )
     args = parser.parse_args(argv)
-    return run(quick=args.quick, runs=args.runs, out=args.out, cache_dir=args.cache_dir)
+    return run(quick=args.quick, runs=args.runs, out=args.out, cache_dir=args.cache_dir, precision=args.precision)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ __all__ = [
     "EXTRA_ROUNDS",
     "CountedTrials",
     "counted_cost",
+    "paired_ratios",
     "queued_steps",
     "round_wins",
 ]
@@ -253,11 +254,23 @@ class CountedTrials:
             slower = found if slower is None else slower & found
         return sorted(slower or ())
 
+    def _estimates(self) -> dict[str, float | None]:
+        """Each setting's step time as the decision weighs it (None for a setting without a timed block).
+
+        The setting in place's median step; each candidate's is that times its `paired_ratios` entry.
+        """
+        reference = _median(self.times[self.current.name])
+        ratios = paired_ratios(self.blocks, self.current.name, self.warmup)
+        estimates: dict[str, float | None] = dict.fromkeys(self.times)
+        if reference is not None:
+            estimates.update({self.current.name: reference, **{n: reference * r for n, r in ratios.items()}})
+        return estimates
+
     def _to_confirm(self, trainer: pl.Trainer) -> str | None:
-        """The candidate to give another round: a small pooled gain that lost exactly one round, steps free for it."""
+        """The candidate to give another round: a small gain that lost exactly one round, steps free for it."""
         if self._round >= self.rounds + EXTRA_ROUNDS:
             return None
-        step_s = {name: _median(times) for name, times in self.times.items()}
+        step_s = self._estimates()
         leader, _ = choose_setting(step_s, self.current.name, self.margin)
         if leader == self.current.name:
             return None
@@ -277,11 +290,12 @@ class CountedTrials:
 
     def _decide(self, trainer: pl.Trainer) -> Decision:
         self.stop(trainer)
-        step_s: dict[str, float | None] = trainer.strategy.broadcast(
-            {name: _median(times) for name, times in self.times.items()}, src=0
+        step_s: dict[str, float | None]
+        step_s, weighed = trainer.strategy.broadcast(
+            ({name: _median(times) for name, times in self.times.items()}, self._estimates()), src=0
         )
-        decision, reason = choose_setting(step_s, self.current.name, self.margin)
-        gain = 1.0 - (step_s.get(decision) or 0.0) / (step_s.get(self.current.name) or 1.0)
+        decision, reason = choose_setting(weighed, self.current.name, self.margin)
+        gain = 1.0 - (weighed.get(decision) or 0.0) / (weighed.get(self.current.name) or 1.0)
         if decision != self.current.name and gain < CONSISTENT * self.margin:  # a small gain must hold in every round
             wins, rounds = trainer.strategy.broadcast(
                 round_wins(self.blocks, self.current.name, decision, self.warmup), 0
@@ -336,6 +350,34 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
     }
     pairs = list(zip(own[current], own[candidate], strict=False))
     return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
+
+
+def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int) -> dict[str, float]:
+    """Each candidate's step time relative to ``current``'s, round by round: the median over rounds of the ratio.
+
+    A round's ratio is the candidate's block median over ``current``'s block median in the same round (the k-th block
+    of each setting is its k-th round; each block's first ``warmup`` steps are left out).
+
+    The rounds are the pairs: a load change on a shared machine between rounds moves both blocks of a round alike, so
+    the ratio of a round keeps the layout's own difference, where medians pooled over rounds mix quiet and loaded
+    rounds. In the AVX-512 demo's bf16 steps, rounds of 21 and 29 ms a step followed each other in one probe.
+
+    Example:
+        >>> ms = lambda *t: [x / 1000 for x in t]
+        >>> blocks = [("a", ms(20, 20)), ("b", ms(18, 18)), ("a", ms(30, 30)), ("b", ms(27, 27)), ("a", ms(20, 20))]
+        >>> {name: round(r, 3) for name, r in paired_ratios(blocks, "a", warmup=0).items()}
+        {'b': 0.9}
+    """
+    own: dict[str, list[float]] = {}
+    for name, times in blocks:
+        if times[warmup:]:
+            own.setdefault(name, []).append(statistics.median(times[warmup:]))
+    reference = own.get(current, [])
+    return {
+        name: statistics.median(m / r for m, r in zip(medians, reference, strict=False))
+        for name, medians in own.items()
+        if name != current and reference and medians
+    }
 
 
 def _free_steps(trainer: pl.Trainer, trials: CountedTrials) -> float:
