@@ -25,7 +25,14 @@ from collections.abc import Mapping, Sequence
 
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
-__all__ = ["check_margin", "check_probe_steps", "choose_setting", "loss_is_sound", "probe_pays_back"]
+__all__ = [
+    "check_margin",
+    "check_probe_steps",
+    "choose_setting",
+    "loss_is_sound",
+    "paired_ratios",
+    "probe_pays_back",
+]
 
 
 def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 4.0) -> tuple[bool, str]:
@@ -92,6 +99,34 @@ def clearly_slower(step_s: Mapping[str, float | None], current: str, margin: flo
         return []
     bound = base * (1.0 + max(factor * margin, 0.1))
     return [name for name, s in step_s.items() if name != current and s is not None and s > bound]
+
+
+def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int) -> dict[str, float]:
+    """Each candidate's step time relative to ``current``'s, round by round: the median over rounds of the ratio.
+
+    A round's ratio is the candidate's block median over ``current``'s block median in the same round (the k-th block
+    of each setting is its k-th round; each block's first ``warmup`` steps are left out).
+
+    The rounds are the pairs: a load change on a shared machine between rounds moves both blocks of a round alike, so
+    the ratio of a round keeps the settings' own difference, where medians pooled over rounds mix quiet and loaded
+    rounds. In the AVX-512 demo's bf16 steps, rounds of 21 and 29 ms a step followed each other in one probe.
+
+    Example:
+        >>> ms = lambda *t: [x / 1000 for x in t]
+        >>> blocks = [("a", ms(20, 20)), ("b", ms(18, 18)), ("a", ms(30, 30)), ("b", ms(27, 27)), ("a", ms(20, 20))]
+        >>> {name: round(r, 3) for name, r in paired_ratios(blocks, "a", warmup=0).items()}
+        {'b': 0.9}
+    """
+    own: dict[str, list[float]] = {}
+    for name, times in blocks:
+        if times[warmup:]:
+            own.setdefault(name, []).append(statistics.median(times[warmup:]))
+    reference = own.get(current, [])
+    return {
+        name: statistics.median(m / r for m, r in zip(medians, reference, strict=False))
+        for name, medians in own.items()
+        if name != current and reference and medians
+    }
 
 
 def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | None], tolerance: float = 0.1) -> str:

@@ -15,6 +15,7 @@ from conftest import TinyClassifier, tiny_trainer
 from typing_extensions import override
 
 from lightning_speedkit import trials
+from lightning_speedkit.decisions import paired_ratios
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
 from lightning_speedkit.trials.counted import DROP_AFTER, EXTRA_ROUNDS
 
@@ -360,5 +361,5 @@ def test_rounds_are_weighed_as_pairs_so_a_load_change_between_them_cancels(monke
     decision, counted = _decided(times, monkeypatch, free=math.inf)
     assert decision.decision == "candidate", decision.reason
     assert "11.9% faster than current (margin 5%), in 4 of 5 rounds" in decision.reason  # 18.5 / 21
-    ratios = trials.counted.paired_ratios(counted.blocks[:6], "current", warmup=0)  # 25/21, 22/25, 18.5/21
+    ratios = paired_ratios(counted.blocks[:6], "current", warmup=0)  # 25/21, 22/25, 18.5/21
     assert ratios == {"candidate": pytest.approx(18.5 / 21.0)}

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_speedkit.decisions import choose_setting, clearly_slower
+from lightning_speedkit.decisions import choose_setting, clearly_slower, paired_ratios
 from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.measure import steps_left
@@ -45,7 +45,6 @@ __all__ = [
     "EXTRA_ROUNDS",
     "CountedTrials",
     "counted_cost",
-    "paired_ratios",
     "queued_steps",
     "round_wins",
 ]
@@ -350,34 +349,6 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
     }
     pairs = list(zip(own[current], own[candidate], strict=False))
     return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
-
-
-def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int) -> dict[str, float]:
-    """Each candidate's step time relative to ``current``'s, round by round: the median over rounds of the ratio.
-
-    A round's ratio is the candidate's block median over ``current``'s block median in the same round (the k-th block
-    of each setting is its k-th round; each block's first ``warmup`` steps are left out).
-
-    The rounds are the pairs: a load change on a shared machine between rounds moves both blocks of a round alike, so
-    the ratio of a round keeps the layout's own difference, where medians pooled over rounds mix quiet and loaded
-    rounds. In the AVX-512 demo's bf16 steps, rounds of 21 and 29 ms a step followed each other in one probe.
-
-    Example:
-        >>> ms = lambda *t: [x / 1000 for x in t]
-        >>> blocks = [("a", ms(20, 20)), ("b", ms(18, 18)), ("a", ms(30, 30)), ("b", ms(27, 27)), ("a", ms(20, 20))]
-        >>> {name: round(r, 3) for name, r in paired_ratios(blocks, "a", warmup=0).items()}
-        {'b': 0.9}
-    """
-    own: dict[str, list[float]] = {}
-    for name, times in blocks:
-        if times[warmup:]:
-            own.setdefault(name, []).append(statistics.median(times[warmup:]))
-    reference = own.get(current, [])
-    return {
-        name: statistics.median(m / r for m, r in zip(medians, reference, strict=False))
-        for name, medians in own.items()
-        if name != current and reference and medians
-    }
 
 
 def _free_steps(trainer: pl.Trainer, trials: CountedTrials) -> float:

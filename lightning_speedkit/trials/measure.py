@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lightning_speedkit.decisions import choose_setting, clearly_slower, loss_is_sound, probe_pays_back
+from lightning_speedkit.decisions import (
+    choose_setting,
+    clearly_slower,
+    loss_is_sound,
+    paired_ratios,
+    probe_pays_back,
+)
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
@@ -75,14 +81,15 @@ def measure(
     Follows the rules of `lightning_speedkit.decisions`: no probe when it cannot pay back within the run (`probe_cost`;
     the decision says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in
     place first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the
-    median of its timed steps over all rounds. A candidate that the first round shows clearly slower (`clearly_slower`:
-    by over three margins, at least 10%) is not timed again, and when all are, no second round runs. The fastest
-    candidate is chosen only if it beats the setting in place by ``margin``. With ``loss_tolerance``, a candidate whose
-    first-round losses are non-finite or clearly worse than the setting in place's is rejected. Every rank returns the
-    same decision; the caller applies it. ``after_reference`` (given the setting in place's first trial, each of its
-    steps' wait for data, the same on every rank, and the steps left before the probe) can end the probe there with
-    a reason: the setting in place is kept, no candidate tried (`lightning_speedkit.dataloader.DataLoaderTuner`: a
-    wait too short to repay the probe).
+    median of its timed steps over all rounds, and the decision weighs a candidate's against it round by round
+    (`lightning_speedkit.decisions.paired_ratios`: a load change between rounds cancels). A candidate that the first
+    round shows clearly slower (`clearly_slower`: by over three margins, at least 10%) is not timed again, and when all
+    are, no second round runs. The fastest candidate is chosen only if it beats the setting in place by ``margin``.
+    With ``loss_tolerance``, a candidate whose first-round losses are non-finite or clearly worse than the setting in
+    place's is rejected. Every rank returns the same decision; the caller applies it. ``after_reference`` (given the
+    setting in place's first trial, each of its steps' wait for data, the same on every rank, and the steps left
+    before the probe) can end the probe there with a reason: the setting in place is kept, no candidate tried
+    (`lightning_speedkit.dataloader.DataLoaderTuner`: a wait too short to repay the probe).
 
     Returns:
         The `Decision`; its ``extra`` holds ``steps_left``, ``dropped`` (candidates timed in the first round only) and
@@ -123,6 +130,12 @@ def measure(
         if problem or not all(r.fits for r in own):
             rejected[setting.name] = problem or next(r.error for r in own if not r.fits)
         step_s[setting.name] = statistics.median(timed) if timed and not problem else None
-    decision, reason = choose_setting(step_s, current.name, margin)
+    ratios = paired_ratios([(r.setting, r.step_s) for r in results if r.fits], current.name, warmup)
+    reference = step_s.get(current.name)
+    weighed = {
+        name: reference * ratios[name] if s is not None and reference is not None and name in ratios else s
+        for name, s in step_s.items()
+    }
+    decision, reason = choose_setting(weighed, current.name, margin)
     extra.update(dropped=dropped, trials=[result.as_dict() for result in results])
     return Decision(decision, reason, True, session.elapsed_s, step_s, rejected, "measured", extra)
