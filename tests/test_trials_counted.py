@@ -15,7 +15,7 @@ from conftest import TinyClassifier, tiny_trainer
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.decisions import paired_ratios
+from lightning_speedkit.dataloader.counted import LoaderTrials
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
 from lightning_speedkit.trials.counted import DROP_AFTER, EXTRA_ROUNDS
 
@@ -249,7 +249,8 @@ def _decided(
 
     ``free``: the steps the run has free for an extension (`EXTRA_ROUNDS`).
     """
-    monkeypatch.setattr(trials.counted, "_free_steps", lambda trainer, counted: free)
+    room = "now" if free >= 6 else None
+    monkeypatch.setattr(trials.counted.CountedTrials, "_extension_room", lambda self, trainer: room)
     trainer: Any = _Broadcast()
     counted = trials.counted.CountedTrials(AsIs("current"), [AsIs("candidate")], steps=3, margin=0.05, warmup=0)
     counted._clock = _Script([t / 1000 for t in times_ms])  # type: ignore[assignment]
@@ -322,7 +323,7 @@ def test_a_candidate_is_dropped_only_after_losing_two_rounds_clearly(
 
 
 class _AtStep:
-    """A Trainer stand-in at batch ``ready`` of an epoch of ``batches``: what `_free_steps` reads."""
+    """A Trainer stand-in at batch ``ready`` of an epoch of ``batches``: what `_extension_room` reads."""
 
     def __init__(self, batches: int, ready: int) -> None:
         self.num_training_batches = batches
@@ -330,36 +331,69 @@ class _AtStep:
         self.fit_loop = type("Loop", (), {"epoch_loop": type("Epoch", (), {"batch_progress": progress})()})()
 
 
-def test_an_extension_takes_only_the_steps_no_probe_queued_behind_needs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Free steps: the epoch's batches left (or the run's, if fewer), less the windows of the probes queued behind.
+def test_an_added_round_runs_now_only_in_steps_no_probe_queued_behind_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Now: in the epoch's steps (or the run's, if fewer) beyond the windows of the probes queued behind; else later.
 
-    The demo's shape: a layout probe decides at step 60 of a 125-batch epoch with the loader's probe (54 steps, which
-    must run in the first epoch) queued behind it: 11 steps free, too few for a round of two 10-step blocks.
+    The demo's shape: a layout probe ends its rounds at step 60 of a 125-batch epoch, with the loader's probe (54
+    steps, which must run in the first epoch) queued behind: 11 steps are free, too few for a round of two 10-step
+    blocks now, so it runs after the loader's probe. The loader's own added round must fit in the epoch, or none.
     """
     monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 800.0)
     trainer: Any = _AtStep(batches=125, ready=60)
     layout = trials.counted.CountedTrials(AsIs("nchw"), [AsIs("nhwc")], steps=10, margin=0.03)
-    loader = trials.counted.CountedTrials(AsIs("as built"), [AsIs("1 worker"), AsIs("2 workers")], steps=6, margin=0.05)
+    loader = LoaderTrials(AsIs("as built"), [AsIs("1 worker"), AsIs("2 workers")], steps=6, margin=0.05)
     layout.join(trainer)
     loader.join(trainer)
-    assert trials.counted._free_steps(trainer, layout) == 125 - 60 - 54
-    assert trials.counted._free_steps(trainer, loader) == 125 - 60
-    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 30.0)  # the run ends before the epoch does
-    assert trials.counted._free_steps(trainer, loader) == 30
+    assert layout._extension_room(trainer) == "later"
+    assert loader._extension_room(trainer) == "now"  # nothing behind it: 65 steps left in the epoch
+    assert loader._extension_room(_AtStep(batches=125, ready=120)) is None  # bound to the epoch: no "later"
+    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 60.0)  # the run ends first: nowhere
+    assert layout._extension_room(trainer) is None
 
 
-def test_rounds_are_weighed_as_pairs_so_a_load_change_between_them_cancels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A candidate 12% faster within two rounds of three, where the load moved between rounds, is seen as such.
+def test_an_added_round_waits_behind_the_probe_queued_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An added round that does not fit now runs after the probe queued behind has decided.
 
-    Medians pooled over the rounds would put it at 22 ms against 21 ms ("not faster"); by rounds it is 0.88 of the
-    setting in place in the median round. As a small gain that lost one round, it gets the added rounds to show it.
+    The second probe was promised the steps, so it runs and decides first; then the first's added round (the setting
+    in place, then the candidate), then its decision. The run trains as it would have without either probe.
     """
-    current, candidate = [21.0, 25.0, 21.0, 21.0, 21.0], [25.0, 22.0, 18.5, 18.5, 18.5]
-    times: list[float] = []
-    for ours, theirs in zip(current, candidate, strict=True):
-        times += [ours] * 3 + [theirs] * 3
-    decision, counted = _decided(times, monkeypatch, free=math.inf)
-    assert decision.decision == "candidate", decision.reason
-    assert "11.9% faster than current (margin 5%), in 4 of 5 rounds" in decision.reason  # 18.5 / 21
-    ratios = paired_ratios(counted.blocks[:6], "current", warmup=0)  # 25/21, 22/25, 18.5/21
-    assert ratios == {"candidate": pytest.approx(18.5 / 21.0)}
+    first, second = _TestLever(), _OtherLever()
+    original = trials.counted.CountedTrials._to_confirm
+    asked: list[bool] = []
+
+    def once(self: trials.counted.CountedTrials) -> str | None:
+        if self is first._counted and not asked:
+            asked.append(True)
+            return "fast"
+        return None if self is first._counted else original(self)
+
+    monkeypatch.setattr(trials.counted.CountedTrials, "_to_confirm", once)
+    plain_model, plain = _fit(tmp_path / "plain", [plain_record := _Record()])
+    order = _DecidedOrder(first, second)
+    model, trainer = _fit(tmp_path / "probed", [first, second, order, record := _Record()])
+    assert order.decided == [second, first]
+    blocks = [b["setting"] for b in first.report()["blocks"]]
+    assert blocks[-2:] == ["as is", "fast"]
+    assert len(blocks) > 6
+    assert "(1 round added: it had lost one)" in first.report()["reason"]
+    assert (trainer.global_step, record.steps) == (plain.global_step, plain_record.steps)
+    assert record.samples == plain_record.samples
+    for a, b in zip(model.state_dict().values(), plain_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _OtherLever(_TestLever):
+    """A second lever of the same kind, with its own state key."""
+
+
+class _DecidedOrder(L.Callback):
+    """The order in which the given levers' decisions appear, checked after every training step."""
+
+    def __init__(self, *levers: _TestLever) -> None:
+        self.levers, self.decided = levers, []  # type: ignore[var-annotated]
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for lever in self.levers:
+            if lever not in self.decided and lever.report().get("decision") is not None:
+                self.decided.append(lever)

@@ -31,8 +31,10 @@ class CountedCompile(CountedTrials):
     Beside the step times it keeps each block's losses (for the compiled loss check), stops after the first eager
     block when no speed-up could repay a compile (`compile_worth_probing`) and after a block in which compiling failed
     on any rank, and concludes with `compile_pays_back` (the compile seconds against the saving over the steps left),
-    not with a plain step-time margin.
+    not with a plain step-time margin; so it adds no rounds (``extra_rounds`` 0).
     """
+
+    extra_rounds = 0
 
     def __init__(self, callback: Compile, compiled: _Compiled, left: float) -> None:
         super().__init__(trials.AsIs(EAGER), [compiled], callback.probe_steps, callback.margin, warmup=1)

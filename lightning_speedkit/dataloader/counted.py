@@ -184,8 +184,11 @@ class LoaderTrials(CountedTrials):
     - After a worker candidate's first block, the candidates with more workers (and the same pinning) are left out
       when `more_workers_cannot_win`.
 
-    Rank zero's timings decide; every rank keeps or drops the same settings.
+    Rank zero's timings decide; every rank keeps or drops the same settings. Its blocks are served by `CountedLoader`
+    over the first epoch, so a round it adds must fit there (``EPOCH_BOUND``).
     """
+
+    EPOCH_BOUND = True
 
     @override
     def block_ended(self, trainer: pl.Trainer) -> Decision | None:

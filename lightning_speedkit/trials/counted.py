@@ -115,6 +115,11 @@ class CountedTrials:
         rounds: Blocks per setting.
     """
 
+    EPOCH_BOUND = False
+    """Whether every block must run inside the first epoch (a loader's probe); then no round is added after others."""
+    extra_rounds = EXTRA_ROUNDS
+    """Rounds a small gain that lost one round may add (`EXTRA_ROUNDS`; 0 for a probe concluded by its own rules)."""
+
     def __init__(
         self,
         current: Setting,
@@ -220,13 +225,17 @@ class CountedTrials:
         """Queue the next round's blocks, or none when the probe is over.
 
         A candidate clearly slower in each of the first `DROP_AFTER` rounds gets no more blocks. After the last round,
-        a small gain that lost one round gets another round against the setting in place (`EXTRA_ROUNDS`).
+        a small gain that lost one round gets another round against the setting in place (`EXTRA_ROUNDS`): now, when
+        the steps are free; else after the probes queued behind, when the run has the steps (`_extension_room`).
         """
         if self._round >= self.rounds:
-            leader = trainer.strategy.broadcast(self._to_confirm(trainer), src=0)  # rank zero's timings decide
-            if leader is not None:
+            leader = trainer.strategy.broadcast(self._to_confirm(), src=0)  # rank zero's timings decide
+            where = trainer.strategy.broadcast(self._extension_room(trainer), src=0) if leader else None
+            if leader is not None and where is not None:
                 self._round += 1
                 self._queue = [s for s in self.settings if s.name in (self.current.name, leader)]
+                if where == "later":
+                    self._go_last(trainer)
             return
         if self._round == DROP_AFTER:
             slower = trainer.strategy.broadcast(self._slower_every_round(), src=0)
@@ -234,6 +243,33 @@ class CountedTrials:
         self._round += 1
         kept = [s for s in self.settings if s.name not in self._dropped]
         self._queue = kept if len(kept) > 1 else []
+
+    def _extension_room(self, trainer: pl.Trainer) -> str | None:
+        """Where an added round fits: ``"now"``, ``"later"`` (after the probes queued behind) or None.
+
+        A probe queued behind was promised its window at fit start, and a loader's must run inside the first epoch
+        (``EPOCH_BOUND``, `lightning_speedkit.dataloader.counted.CountedLoader`): a round runs now only in the steps
+        they leave free in this epoch; else, unless this probe is itself bound to the epoch, after them, when the
+        run has the steps. Meanwhile the setting in place trains.
+        """
+        queue = _QUEUES.get(trainer, [])
+        behind = queue[queue.index(self) + 1 :] if self in queue else []
+        need, claimed = 2 * self.steps, sum(t.window for t in behind)
+        run_left = steps_left(trainer)
+        epoch_left = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if min(float(epoch_left), run_left) - claimed >= need:
+            return "now"
+        if behind and not self.EPOCH_BOUND and run_left - claimed >= need:
+            return "later"
+        return None
+
+    def _go_last(self, trainer: pl.Trainer) -> None:
+        """Put the setting in place back and let the probes queued behind run first; this one resumes after them."""
+        if self._active is not None:
+            self._active.revert(trainer)
+            self._active = None
+        self._leave(trainer)
+        self.join(trainer)
 
     def _block_medians(self) -> dict[str, list[float]]:
         """Each setting's block medians in the order they ran (its k-th is its k-th round), warm-up steps left out."""
@@ -265,9 +301,9 @@ class CountedTrials:
             estimates.update({self.current.name: reference, **{n: reference * r for n, r in ratios.items()}})
         return estimates
 
-    def _to_confirm(self, trainer: pl.Trainer) -> str | None:
-        """The candidate to give another round: a small gain that lost exactly one round, steps free for it."""
-        if self._round >= self.rounds + EXTRA_ROUNDS:
+    def _to_confirm(self) -> str | None:
+        """The candidate to give another round: a small gain that lost exactly one round (`EXTRA_ROUNDS`)."""
+        if self._round >= self.rounds + self.extra_rounds:
             return None
         step_s = self._estimates()
         leader, _ = choose_setting(step_s, self.current.name, self.margin)
@@ -276,9 +312,7 @@ class CountedTrials:
         if 1.0 - (step_s[leader] or 0.0) / (step_s[self.current.name] or 1.0) >= CONSISTENT * self.margin:
             return None
         wins, rounds = round_wins(self.blocks, self.current.name, leader, self.warmup)
-        if rounds - wins != 1:
-            return None
-        return leader if _free_steps(trainer, self) >= 2 * self.steps else None
+        return leader if rounds - wins == 1 else None
 
     def stop(self, trainer: pl.Trainer) -> None:
         """Put the setting in place back (the caller then applies the decision, or keeps it); leave the queue."""
@@ -299,7 +333,8 @@ class CountedTrials:
             wins, rounds = trainer.strategy.broadcast(
                 round_wins(self.blocks, self.current.name, decision, self.warmup), 0
             )
-            confirmed = wins == rounds or (wins == rounds - 1 and rounds >= self.rounds + EXTRA_ROUNDS)
+            extended = self.extra_rounds > 0 and rounds >= self.rounds + self.extra_rounds
+            confirmed = wins == rounds or (wins == rounds - 1 and extended)
             if not confirmed:
                 reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
                 decision = self.current.name
@@ -349,18 +384,6 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
     }
     pairs = list(zip(own[current], own[candidate], strict=False))
     return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
-
-
-def _free_steps(trainer: pl.Trainer, trials: CountedTrials) -> float:
-    """Training steps this epoch (and run) has left beyond the windows of the counted probes queued behind ``trials``.
-
-    A loader's counted probe must run inside the first epoch (`lightning_speedkit.dataloader.counted.CountedLoader`),
-    and each probe was promised its window when it joined: an extension takes only the steps nobody needs.
-    """
-    queue = _QUEUES.get(trainer, [])
-    behind = queue[queue.index(trials) + 1 :] if trials in queue else []
-    in_epoch = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_progress.current.ready
-    return min(float(in_epoch), steps_left(trainer)) - sum(t.window for t in behind)
 
 
 def _median(times: list[float]) -> float | None:
