@@ -32,6 +32,7 @@ __all__ = [
     "loss_is_sound",
     "paired_ratios",
     "probe_pays_back",
+    "round_ratios",
 ]
 
 
@@ -117,13 +118,24 @@ def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmu
         >>> {name: round(r, 3) for name, r in paired_ratios(blocks, "a", warmup=0).items()}
         {'b': 0.9}
     """
+    return {name: statistics.median(ratios) for name, ratios in round_ratios(blocks, current, warmup).items()}
+
+
+def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int) -> dict[str, list[float]]:
+    """Each candidate's ratio to ``current`` in every round both ran (`paired_ratios` takes their median).
+
+    Example:
+        >>> blocks = [("a", [2.0]), ("b", [1.0]), ("a", [2.0]), ("b", [3.0])]
+        >>> round_ratios(blocks, "a", warmup=0)
+        {'b': [0.5, 1.5]}
+    """
     own: dict[str, list[float]] = {}
     for name, times in blocks:
         if times[warmup:]:
             own.setdefault(name, []).append(statistics.median(times[warmup:]))
     reference = own.get(current, [])
     return {
-        name: statistics.median(m / r for m, r in zip(medians, reference, strict=False))
+        name: [m / r for m, r in zip(medians, reference, strict=False)]
         for name, medians in own.items()
         if name != current and reference and medians
     }

@@ -242,10 +242,59 @@ def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_pa
     assert names[:3] == ["as is", "slow", "again"]  # the first round times every setting
     if "again" in lever.report["dropped"]:  # its twin can lose a round of ~1 ms steps by chance on a busy machine
         assert names[3:] == []
-    else:
-        assert names[3:] == ["as is", "again"]
+    else:  # a third round when its twin won one round and lost the other (a coin toss)
+        assert names[3:] in (["as is", "again"], ["as is", "again"] * 2)
+        assert (len(names) > 5) == (lever.report["added_rounds"] == 1)
     assert lever.report["decision"] != "slow"  # "as is" or its twin "again": two equal settings, a coin toss
     assert lever.report["step_s"]["slow"] > lever.report["step_s"]["as is"]
+
+
+class _Nap(L.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+class _Steady(Setting):
+    """The setting in place of the next test: every step sleeps 20 ms."""
+
+    name = "steady"
+
+    @override
+    def callbacks(self) -> list[L.Callback]:
+        return [_Nap(0.02)]
+
+
+class _LoadedSecondRound(Setting):
+    """A candidate far faster than `_Steady`, but for its second trial, whose steps sleep 40 ms (a load spike)."""
+
+    name = "faster"
+
+    def __init__(self) -> None:
+        self.trials = 0
+
+    @override
+    def callbacks(self) -> list[L.Callback]:
+        self.trials += 1
+        return [_Nap(0.04 if self.trials == 2 else 0.0)]
+
+
+def test_a_third_round_runs_when_the_leading_candidates_rounds_disagree(tmp_path: Path) -> None:
+    """Faster in round one, slower in round two: one more round of both, and the median of three rounds decides."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            candidate = _LoadedSecondRound()
+            self.report = measure(trainer, _Steady(), [candidate], 3, margin=0.05, max_gain=0.5).as_dict()
+
+    lever = Lever()
+    tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
+    assert [t["setting"] for t in lever.report["trials"]] == ["steady", "faster"] * 3
+    assert lever.report["added_rounds"] == 1
+    assert lever.report["decision"] == "faster"
+    assert lever.report["reason"].endswith("(a round added: the leading candidate's rounds disagreed)")
 
 
 def test_when_every_candidate_is_clearly_slower_no_second_round_runs(tmp_path: Path) -> None:
