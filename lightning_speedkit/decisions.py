@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
 __all__ = [
+    "block_medians",
     "check_margin",
     "check_probe_steps",
     "choose_setting",
@@ -33,6 +34,7 @@ __all__ = [
     "paired_ratios",
     "probe_pays_back",
     "round_ratios",
+    "weigh_by_rounds",
 ]
 
 
@@ -121,6 +123,39 @@ def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmu
     return {name: statistics.median(ratios) for name, ratios in round_ratios(blocks, current, warmup).items()}
 
 
+def block_medians(blocks: Sequence[tuple[str, list[float]]], warmup: int) -> dict[str, list[float]]:
+    """Each setting's block medians in the order its blocks ran: its k-th is its k-th round.
+
+    Each block's first ``warmup`` steps are left out; a block with no step after them has no median.
+
+    Example:
+        >>> block_medians([("a", [9.0, 2.0, 4.0]), ("b", [9.0]), ("a", [9.0, 6.0])], warmup=1)
+        {'a': [3.0, 6.0]}
+    """
+    own: dict[str, list[float]] = {}
+    for name, times in blocks:
+        if times[warmup:]:
+            own.setdefault(name, []).append(statistics.median(times[warmup:]))
+    return own
+
+
+def weigh_by_rounds(
+    step_s: Mapping[str, float | None], blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int
+) -> dict[str, float | None]:
+    """``step_s`` as a decision weighs it: each timed candidate's replaced by ``current``'s times its `paired_ratios`.
+
+    Example:
+        >>> blocks = [("a", [2.0]), ("b", [1.0]), ("a", [4.0]), ("b", [3.0])]
+        >>> weigh_by_rounds({"a": 3.0, "b": 2.0, "c": None}, blocks, "a", warmup=0)
+        {'a': 3.0, 'b': 1.875, 'c': None}
+    """
+    ratios, reference = paired_ratios(blocks, current, warmup), step_s.get(current)
+    return {
+        name: reference * ratios[name] if s is not None and reference is not None and name in ratios else s
+        for name, s in step_s.items()
+    }
+
+
 def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int) -> dict[str, list[float]]:
     """Each candidate's ratio to ``current`` in every round both ran (`paired_ratios` takes their median).
 
@@ -129,10 +164,7 @@ def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup
         >>> round_ratios(blocks, "a", warmup=0)
         {'b': [0.5, 1.5]}
     """
-    own: dict[str, list[float]] = {}
-    for name, times in blocks:
-        if times[warmup:]:
-            own.setdefault(name, []).append(statistics.median(times[warmup:]))
+    own = block_medians(blocks, warmup)
     reference = own.get(current, [])
     return {
         name: [m / r for m, r in zip(medians, reference, strict=False)]

@@ -28,7 +28,13 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_speedkit.decisions import choose_setting, clearly_slower, paired_ratios
+from lightning_speedkit.decisions import (
+    block_medians,
+    choose_setting,
+    clearly_slower,
+    round_ratios,
+    weigh_by_rounds,
+)
 from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.measure import steps_left
@@ -271,17 +277,9 @@ class CountedTrials:
         self._leave(trainer)
         self.join(trainer)
 
-    def _block_medians(self) -> dict[str, list[float]]:
-        """Each setting's block medians in the order they ran (its k-th is its k-th round), warm-up steps left out."""
-        medians: dict[str, list[float]] = {s.name: [] for s in self.settings}
-        for name, times in self.blocks:
-            if times[self.warmup :]:
-                medians[name].append(statistics.median(times[self.warmup :]))
-        return medians
-
     def _slower_every_round(self) -> list[str]:
         """The candidates `clearly_slower` than the setting in place in each of the first `DROP_AFTER` rounds."""
-        medians = self._block_medians()
+        medians = block_medians(self.blocks, self.warmup)
         slower: set[str] | None = None
         for k in range(DROP_AFTER):
             this_round = {name: m[k] if len(m) > k else None for name, m in medians.items()}
@@ -289,17 +287,13 @@ class CountedTrials:
             slower = found if slower is None else slower & found
         return sorted(slower or ())
 
-    def _estimates(self) -> dict[str, float | None]:
-        """Each setting's step time as the decision weighs it (None for a setting without a timed block).
+    def _medians(self) -> dict[str, float | None]:
+        """Each setting's median timed step over all its blocks (None before it has one): what the decision reports."""
+        return {name: _median(times) for name, times in self.times.items()}
 
-        The setting in place's median step; each candidate's is that times its `paired_ratios` entry.
-        """
-        reference = _median(self.times[self.current.name])
-        ratios = paired_ratios(self.blocks, self.current.name, self.warmup)
-        estimates: dict[str, float | None] = dict.fromkeys(self.times)
-        if reference is not None:
-            estimates.update({self.current.name: reference, **{n: reference * r for n, r in ratios.items()}})
-        return estimates
+    def _estimates(self) -> dict[str, float | None]:
+        """Each setting's step time as the decision weighs it, round by round (`decisions.weigh_by_rounds`)."""
+        return weigh_by_rounds(self._medians(), self.blocks, self.current.name, self.warmup)
 
     def _to_confirm(self) -> str | None:
         """The candidate to give another round: a small gain that lost exactly one round (`EXTRA_ROUNDS`)."""
@@ -324,9 +318,7 @@ class CountedTrials:
     def _decide(self, trainer: pl.Trainer) -> Decision:
         self.stop(trainer)
         step_s: dict[str, float | None]
-        step_s, weighed = trainer.strategy.broadcast(
-            ({name: _median(times) for name, times in self.times.items()}, self._estimates()), src=0
-        )
+        step_s, weighed = trainer.strategy.broadcast((self._medians(), self._estimates()), src=0)
         decision, reason = choose_setting(weighed, self.current.name, self.margin)
         gain = 1.0 - (weighed.get(decision) or 0.0) / (weighed.get(self.current.name) or 1.0)
         if decision != self.current.name and gain < CONSISTENT * self.margin:  # a small gain must hold in every round
@@ -378,12 +370,8 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
         >>> round_wins(blocks, "a", "b", warmup=0)
         (1, 2)
     """
-    own = {
-        name: [statistics.median(times[warmup:]) for n, times in blocks if n == name and times[warmup:]]
-        for name in (current, candidate)
-    }
-    pairs = list(zip(own[current], own[candidate], strict=False))
-    return sum(1 for reference, tried in pairs if tried < reference), len(pairs)
+    ratios = round_ratios(blocks, current, warmup).get(candidate, [])
+    return sum(1 for ratio in ratios if ratio < 1.0), len(ratios)
 
 
 def _median(times: list[float]) -> float | None:

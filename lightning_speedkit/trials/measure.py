@@ -15,9 +15,9 @@ from lightning_speedkit.decisions import (
     choose_setting,
     clearly_slower,
     loss_is_sound,
-    paired_ratios,
     probe_pays_back,
     round_ratios,
+    weigh_by_rounds,
 )
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.trials.lever import Decision
@@ -83,7 +83,7 @@ def measure(
     the decision says so); otherwise, in one `TrialSession`, ``rounds`` rounds of one trial per setting (the setting in
     place first), interleaved so that drift on a shared machine hits every setting alike; each setting's time is the
     median of its timed steps over all rounds, and the decision weighs a candidate's against it round by round
-    (`lightning_speedkit.decisions.paired_ratios`: a load change between rounds cancels). A candidate that the first
+    (`lightning_speedkit.decisions.weigh_by_rounds`: a load change between rounds cancels). A candidate that the first
     round shows clearly slower (`clearly_slower`: by over three margins, at least 10%) is not timed again, and when all
     are, no second round runs. When the leading candidate was faster in one round and not in another, one more round
     of it and the setting in place runs, if the probe still pays back (`_split_leader`). The fastest candidate is
@@ -137,12 +137,7 @@ def measure(
         if problem or not all(r.fits for r in own):
             rejected[setting.name] = problem or next(r.error for r in own if not r.fits)
         step_s[setting.name] = statistics.median(timed) if timed and not problem else None
-    ratios = paired_ratios([(r.setting, r.step_s) for r in results if r.fits], current.name, warmup)
-    reference = step_s.get(current.name)
-    weighed = {
-        name: reference * ratios[name] if s is not None and reference is not None and name in ratios else s
-        for name, s in step_s.items()
-    }
+    weighed = weigh_by_rounds(step_s, [(r.setting, r.step_s) for r in results if r.fits], current.name, warmup)
     decision, reason = choose_setting(weighed, current.name, margin)
     if added:
         reason += " (a round added: the leading candidate's rounds disagreed)"
