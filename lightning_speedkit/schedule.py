@@ -10,16 +10,32 @@ the LR from the first step after warmup, so its mean LR over the run is half the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from lightning_speedkit.checks import check_choice, is_int, is_number
 
-__all__ = ["DECAYS", "check_cooldown", "check_schedule", "check_warmup", "decay_progress", "factor_at", "warmup_factor"]
+__all__ = [
+    "DECAYS",
+    "check_cooldown",
+    "check_schedule",
+    "check_warmup",
+    "cooldown_start",
+    "decay_progress",
+    "factor_at",
+    "still_falling",
+    "warmup_factor",
+]
 
 DECAYS = ("wsd", "constant", "cosine", "linear")
 """The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept; the first is the
 default."""
 
 _BUDGETED = ("wsd", "cosine", "linear")
+
+FALLING_Z = 3.0
+"""`still_falling`: standard errors by which the second half's mean loss must lie below the first half's."""
+FALLING_DROP = 0.02
+"""`still_falling`: the relative drop of the mean loss below which the loss counts as flat, whatever its noise."""
 
 
 def check_warmup(warmup: int | float) -> None:
@@ -68,6 +84,47 @@ def check_schedule(
     check_cooldown(cooldown)
 
 
+def cooldown_start(warmup_steps: int, total_steps: int, cooldown: float) -> int:
+    """The first step of a ``"wsd"`` cool-down over the last ``cooldown`` of ``total_steps``, never inside the warmup.
+
+    Example:
+        >>> cooldown_start(0, 900, 0.2), cooldown_start(850, 900, 0.2)
+        (720, 850)
+    """
+    return max(warmup_steps, total_steps - round(cooldown * total_steps))
+
+
+def still_falling(losses: Sequence[float], z: float = FALLING_Z, min_drop: float = FALLING_DROP) -> tuple[bool, float]:
+    """Whether the loss still falls over ``losses`` (training losses in step order) at a constant LR.
+
+    The mean of the second half is compared with the first half's: the loss still falls when it is lower by more
+    than ``z`` standard errors of that difference and by more than ``min_drop`` of the first half's mean. A run
+    whose loss still falls at its peak LR is limited by that LR, not by the noise a cool-down takes out: cooling
+    down would slow it. A non-finite loss, or fewer than 8 values, says no.
+
+    Returns:
+        ``(falling, drop)``: the verdict and the relative drop of the mean, ``(first - second) / first``.
+
+    Example:
+        >>> import random
+        >>> rng = random.Random(0)
+        >>> falling = [1.0 - 0.002 * k + rng.gauss(0, 0.05) for k in range(200)]
+        >>> flat = [0.6 + rng.gauss(0, 0.05) for k in range(200)]
+        >>> still_falling(falling)[0], still_falling(flat)[0]
+        (True, False)
+    """
+    half = len(losses) // 2
+    if half < 4 or not all(math.isfinite(v) for v in losses):
+        return False, 0.0
+    first, second = losses[:half], losses[-half:]
+    mean_first, mean_second = math.fsum(first) / half, math.fsum(second) / half
+    spread = sum((v - mean_first) ** 2 for v in first) + sum((v - mean_second) ** 2 for v in second)
+    error = math.sqrt(spread / (2 * half - 2) * 2 / half)
+    drop = mean_first - mean_second
+    relative = drop / abs(mean_first) if mean_first else 0.0
+    return drop > z * error and relative > min_drop, round(relative, 4)
+
+
 def decay_progress(
     step: int,
     warmup_steps: int,
@@ -93,7 +150,7 @@ def decay_progress(
         return 0.0
     span_start = warmup_steps
     if decay == "wsd" and total_steps is not None:
-        span_start = max(warmup_steps, total_steps - round(cooldown * total_steps))
+        span_start = cooldown_start(warmup_steps, total_steps, cooldown)
     by_steps = 0.0
     if total_steps is not None and step >= span_start:
         by_steps = 1.0 if total_steps <= span_start else (step - span_start) / (total_steps - span_start)

@@ -11,11 +11,12 @@ from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_speedkit.checks import is_int
+from lightning_speedkit.checks import check_bool, is_int
+from lightning_speedkit.cooldown import CooldownCheck, check_window
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
-from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
+from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.schedule import (
     DECAYS,
     check_cooldown,
@@ -78,6 +79,11 @@ class WarmupScheduler(LeanCallback):
         min_lr_ratio: Floor of the decay as a fraction of the base LR, in [0, 1].
         cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
         start_factor: Multiplier at the first warmup step, in [0, 1].
+        cooldown_check: For ``"wsd"`` with a step budget: before the cool-down, look at the training loss over as
+            many steps as the cool-down takes (reduced over ranks, so every rank decides alike), and hold the LR to
+            the end instead when it still falls there (`lightning_speedkit.schedule.still_falling`): such a run is
+            limited by its LR, and cooling down would slow it (with the check, the run at your LR is then the
+            constant-LR run). ``report()["cooldown_check"]`` says what it found.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
@@ -101,8 +107,10 @@ class WarmupScheduler(LeanCallback):
         min_lr_ratio: float = 0.0,
         start_factor: float = 0.0,
         cooldown: float = 0.2,
+        cooldown_check: bool = True,
     ) -> None:
         check_warmup(warmup)
+        self.cooldown_check = check_bool("cooldown_check", cooldown_check)
         steps = warmup if isinstance(warmup, int) else 0
         check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown))
         self.cooldown = float(cooldown)
@@ -119,6 +127,7 @@ class WarmupScheduler(LeanCallback):
         self._handles: list[RemovableHandle] = []
         self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
         self._warned_overwrite = False
+        self._check = CooldownCheck()
 
     @property
     @override
@@ -131,12 +140,14 @@ class WarmupScheduler(LeanCallback):
             min_lr_ratio=self.min_lr_ratio,
             start_factor=self.start_factor,
             cooldown=self.cooldown,
+            cooldown_check=self.cooldown_check,
         )
 
     state_spec: ClassVar[StateSpec] = {
         "warmup": (int, float),
         "total_steps": (int, None),
         "schedule": (None, {"warmup_steps": int, "total_steps": (int, None), "start_step": int}),
+        "cooldown_check": {"losses": ListOf(float), "held": (None, bool), "drop": (None, float)},
     }
     """What a checkpoint may hold for the warmup (checked before anything is restored: `lightning_speedkit.restore`)."""
 
@@ -146,6 +157,8 @@ class WarmupScheduler(LeanCallback):
         if stage == "fit":  # a checkpoint's state, if any, is loaded after this
             self._warmup_spec, self._total_spec, self._schedule = self.warmup, self.total_steps, None
             self._warned_overwrite = False
+            self._check = CooldownCheck()
+            self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
     @override
     def on_train_batch_start(
@@ -164,6 +177,19 @@ class WarmupScheduler(LeanCallback):
             self._attached = list(trainer.optimizers)
 
     @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        window = self._check_window()
+        if window is None or self._schedule is None:
+            if self._schedule is not None:
+                self._skip_hooks(("on_train_batch_end",), WarmupScheduler)  # nothing (more) to watch in this fit
+            return
+        done = trainer.global_step - self._schedule.start_step  # the schedule's optimizer steps, this batch's included
+        if window[0] < done <= window[1]:
+            self._check.watch(trainer, outputs)
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._detach()
 
@@ -174,7 +200,12 @@ class WarmupScheduler(LeanCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         schedule = None if self._schedule is None else self._schedule._asdict()
-        return {"warmup": self._warmup_spec, "total_steps": self._total_spec, "schedule": schedule}
+        return {
+            "warmup": self._warmup_spec,
+            "total_steps": self._total_spec,
+            "schedule": schedule,
+            "cooldown_check": self._check.state(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -184,6 +215,7 @@ class WarmupScheduler(LeanCallback):
         self._schedule = None
         if schedule is not None:
             self._schedule = _Schedule(schedule["warmup_steps"], schedule["total_steps"], schedule["start_step"])
+        self._check = CooldownCheck.from_state(state_dict.get("cooldown_check"))
 
     @property
     def schedule(self) -> tuple[int, int | None, int] | None:
@@ -195,8 +227,10 @@ class WarmupScheduler(LeanCallback):
         """The schedule as a plain dict: what was asked and, once resolved, the steps it runs.
 
         Keys: ``warmup`` and ``total_steps`` (as asked, or as set by a finder or pruning), ``decay``,
-        ``min_lr_ratio``, ``start_factor`` and ``resolved`` (``warmup_steps``, ``total_steps``, ``start_step``; None
-        before the first training batch).
+        ``min_lr_ratio``, ``start_factor``, ``resolved`` (``warmup_steps``, ``total_steps``, ``start_step``; None
+        before the first training batch) and ``cooldown_check`` (``enabled``; ``held``: None until the cool-down's
+        first step, then whether the LR was held because the loss still fell; ``drop``: the relative fall of the
+        mean loss over the steps watched; ``steps``: how many were watched).
         """
         return {
             "warmup": self._warmup_spec,
@@ -206,6 +240,7 @@ class WarmupScheduler(LeanCallback):
             "start_factor": self.start_factor,
             "cooldown": self.cooldown,
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
+            "cooldown_check": self._check.report(self.cooldown_check),
         }
 
     def factor(self, step: int) -> float:
@@ -220,7 +255,7 @@ class WarmupScheduler(LeanCallback):
             self.decay,
             self.min_lr_ratio,
             self.start_factor,
-            self.cooldown,
+            0.0 if self._check.held else self.cooldown,  # held: the LR stays at its peak to the end
             self._time_fraction,
         )
 
@@ -243,6 +278,27 @@ class WarmupScheduler(LeanCallback):
             steps = warmup if isinstance(warmup, int) else 0
             check_schedule(steps, total_steps, "constant", 0.0, 0.0, "warmup")
         self._warmup_spec, self._total_spec, self._schedule = warmup, total_steps, None
+        self._check = CooldownCheck()
+        self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
+
+    def _check_window(self) -> tuple[int, int] | None:
+        """`lightning_speedkit.cooldown.check_window` of this schedule, or None: no check to make (any more).
+
+        None when the check is off or decided, the decay is not ``"wsd"``, or there is no step budget (a time budget
+        cools down by the clock).
+        """
+        s = self._schedule
+        if not self.cooldown_check or self._check.held is not None or s is None or s.total_steps is None:
+            return None
+        if self.decay != "wsd" or self._time_fraction is not None:
+            return None
+        return check_window(s.warmup_steps, s.total_steps, self.cooldown)
+
+    def _decide_cooldown(self, step: int) -> None:
+        """At the cool-down's first step: hold the LR when the loss watched before it still falls."""
+        window = self._check_window()
+        if window is not None and self._schedule is not None and step - self._schedule.start_step >= window[1]:
+            rank_zero_info(f"WarmupScheduler: {self._check.decide()}.")
 
     def _resolve(self, trainer: pl.Trainer) -> None:
         start, total, warmup = trainer.global_step, self._total_spec, self._warmup_spec
@@ -278,6 +334,8 @@ class WarmupScheduler(LeanCallback):
         if self._schedule is None:
             return
         step = trainer.global_step
+        if self._check.held is None:
+            self._decide_cooldown(step)
         factor = self.factor(step)
         originals = [group["lr"] for group in optimizer.param_groups]
         written = [lr * factor for lr in originals]

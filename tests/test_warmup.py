@@ -187,6 +187,7 @@ def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str)
         ({"cooldown": 1.5}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got 1.5"),
         ({"cooldown": "0.2"}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got '0.2'"),
         ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
+        ({"cooldown_check": "yes"}, "`cooldown_check` must be True or False, got 'yes'"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -459,6 +460,87 @@ def test_resume_mid_warmup_gives_the_uninterrupted_lr_sequence(tmp_path: Path, s
     assert [step for step, _, _ in resumed_steps] == list(range(3, 16))
     assert resumed_steps == full_steps[3:]  # exactly equal, not approximately
     assert resumed[0].schedule == full[0].schedule == (6, 16, 0)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the cool-down check
+
+
+class FlatLoss(TinyClassifier):
+    """A loss learning cannot move: its batch's mean label (noise around a level), with zero gradients."""
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self(x) * 0).sum() + y.float().mean()
+
+
+def full_batch(lr: float) -> TinyClassifier:
+    """TinyClassifier at ``lr`` on one batch of all 64 samples a step: its loss falls smoothly, step after step."""
+    L.seed_everything(0, verbose=False)
+    return TinyClassifier(lr=lr, batch_size=64)
+
+
+def test_the_lr_is_held_to_the_end_while_the_loss_still_falls(tmp_path: Path) -> None:
+    """While gradient descent at a low LR still lowers the loss before the cool-down, the LR is held to the end.
+
+    The fit is then exactly the fit without the scheduler: the same LRs, the same weights.
+    """
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
+    checked = full_batch(0.05)  # seeded, like `plain`: the same weights and the same shuffles
+    fit(tmp_path, checked, warmup, recorder, max_epochs=40)  # 40 steps: watches steps 0-19, decides at step 20
+    plain = full_batch(0.05)
+    fit(tmp_path, plain, max_epochs=40)
+    check = warmup.report()["cooldown_check"]
+    assert check["held"] is True
+    assert check["steps"] == 20
+    assert check["drop"] > 0.02
+    assert recorder.lrs() == [0.05] * 40
+    assert all(torch.equal(a, b) for a, b in zip(checked.parameters(), plain.parameters(), strict=True))
+
+
+def test_the_cool_down_runs_when_the_loss_has_flattened(tmp_path: Path) -> None:
+    """A loss that only wanders around its level before the cool-down: the 1-sqrt cool-down runs as planned."""
+    L.seed_everything(0, verbose=False)
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
+    fit(tmp_path, FlatLoss(), warmup, recorder, max_epochs=10)  # 80 steps: watches 0-39, decides at step 40
+    assert warmup.report()["cooldown_check"] == {
+        "enabled": True,
+        "held": False,
+        "drop": pytest.approx(0, abs=0.1),
+        "steps": 40,
+    }
+    assert recorder.lrs()[:40] == [BASE_LR] * 40
+    assert recorder.lrs()[40:] == pytest.approx([BASE_LR * (1 - ((k - 40) / 40) ** 0.5) for k in range(40, 80)])
+
+
+def test_without_the_check_the_cool_down_runs_even_while_the_loss_falls(tmp_path: Path) -> None:
+    """``cooldown_check=False`` cools down on schedule whatever the loss does, and watches nothing."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check=False)
+    fit(tmp_path, full_batch(0.05), warmup, recorder, max_epochs=40)
+    assert recorder.lrs()[20:] == pytest.approx([0.05 * (1 - ((k - 20) / 20) ** 0.5) for k in range(20, 40)])
+    assert warmup.report()["cooldown_check"] == {"enabled": False, "held": None, "drop": None, "steps": 0}
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+def test_a_resume_while_the_check_watches_keeps_the_losses_watched(tmp_path: Path) -> None:
+    """A checkpoint taken while the check watches carries the losses it saw.
+
+    The resumed fit decides on all 40 steps, as the uninterrupted fit does, and applies the same LRs from the
+    checkpoint on.
+    """
+
+    def run(*callbacks: Callback, ckpt_path: str | None = None) -> None:
+        L.seed_everything(0, verbose=False)
+        fit(tmp_path, FlatLoss(), *callbacks, max_epochs=10, ckpt_path=ckpt_path, enable_checkpointing=True)
+
+    full = [WarmupScheduler(cooldown=0.5), LRRecorder()]
+    run(*full, ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1, filename="{step}"))
+    resumed = [WarmupScheduler(cooldown=0.5), LRRecorder()]
+    run(*resumed, ckpt_path=str(tmp_path / "ckpt" / "step=16.ckpt"))
+    reports = [r[0].report()["cooldown_check"] for r in (full, resumed)]  # type: ignore[attr-defined]
+    assert [r["steps"] for r in reports] == [40, 40]
+    assert [r["held"] for r in reports] == [False, False]
+    assert resumed[1].steps == full[1].steps[16:]  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow

@@ -282,6 +282,8 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         length = f"{asked:.0%}" if isinstance(asked, float) else f"{asked} steps"
         length = f"{resolved[0]} steps" if resolved is not None else length
         decay = f"wsd (cool-down {warmup.cooldown:.0%})" if warmup.decay == "wsd" else warmup.decay
+        if warmup.report()["cooldown_check"]["held"]:
+            decay = f"wsd (LR held: the loss still fell before the {warmup.cooldown:.0%} cool-down)"
         schedule = f"warmup {length}, {decay}"
     layout = reports.get("ChannelsLast", {})
     return {

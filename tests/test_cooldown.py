@@ -1,0 +1,81 @@
+"""The cool-down check's pure parts: the verdict on a window of losses, and which steps it watches."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from conftest import load_benchmark
+
+from lightning_speedkit.cooldown import MIN_STEPS, CooldownCheck, check_window
+from lightning_speedkit.schedule import still_falling
+
+
+def noisy(start: float, slope: float, steps: int, noise: float, seed: int = 0) -> list[float]:
+    """A loss that moves by ``slope`` a step, with Gaussian noise of ``noise`` (a training loss at a constant LR)."""
+    rng = random.Random(seed)
+    return [start + slope * k + rng.gauss(0, noise) for k in range(steps)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_loss_falling_by_a_fifth_over_the_window_is_still_falling(seed: int) -> None:
+    """A loss 20% lower at the end of 180 steps than at their start, under per-step noise of 5%, still falls."""
+    falling, drop = still_falling(noisy(1.0, -0.2 / 180, 180, 0.05, seed))
+    assert falling
+    assert 0.07 < drop < 0.14  # the half means are 90 steps apart: about half the fall
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_flat_noisy_loss_is_not_falling(seed: int) -> None:
+    """A loss that only wanders around its level (a run limited by its noise) does not count as falling."""
+    assert not still_falling(noisy(0.4, 0.0, 180, 0.05, seed))[0]
+
+
+def test_a_small_steady_fall_below_the_minimum_drop_is_flat() -> None:
+    """A noiseless fall of 1% over the window is clearly there, but below the minimum drop: the cool-down runs."""
+    falling, drop = still_falling([1.0 - 0.01 * k / 100 for k in range(100)])
+    assert not falling
+    assert 0 < drop < 0.01
+
+
+@pytest.mark.parametrize(
+    "losses", [[], [1.0] * 7, [1.0, 0.9, math.nan, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], [math.inf] + [1.0] * 20]
+)
+def test_too_few_or_non_finite_losses_are_not_falling(losses: list[float]) -> None:
+    """Fewer than 8 losses, or a non-finite one, give no verdict to hold the LR on: the cool-down runs as planned."""
+    assert still_falling(losses) == (False, 0.0)
+
+
+def test_the_window_is_as_long_as_the_cool_down_and_outside_the_warmup() -> None:
+    """The check watches as many steps as the cool-down takes, just before it, and never inside the warmup."""
+    assert check_window(0, 900, 0.2) == (540, 720)
+    assert check_window(100, 900, 0.5) == (100, 450)  # the warmup ends inside the window: it starts after it
+    assert check_window(0, 70, 0.2) is None  # a cool-down of 14 steps, under MIN_STEPS: nothing to watch
+    assert MIN_STEPS == 16
+    assert check_window(0, 1000, 0.0) is None  # no cool-down at all
+
+
+def test_the_check_state_round_trips_and_reports() -> None:
+    """The check's losses and verdict survive a checkpoint's state; its report counts the steps watched."""
+    check = CooldownCheck([1.0 - 0.01 * k for k in range(20)])
+    assert "still falls" in check.decide()
+    clone = CooldownCheck.from_state(check.state())
+    assert clone == check
+    assert clone.held is True
+    assert clone.report(enabled=True) == {"enabled": True, "held": True, "drop": check.drop, "steps": 20}
+    assert CooldownCheck.from_state(None) == CooldownCheck()
+
+
+def test_the_benchmark_judges_each_fits_window_as_the_scheduler_would(tmp_path: Path) -> None:
+    """``benchmarks/cooldown_check.py --quick``: one row per task, each with the check's window, verdict and drop."""
+    out = tmp_path / "cooldown_check.json"
+    result = load_benchmark("cooldown_check").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [row["task"] for row in result["rows"]] == ["mlp", "conv", "transformer"]
+    for row in result["rows"]:
+        assert row["window"] == (None if (w := check_window(0, row["steps"], 0.2)) is None else list(w))
+        assert isinstance(row["held"], bool)
+        assert isinstance(row["drop"], float)
