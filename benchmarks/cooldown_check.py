@@ -1,0 +1,116 @@
+"""What the warmup's cool-down check sees: the training loss before the cool-down, on lr_tasks' small tasks.
+
+For each task of `benchmarks/lr_tasks.py` (the MLP, the conv net, the transformer) at its user LRs of 10x too low,
+right and 10x too high, and each seed, a plain fit at a constant LR (the trajectory `preset()` trains at the
+user's LR until the cool-down) records every step's training loss. The window the check of
+`lightning_speedkit.WarmupScheduler` would watch before a 20% cool-down (`lightning_speedkit.cooldown.check_window`)
+is then judged by `lightning_speedkit.schedule.still_falling`: held (the loss still falls: the LR stays at its
+peak) or cooled down. A run limited by its LR should be held; one limited by its noise (too high an LR) cooled down.
+
+    python benchmarks/cooldown_check.py            # 27 fits, about 2 minutes on 2 cores
+    python benchmarks/cooldown_check.py --quick    # a smoke run for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_speedkit.cooldown import check_window
+from lightning_speedkit.schedule import still_falling
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from _harness import print_and_write, quiet_trainer
+from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_check.json"
+FACTORS = (0.1, 1.0, 10.0)
+COOLDOWN = 0.2
+
+
+class _Losses(L.Callback):
+    """Every training step's loss."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.values.append(float(loss.detach()))
+
+
+def z_score(window: list[float]) -> float:
+    """The fall of the mean from the window's first half to its second, in standard errors of that difference."""
+    half = len(window) // 2
+    first, second = window[:half], window[-half:]
+    error = (statistics.pvariance(first) / half + statistics.pvariance(second) / half) ** 0.5
+    return round((statistics.fmean(first) - statistics.fmean(second)) / error, 2) if error else 0.0
+
+
+def judge(losses: list[float]) -> dict[str, Any]:
+    """The check's window of ``losses`` (a whole run's), and its verdict."""
+    window = check_window(0, len(losses), COOLDOWN)
+    if window is None:
+        return {"steps": len(losses), "window": None, "held": False, "drop": 0.0, "z": 0.0}
+    watched = losses[window[0] : window[1]]
+    held, drop = still_falling(watched)
+    return {"steps": len(losses), "window": list(window), "held": held, "drop": drop, "z": z_score(watched)}
+
+
+def _fit(task: Task, factor: float, seed: int, root: Path) -> list[float]:
+    """Every training loss of a plain fit of ``task`` at ``factor`` x its right LR, as lr_tasks runs it."""
+    data = task.make_data(task, seed, root)
+    L.seed_everything(seed, verbose=False)  # the weights and batch order lr_tasks' fits get
+    model = task.make_model(task, task.right_lr * factor)
+    losses = _Losses()
+    options = {"devices": 1, "max_epochs": task.max_epochs, "num_sanity_val_steps": 0}
+    quiet_trainer("cpu", callbacks=[losses], **options).fit(model, data)
+    return losses.values
+
+
+def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    root = Path(tempfile.mkdtemp(prefix="cooldown_check-"))
+    rows: list[dict[str, Any]] = []
+    for name in ("mlp", "conv", "transformer"):
+        task = TASKS[name]
+        if quick:
+            task = dataclasses.replace(task, max_epochs=QUICK_SIZES[name][0], samples=QUICK_SIZES[name][1])
+        for factor in (1.0,) if quick else FACTORS:
+            for seed in (0,) if quick else (0, 1, 2):
+                rows.append({"task": name, "factor": factor, "seed": seed, **judge(_fit(task, factor, seed, root))})
+    lines = [f"{'task':<12}{'user LR':>9}{'seed':>6}{'steps':>7}{'drop':>9}{'z':>8}  verdict"]
+    for r in rows:
+        verdict = "held" if r["held"] else "cooled down"
+        cells = f"{r['task']:<12}{r['factor']:>8g}x{r['seed']:>6}{r['steps']:>7}{r['drop']:>+9.1%}{r['z']:>8.2f}"
+        lines.append(f"{cells}  {verdict}")
+    settings = {"quick": quick, "cooldown": COOLDOWN, "threads": threads}
+    result = {"settings": settings, "machine": _machine(), "rows": rows}
+    print_and_write("\n".join(lines), result, out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one seed at the right LR, tiny budgets: a smoke run")
+    parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args(argv)
+    out = args.out or (Path(tempfile.mkdtemp()) / "cooldown_check.json" if args.quick else DEFAULT_OUT)
+    return run(quick=args.quick, out=out, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()
