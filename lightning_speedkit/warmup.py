@@ -140,8 +140,7 @@ class WarmupScheduler(LeanCallback):
             min_lr_ratio=self.min_lr_ratio,
             start_factor=self.start_factor,
             cooldown=self.cooldown,
-            cooldown_check=self.cooldown_check,
-        )
+        )  # not `cooldown_check`: a checkpoint saved before it existed still resumes this callback's state
 
     state_spec: ClassVar[StateSpec] = {
         "warmup": (int, float),
