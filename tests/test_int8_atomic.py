@@ -106,7 +106,10 @@ def _kill_when(process: Any, path: Path, condition: Any, deadline_s: float = 300
     end = time.monotonic() + deadline_s
     while process.is_alive() and time.monotonic() < end:
         if condition(path, old):
-            os.kill(process.pid, signal.SIGKILL)
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended (and was reaped) while a delayed condition waited
+                break
             process.join()
             return True
         time.sleep(0.001)
