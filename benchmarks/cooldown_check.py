@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import lightning as L
 import torch
 
 from lightning_speedkit.cooldown import check_window
-from lightning_speedkit.schedule import still_falling
+from lightning_speedkit.schedule import fall, still_falling
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -51,14 +50,6 @@ class _Losses(L.Callback):
         self.values.append(float(loss.detach()))
 
 
-def z_score(window: list[float]) -> float:
-    """The fall of the mean from the window's first half to its second, in standard errors of that difference."""
-    half = len(window) // 2
-    first, second = window[:half], window[-half:]
-    error = (statistics.pvariance(first) / half + statistics.pvariance(second) / half) ** 0.5
-    return round((statistics.fmean(first) - statistics.fmean(second)) / error, 2) if error else 0.0
-
-
 def judge(losses: list[float]) -> dict[str, Any]:
     """The check's window of ``losses`` (a whole run's), and its verdict."""
     window = check_window(0, len(losses), COOLDOWN)
@@ -66,7 +57,7 @@ def judge(losses: list[float]) -> dict[str, Any]:
         return {"steps": len(losses), "window": None, "held": False, "drop": 0.0, "z": 0.0}
     watched = losses[window[0] : window[1]]
     held, drop = still_falling(watched)
-    return {"steps": len(losses), "window": list(window), "held": held, "drop": drop, "z": z_score(watched)}
+    return {"steps": len(losses), "window": list(window), "held": held, "drop": drop, "z": round(fall(watched)[0], 2)}
 
 
 def _fit(task: Task, factor: float, seed: int, root: Path) -> list[float]:

@@ -22,6 +22,7 @@ __all__ = [
     "cooldown_start",
     "decay_progress",
     "factor_at",
+    "fall",
     "still_falling",
     "warmup_factor",
 ]
@@ -116,13 +117,29 @@ def still_falling(losses: Sequence[float], z: float = FALLING_Z, min_drop: float
     half = len(losses) // 2
     if half < 4 or not all(math.isfinite(v) for v in losses):
         return False, 0.0
+    z_fall, relative = fall(losses)
+    return z_fall > z and relative > min_drop, round(relative, 4)
+
+
+def fall(losses: Sequence[float]) -> tuple[float, float]:
+    """How far the mean of ``losses`` fell from their first half to their second (at least 4 values a half).
+
+    Returns:
+        ``(z, relative)``: the fall in standard errors of the difference of the two means (pooled variance;
+        infinite for a fall with no spread at all), and relative to the first half's mean.
+
+    Example:
+        >>> [round(v, 3) for v in fall([1.0, 1.2, 1.0, 1.2, 0.8, 1.0, 0.8, 1.0])]
+        [2.449, 0.182]
+    """
+    half = len(losses) // 2
     first, second = losses[:half], losses[-half:]
     mean_first, mean_second = math.fsum(first) / half, math.fsum(second) / half
     spread = sum((v - mean_first) ** 2 for v in first) + sum((v - mean_second) ** 2 for v in second)
     error = math.sqrt(spread / (2 * half - 2) * 2 / half)
     drop = mean_first - mean_second
-    relative = drop / abs(mean_first) if mean_first else 0.0
-    return drop > z * error and relative > min_drop, round(relative, 4)
+    z = drop / error if error else (math.copysign(math.inf, drop) if drop else 0.0)  # no spread: any fall is certain
+    return z, (drop / abs(mean_first) if mean_first else 0.0)
 
 
 def decay_progress(
