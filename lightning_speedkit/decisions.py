@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
 __all__ = [
+    "PAYBACK",
     "block_medians",
     "check_margin",
     "check_probe_steps",
@@ -38,7 +39,13 @@ __all__ = [
 ]
 
 
-def probe_pays_back(probe_steps: float, steps_left: float, max_gain: float, payback: float = 4.0) -> tuple[bool, str]:
+PAYBACK = 4.0
+"""How many times over the best case of a lever must repay its probe (`probe_pays_back`)."""
+
+
+def probe_pays_back(
+    probe_steps: float, steps_left: float, max_gain: float, payback: float = PAYBACK
+) -> tuple[bool, str]:
     """Whether a probe of ``probe_steps`` training steps can pay itself back within ``steps_left`` steps.
 
     The best a lever can do is save ``max_gain`` of every remaining step (0.5: each step twice as fast), so the probe

@@ -280,6 +280,14 @@ def test_the_decision_follows_the_measurement(tmp_path: Path) -> None:
     assert report["probe_s"] > 0
 
 
+def test_blocks_shrink_to_what_the_run_can_repay(tmp_path: Path) -> None:
+    """A 400-step run cannot repay 25-step blocks (`probe_steps`): it gets the longest it can, 13 (fitted_block)."""
+    _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=400)
+    report = callback.report()
+    assert report["probed"], report
+    assert report["blocks"] and {len(block["step_s"]) for block in report["blocks"]} == {13}
+
+
 def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) -> None:
     """Tens of steps cannot repay timing both layouts: no probe, the default layout stays, the reason says so."""
     model, _ = _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=40)

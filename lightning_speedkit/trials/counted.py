@@ -22,6 +22,7 @@ step after the one before it has decided; `queued_steps` tells a lever how many 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import weakref
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import (
+    PAYBACK,
     block_medians,
     choose_setting,
     clearly_slower,
@@ -51,6 +53,7 @@ __all__ = [
     "EXTRA_ROUNDS",
     "CountedTrials",
     "counted_cost",
+    "fitted_block",
     "queued_steps",
     "round_wins",
 ]
@@ -97,6 +100,25 @@ def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS) -> int
         (30, 48)
     """
     return (settings - 1) * steps * rounds
+
+
+def fitted_block(longest: int, shortest: int, settings: int, steps_left: float, max_gain: float) -> int:
+    """The longest block in [``shortest``, ``longest``] steps whose counted probe (`counted_cost`) the run repays.
+
+    Longer blocks give steadier medians on a shared machine; ``shortest`` when even those cannot pay back.
+
+    Example:
+        >>> fitted_block(25, 10, settings=2, steps_left=1000, max_gain=0.4)
+        25
+        >>> fitted_block(25, 10, settings=2, steps_left=400, max_gain=0.4)
+        13
+        >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4)
+        10
+    """
+    if math.isinf(steps_left):
+        return longest
+    per_block_step = (settings - 1) * COUNTED_ROUNDS * PAYBACK
+    return max(shortest, min(longest, int(max_gain * steps_left // per_block_step)))
 
 
 _QUEUES: weakref.WeakKeyDictionary[Any, list[CountedTrials]] = weakref.WeakKeyDictionary()

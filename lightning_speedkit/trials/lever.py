@@ -298,8 +298,8 @@ class Lever(LeanCallback):
             return Decision.skipped(current.name, resumed)
         if not others:
             return Decision.skipped(current.name, f"nothing to try: {current.name} is the only setting")
-        block = self.probe_steps
         if self.COUNTED and not any(s.changes_math for s in (current, *others)):
+            block = self.block_steps(trainer, 1 + len(others))
             pays, why, left = probe_cost(trainer, counted_cost(1 + len(others), block), self.MAX_GAIN)
             if not pays:
                 return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
@@ -317,6 +317,10 @@ class Lever(LeanCallback):
             loss_tolerance=self.loss_tolerance,
             after_reference=self.after_reference,
         )
+
+    def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
+        """Steps per block of a counted probe of ``settings`` settings: ``probe_steps`` (a lever may fit the run)."""
+        return self.probe_steps
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
         """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
