@@ -285,7 +285,8 @@ def test_blocks_shrink_to_what_the_run_can_repay(tmp_path: Path) -> None:
     _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=400)
     report = callback.report()
     assert report["probed"], report
-    assert report["blocks"] and {len(block["step_s"]) for block in report["blocks"]} == {13}
+    assert report["blocks"]
+    assert {len(block["step_s"]) for block in report["blocks"]} == {13}
 
 
 def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) -> None:

@@ -566,3 +566,58 @@ def test_ddp_spawn_two_processes_same_schedule(tmp_path: Path) -> None:
     expected = [[k, 0, [pytest.approx(BASE_LR * warmup_factor(k, 3, total, "linear"))]] for k in range(total)]
     for rank in (0, 1):
         assert json.loads((tmp_path / f"lrs_rank{rank}.json").read_text()) == expected
+
+
+class RankLoss(TinyClassifier):
+    """Rank 0's loss falls by 0.02 a step, rank 1's stays at 1 (with a little noise): only their mean still falls.
+
+    The gradients are zero, so the weights never move and every rank's loss is exactly what this step says.
+    """
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        zero = (self(x) * 0).sum()
+        if self.global_rank == 0:
+            return zero + 2.0 - 0.02 * self.trainer.global_step
+        return zero + 1.0 + 0.01 * y.float().mean()
+
+
+class CheckWriter(Callback):
+    """Writes the WarmupScheduler's cool-down check report to ``out`` at train end, one file per rank."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the report of the trainer's WarmupScheduler."""
+        warmup = next(c for c in trainer.callbacks if isinstance(c, WarmupScheduler))  # type: ignore[attr-defined]
+        (self.out / f"check_rank{trainer.global_rank}.json").write_text(json.dumps(warmup.report()["cooldown_check"]))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_spawn_ranks_decide_the_cool_down_on_the_mean_loss(tmp_path: Path) -> None:
+    """Under 2-process DDP every rank decides the cool-down on the loss averaged over the ranks.
+
+    Rank 0's own loss still falls and rank 1's is flat, so on its own loss each rank would decide differently; on
+    their mean (still falling) both hold the LR to the end: the same verdict and the same LRs on both ranks.
+    """
+    fit(
+        tmp_path,
+        RankLoss(),
+        WarmupScheduler(cooldown=0.5),
+        LRRecorder(out=tmp_path),
+        CheckWriter(tmp_path),
+        max_epochs=10,  # 64 samples, 2 ranks, batches of 8: 4 steps an epoch, 40 steps; watches 0-19, decides at 20
+        strategy="ddp_spawn",
+        devices=2,
+    )
+    checks = [json.loads((tmp_path / f"check_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert checks[0] == checks[1]
+    assert checks[0]["held"] is True
+    assert checks[0]["steps"] == 20
+    lrs = [json.loads((tmp_path / f"lrs_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert lrs[0] == lrs[1]
+    assert [step[2] for step in lrs[0]] == [[BASE_LR]] * 40
