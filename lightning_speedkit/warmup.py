@@ -83,7 +83,10 @@ class WarmupScheduler(LeanCallback):
             many steps as the cool-down takes (reduced over ranks, so every rank decides alike), and hold the LR to
             the end instead when it still falls there (`lightning_speedkit.schedule.still_falling`): such a run is
             limited by its LR, and cooling down would slow it (with the check, the run at your LR is then the
-            constant-LR run). ``report()["cooldown_check"]`` says what it found.
+            constant-LR run). ``report()["cooldown_check"]`` says what it found. Off by default: on
+            ``speedkit demo --quick`` (a run still learning, 40% lower loss over the window) it held the LR and the
+            final val_acc swung to 0.37-0.48 where the cool-down ends at 0.99, a larger loss than the one it saved
+            (the MLP of ``benchmarks/lr_tasks.py`` at 10x too low an LR, 0.864 against 0.880 at its last epoch).
 
     Raises:
         ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
@@ -107,7 +110,7 @@ class WarmupScheduler(LeanCallback):
         min_lr_ratio: float = 0.0,
         start_factor: float = 0.0,
         cooldown: float = 0.2,
-        cooldown_check: bool = True,
+        cooldown_check: bool = False,
     ) -> None:
         check_warmup(warmup)
         self.cooldown_check = check_bool("cooldown_check", cooldown_check)

@@ -155,7 +155,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "min_lr_ratio": 0.1,
         "start_factor": 0.2,
         "cooldown": 0.3,
-        "cooldown_check": False,
+        "cooldown_check": True,
     },
 }
 

@@ -488,7 +488,7 @@ def test_the_lr_is_held_to_the_end_while_the_loss_still_falls(tmp_path: Path) ->
 
     The fit is then exactly the fit without the scheduler: the same LRs, the same weights.
     """
-    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check=True)
     checked = full_batch(0.05)  # seeded, like `plain`: the same weights and the same shuffles
     fit(tmp_path, checked, warmup, recorder, max_epochs=40)  # 40 steps: watches steps 0-19, decides at step 20
     plain = full_batch(0.05)
@@ -504,7 +504,7 @@ def test_the_lr_is_held_to_the_end_while_the_loss_still_falls(tmp_path: Path) ->
 def test_the_cool_down_runs_when_the_loss_has_flattened(tmp_path: Path) -> None:
     """A loss that only wanders around its level before the cool-down: the 1-sqrt cool-down runs as planned."""
     L.seed_everything(0, verbose=False)
-    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check=True)
     fit(tmp_path, FlatLoss(), warmup, recorder, max_epochs=10)  # 80 steps: watches 0-39, decides at step 40
     assert warmup.report()["cooldown_check"] == {
         "enabled": True,
@@ -517,8 +517,8 @@ def test_the_cool_down_runs_when_the_loss_has_flattened(tmp_path: Path) -> None:
 
 
 def test_without_the_check_the_cool_down_runs_even_while_the_loss_falls(tmp_path: Path) -> None:
-    """``cooldown_check=False`` cools down on schedule whatever the loss does, and watches nothing."""
-    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check=False)
+    """Without the check (the default) the cool-down runs on schedule whatever the loss does; nothing is watched."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
     fit(tmp_path, full_batch(0.05), warmup, recorder, max_epochs=40)
     assert recorder.lrs()[20:] == pytest.approx([0.05 * (1 - ((k - 20) / 20) ** 0.5) for k in range(20, 40)])
     assert warmup.report()["cooldown_check"] == {"enabled": False, "held": None, "drop": None, "steps": 0}
@@ -536,9 +536,9 @@ def test_a_resume_while_the_check_watches_keeps_the_losses_watched(tmp_path: Pat
         L.seed_everything(0, verbose=False)
         fit(tmp_path, FlatLoss(), *callbacks, max_epochs=10, ckpt_path=ckpt_path, enable_checkpointing=True)
 
-    full = [WarmupScheduler(cooldown=0.5), LRRecorder()]
+    full = [WarmupScheduler(cooldown=0.5, cooldown_check=True), LRRecorder()]
     run(*full, ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1, filename="{step}"))
-    resumed = [WarmupScheduler(cooldown=0.5), LRRecorder()]
+    resumed = [WarmupScheduler(cooldown=0.5, cooldown_check=True), LRRecorder()]
     run(*resumed, ckpt_path=str(tmp_path / "ckpt" / "step=16.ckpt"))
     reports = [r[0].report()["cooldown_check"] for r in (full, resumed)]  # type: ignore[attr-defined]
     assert [r["steps"] for r in reports] == [40, 40]
@@ -607,7 +607,7 @@ def test_ddp_spawn_ranks_decide_the_cool_down_on_the_mean_loss(tmp_path: Path) -
     fit(
         tmp_path,
         RankLoss(),
-        WarmupScheduler(cooldown=0.5),
+        WarmupScheduler(cooldown=0.5, cooldown_check=True),
         LRRecorder(out=tmp_path),
         CheckWriter(tmp_path),
         max_epochs=10,  # 64 samples, 2 ranks, batches of 8: 4 steps an epoch, 40 steps; watches 0-19, decides at 20
