@@ -117,7 +117,7 @@ def fitted_block(longest: int, shortest: int, settings: int, steps_left: float, 
     """
     if math.isinf(steps_left):
         return longest
-    per_block_step = (settings - 1) * COUNTED_ROUNDS * PAYBACK
+    per_block_step = PAYBACK * counted_cost(settings, 1)  # the payback rule's need per step of block length
     return max(shortest, min(longest, int(max_gain * steps_left // per_block_step)))
 
 
