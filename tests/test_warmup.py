@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
@@ -614,10 +614,10 @@ def test_ddp_spawn_ranks_decide_the_cool_down_on_the_mean_loss(tmp_path: Path) -
         strategy="ddp_spawn",
         devices=2,
     )
-    checks = [json.loads((tmp_path / f"check_rank{rank}.json").read_text()) for rank in (0, 1)]
+    checks = rank_records(tmp_path, "check_rank")
     assert checks[0] == checks[1]
     assert checks[0]["held"] is True
     assert checks[0]["steps"] == 20
-    lrs = [json.loads((tmp_path / f"lrs_rank{rank}.json").read_text()) for rank in (0, 1)]
+    lrs = rank_records(tmp_path, "lrs_rank")
     assert lrs[0] == lrs[1]
     assert [step[2] for step in lrs[0]] == [[BASE_LR]] * 40
