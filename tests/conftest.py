@@ -11,10 +11,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import pytest
@@ -186,8 +186,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rank_records(directory: Path, prefix: str = "rank", world_size: int = 2) -> list[Any]:
-    """The JSON each DDP rank wrote to ``directory/{prefix}{rank}.json``, in rank order."""
+    """The JSON each DDP rank wrote to ``directory/{prefix}{rank}.json``, in rank order (by `RankWriter`)."""
     return [json.loads((directory / f"{prefix}{rank}.json").read_text()) for rank in range(world_size)]
+
+
+class RankWriter(L.Callback):
+    """Writes ``record(trainer, pl_module)`` as JSON to ``out/{prefix}{rank}.json`` at train end, one file per rank.
+
+    What a DDP test compares across ranks (or with another fit), read back with `rank_records`. ``record`` must be a
+    module-level function: ``ddp_spawn`` pickles the callback into each process.
+    """
+
+    def __init__(self, out: Path, record: Callable[[L.Trainer, L.LightningModule], Any], prefix: str = "rank") -> None:
+        self.out, self.record, self.prefix = out, record, prefix
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write this rank's record."""
+        record = self.record(trainer, pl_module)
+        (self.out / f"{self.prefix}{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+_C = TypeVar("_C", bound=L.Callback)
+
+
+def callback_of(trainer: L.Trainer, kind: type[_C]) -> _C:
+    """The Trainer's callback of type ``kind`` (the first one)."""
+    return next(c for c in trainer.callbacks if isinstance(c, kind))  # type: ignore[attr-defined]
 
 
 def run_ddp_script(name: str, out: Path) -> list[Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import RankWriter, TinyClassifier, callback_of, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
@@ -116,23 +116,14 @@ class FirstStepLRs(Callback):
             }
 
 
-class RankReport(Callback):
-    """Writes each rank's batch size, accumulation, LR and decision to `out/rank{r}.json` at train end."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Write the file."""
-        finder = next(c for c in trainer.callbacks if isinstance(c, BatchSizeFinder))  # type: ignore[attr-defined]
-        report = {
-            "batch_size": pl_module.batch_size,
-            "accumulate": trainer.accumulate_grad_batches,
-            "base_lr": trainer.lr_scheduler_configs[0].scheduler.base_lrs[0],  # type: ignore[attr-defined]
-            "decision": finder.report(),
-        }
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+def rank_report(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's batch size, accumulation, LR and BatchSizeFinder decision (written by `RankWriter`)."""
+    return {
+        "batch_size": pl_module.batch_size,
+        "accumulate": trainer.accumulate_grad_batches,
+        "base_lr": trainer.lr_scheduler_configs[0].scheduler.base_lrs[0],  # type: ignore[attr-defined]
+        "decision": callback_of(trainer, BatchSizeFinder).report(),
+    }
 
 
 # ---------------------------------------------------------------- the pure search maths
@@ -503,7 +494,7 @@ def test_ddp_spawn_ranks_agree_on_the_smaller_limit(tmp_path: Path) -> None:
     model = BackwardLimited(backward_limits=[10**6, 60], num_samples=SAMPLES)
     MemoryLimit([100, 10**6]).attach(model)
     finder = BatchSizeFinder(init_val=128, max_val=1000)
-    fit(tmp_path, model, finder, RankReport(tmp_path), strategy="ddp_spawn", devices=2)
+    fit(tmp_path, model, finder, RankWriter(tmp_path, rank_report), strategy="ddp_spawn", devices=2)
     reports = rank_records(tmp_path)
     for report in reports:  # what may differ: timing, and which rank's own OOM message a trial carries
         report["decision"].pop("search_s")

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import RankWriter, TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -177,16 +177,10 @@ def test_validate_after_fit_keeps_the_report(tmp_path: Path) -> None:
     assert converted > 0
 
 
-class _RankState(L.Callback):
-    """Writes each rank's layout and weights at the end of training."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        weights = [p.detach().flatten().tolist() for p in pl_module.parameters()]
-        state = {"channels_last": is_channels_last(pl_module), "weights": weights}
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+def _rank_state(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's layout and weights at the end of training (written by `RankWriter`)."""
+    weights = [p.detach().flatten().tolist() for p in pl_module.parameters()]
+    return {"channels_last": is_channels_last(pl_module), "weights": weights}
 
 
 @pytest.mark.slow
@@ -197,7 +191,7 @@ def test_ddp_with_channels_last_weights_keeps_ranks_in_sync(tmp_path: Path, capf
     The reducer never has to copy a gradient whose strides differ from its bucket view (1x1 convs included).
     """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True)
-    _fit(tmp_path, [ChannelsLast(measure=False), _RankState(tmp_path)], strategy=strategy, devices=2)
+    _fit(tmp_path, [ChannelsLast(measure=False), RankWriter(tmp_path, _rank_state)], strategy=strategy, devices=2)
     ranks = rank_records(tmp_path)
     assert ranks[0]["channels_last"]
     assert ranks[1]["channels_last"]
@@ -347,7 +341,7 @@ def test_ddp_reverting_to_the_default_layout_keeps_ranks_in_sync(
         steps=96,
         strategy=strategy,
         devices=2,
-        extra=[_RankState(tmp_path)],
+        extra=[RankWriter(tmp_path, _rank_state)],
     )
     ranks = rank_records(tmp_path)
     assert ranks[0]["channels_last"] is ranks[1]["channels_last"] is False  # reverted after the DDP wrap

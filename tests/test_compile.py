@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import KeyLogger, TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import KeyLogger, RankWriter, TinyClassifier, callback_of, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -410,26 +410,18 @@ def test_a_compiled_checkpoint_resumes_and_loads_into_an_eager_model(
 
 
 # ---------------------------------------------------------------------------------------------------- DDP
-class _RankState(L.Callback):
-    """Writes each rank's compile state, report and weights at the end of training."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        compile_callback = next(c for c in trainer.callbacks if isinstance(c, Compile))  # type: ignore[attr-defined]
-        report = compile_callback.report()
-        state = {
-            "compiled": pl_module._compiled_call_impl is not None,
-            "decision": report["decision"],
-            "status": report["status"],
-            "graphs": report["graphs"],
-            "graph_breaks": report["graph_breaks"],
-            "global_step": trainer.global_step,
-            "weights": [p.detach().flatten().tolist() for p in pl_module.parameters()],
-        }
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+def _rank_state(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's compile state, report and weights at the end of training (written by `RankWriter`)."""
+    report = callback_of(trainer, Compile).report()
+    return {
+        "compiled": pl_module._compiled_call_impl is not None,
+        "decision": report["decision"],
+        "status": report["status"],
+        "graphs": report["graphs"],
+        "graph_breaks": report["graph_breaks"],
+        "global_step": trainer.global_step,
+        "weights": [p.detach().flatten().tolist() for p in pl_module.parameters()],
+    }
 
 
 @pytest.mark.slow
@@ -443,7 +435,11 @@ def test_ddp_trains_compiled_with_both_ranks_in_step(tmp_path: Path) -> None:
     L.seed_everything(0, verbose=False)
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
     trainer = tiny_trainer(
-        tmp_path, max_epochs=2, strategy=strategy, devices=2, callbacks=[Compile(measure=False), _RankState(tmp_path)]
+        tmp_path,
+        max_epochs=2,
+        strategy=strategy,
+        devices=2,
+        callbacks=[Compile(measure=False), RankWriter(tmp_path, _rank_state)],
     )
     trainer.fit(TinyClassifier(num_samples=70))
     ranks = rank_records(tmp_path)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, rank_records, tiny_trainer
+from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -167,15 +166,12 @@ def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
-class _RankLR(L.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        finder = next(c for c in trainer.callbacks if isinstance(c, LRFinder))  # type: ignore[attr-defined]
-        record = {"scale": finder.report()["scale"], "lr": trainer.optimizers[0].param_groups[0]["lr"]}
-        record["weights"] = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's LRFinder scale, LR and weights (written by `RankWriter`)."""
+    record = {"scale": callback_of(trainer, LRFinder).report()["scale"]}
+    record["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+    record["weights"] = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+    return record
 
 
 @pytest.mark.slow
@@ -183,7 +179,15 @@ class _RankLR(L.Callback):
 def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
     """2-process DDP: rank zero's curve decides, both ranks apply the same LR and end with the same weights."""
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
-    _fit(tmp_path, _model(1e-4), LRFinder(**FINDER), _RankLR(tmp_path), strategy=strategy, devices=2, max_epochs=8)
+    _fit(
+        tmp_path,
+        _model(1e-4),
+        LRFinder(**FINDER),
+        RankWriter(tmp_path, _rank_lr),
+        strategy=strategy,
+        devices=2,
+        max_epochs=8,
+    )
     ranks = rank_records(tmp_path)
     assert ranks[0]["scale"] == ranks[1]["scale"] > 1.0
     assert ranks[0]["lr"] == ranks[1]["lr"]

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, rank_records, tiny_trainer
+from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
@@ -583,17 +583,9 @@ class RankLoss(TinyClassifier):
         return zero + 1.0 + 0.01 * y.float().mean()
 
 
-class CheckWriter(Callback):
-    """Writes the WarmupScheduler's cool-down check report to ``out`` at train end, one file per rank."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Write the report of the trainer's WarmupScheduler."""
-        warmup = next(c for c in trainer.callbacks if isinstance(c, WarmupScheduler))  # type: ignore[attr-defined]
-        (self.out / f"check_rank{trainer.global_rank}.json").write_text(json.dumps(warmup.report()["cooldown_check"]))
+def cooldown_check_report(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+    """The WarmupScheduler's cool-down check report (what each rank writes in the DDP test)."""
+    return callback_of(trainer, WarmupScheduler).report()["cooldown_check"]
 
 
 @pytest.mark.slow
@@ -609,7 +601,7 @@ def test_ddp_spawn_ranks_decide_the_cool_down_on_the_mean_loss(tmp_path: Path) -
         RankLoss(),
         WarmupScheduler(cooldown=0.5, cooldown_check=True),
         LRRecorder(out=tmp_path),
-        CheckWriter(tmp_path),
+        RankWriter(tmp_path, cooldown_check_report, prefix="check_rank"),
         max_epochs=10,  # 64 samples, 2 ranks, batches of 8: 4 steps an epoch, 40 steps; watches 0-19, decides at 20
         strategy="ddp_spawn",
         devices=2,
