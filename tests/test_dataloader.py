@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import load_benchmark, rank_records, tiny_trainer
+from conftest import RankWriter, callback_of, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -557,22 +557,17 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], name: str, value: str
         DataLoaderTuner(**kwargs)
 
 
-class _RecordLoaders(L.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        loader = trainer.train_dataloader
-        tuner = next(c for c in trainer.callbacks if isinstance(c, DataLoaderTuner))  # type: ignore[attr-defined]
-        report = tuner.report()
-        record = {
-            "num_workers": loader.num_workers,
-            "sampler": type(loader.sampler).__name__,
-            "decision": report["decision"],
-            "probed": report["probed"],
-            "step_ms": report["step_ms"],
-        }
-        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+def _loader_record(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's train loader and DataLoaderTuner decision at the end of training (written by `RankWriter`)."""
+    loader = trainer.train_dataloader
+    report = callback_of(trainer, DataLoaderTuner).report()
+    return {
+        "num_workers": loader.num_workers,
+        "sampler": type(loader.sampler).__name__,
+        "decision": report["decision"],
+        "probed": report["probed"],
+        "step_ms": report["step_ms"],
+    }
 
 
 @pytest.mark.ddp
@@ -585,7 +580,7 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
         strategy="ddp_spawn",
         devices=2,
         max_epochs=epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=40),  # 160 samples a rank
-        callbacks=[tuner, _RecordLoaders(tmp_path)],
+        callbacks=[tuner, RankWriter(tmp_path, _loader_record)],
         limit_val_batches=2,
     )
     trainer.fit(Model(), SlowData(delay=0.005, n=320))

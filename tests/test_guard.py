@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, rank_records, tiny_trainer
+from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
@@ -196,15 +195,10 @@ def test_a_skipped_batch_is_skipped_and_not_a_fault(tmp_path: Path) -> None:
     assert trainer.global_step == 64  # the fit ran to its end
 
 
-class _RankWeights(L.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        guard = next(c for c in trainer.callbacks if isinstance(c, TrainingGuard))  # type: ignore[attr-defined]
-        weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
-        record = {"rollbacks": guard.report()["rollbacks"], "weights": weights}
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+def _rank_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's rollbacks and weights at the end of training (written by `RankWriter`)."""
+    weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+    return {"rollbacks": callback_of(trainer, TrainingGuard).report()["rollbacks"], "weights": weights}
 
 
 @pytest.mark.slow
@@ -219,7 +213,7 @@ def test_ddp_ranks_roll_back_together(tmp_path: Path) -> None:
         guard,
         strategy=strategy,
         devices=2,
-        callbacks=[_RankWeights(tmp_path)],
+        callbacks=[RankWriter(tmp_path, _rank_weights)],
     )
     ranks = rank_records(tmp_path)
     assert ranks[0]["rollbacks"] == ranks[1]["rollbacks"] == 1

@@ -13,7 +13,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import OutlierClassifier, TinyClassifier, load_benchmark, rank_records, tiny_trainer
+from conftest import (
+    OutlierClassifier,
+    RankWriter,
+    TinyClassifier,
+    callback_of,
+    load_benchmark,
+    rank_records,
+    tiny_trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from onnx import numpy_helper
@@ -77,16 +85,9 @@ class StampedClassifier(DemoClassifier):
         self.log("stamp", float(self.current_epoch))
 
 
-class ReportRecorder(L.Callback):
-    """Writes the Int8Export report that each rank holds after training to ``out/report_rank{r}.json``."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        export = next(c for c in trainer.callbacks if isinstance(c, Int8Export))  # type: ignore[attr-defined]
-        (self.out / f"report_rank{trainer.global_rank}.json").write_text(json.dumps(export.report()))
+def export_report(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """The Int8Export report each rank holds after training (written by `RankWriter` to ``report_rank{r}.json``)."""
+    return callback_of(trainer, Int8Export).report()
 
 
 def listing(directory: Path) -> dict[str, bytes]:
@@ -517,7 +518,10 @@ def test_ddp_only_rank_zero_exports_and_every_rank_gets_the_report(tmp_path: Pat
         tmp_path,
         strategy="ddp_spawn",
         devices=2,
-        callbacks=[Int8Export(tmp_path / "int8", latency_repeats=1), ReportRecorder(tmp_path)],
+        callbacks=[
+            Int8Export(tmp_path / "int8", latency_repeats=1),
+            RankWriter(tmp_path, export_report, prefix="report_rank"),
+        ],
     ).fit(TinyClassifier())
     assert visible(tmp_path / "int8") == ["model.fp32.onnx", "model.json", "model.onnx"]
     reports = rank_records(tmp_path, prefix="report_rank")

@@ -78,7 +78,7 @@ def test_short_sgd_job_at_a_lr_100x_too_low_gets_it_raised(tmp_path: Path) -> No
     trainer = preset(lr="auto", logger=False, verbose=False, default_root_dir=tmp_path, max_epochs=10,
                      enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)  # fmt: skip
     trainer.fit(model)
-    finder = next(c for c in trainer.callbacks if isinstance(c, LRFinder))  # type: ignore[attr-defined]
+    finder = callback_of(trainer, LRFinder)
     assert finder.report()["scale"] >= 10.0, finder.report()["reason"]
     assert trainer.optimizers[0].param_groups[0]["lr"] >= 1e-4
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, load_benchmark, short_job_reason
+from conftest import ROOT, callback_of, load_benchmark, short_job_reason
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
@@ -312,9 +312,9 @@ def test_preset_forwards_every_default_callbacks_option(tmp_path: Path) -> None:
         warmup={"warmup": 5}, monitor={"window": 7}, tune_data={"probe_steps": 3}, logger=False, verbose=False,
         default_root_dir=tmp_path,
     )  # fmt: skip
-    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.WarmupScheduler)).warmup == 5
-    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.UtilizationMonitor)).window == 7
-    assert next(c for c in tuned.callbacks if isinstance(c, speedkit.DataLoaderTuner)).probe_steps == 3
+    assert callback_of(tuned, speedkit.WarmupScheduler).warmup == 5
+    assert callback_of(tuned, speedkit.UtilizationMonitor).window == 7
+    assert callback_of(tuned, speedkit.DataLoaderTuner).probe_steps == 3
 
 
 _CPU_DDP_RUN = """
@@ -408,7 +408,7 @@ def test_lr_true_adds_the_lr_finder_and_guard_false_removes_the_guard(tmp_path: 
     tuned = preset(logger=False, verbose=False, default_root_dir=tmp_path, lr=True, guard={"backoff": 0.25})
     assert "LRFinder" in names(tuned)
     assert "LRFinder" in names(preset(logger=False, verbose=False, default_root_dir=tmp_path, lr="auto"))
-    guard = next(c for c in tuned.callbacks if isinstance(c, speedkit.TrainingGuard))
+    guard = callback_of(tuned, speedkit.TrainingGuard)
     assert guard.backoff == 0.25
     assert "TrainingGuard" not in names(preset(logger=False, verbose=False, guard=False))
 

@@ -270,7 +270,7 @@ def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_
         def time_elapsed(self, stage: str = "train") -> float:
             return 0.02 * next(clock)
 
-    timer = next(c for c in trainer.callbacks if isinstance(c, warmup_module.Timer))
+    timer = callback_of(trainer, warmup_module.Timer)
     timer.__class__ = FakeTimer
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(warmup_module, "_TIME_EVERY", 1)
