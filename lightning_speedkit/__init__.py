@@ -10,6 +10,7 @@ from lightning_speedkit.callback_table import default_callbacks
 from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
+from lightning_speedkit.fused import FusedOptimizer
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.int8 import Int8Export, export_int8
 from lightning_speedkit.loggers import RunSummary
@@ -25,6 +26,7 @@ __all__ = [
     "ChannelsLast",
     "Compile",
     "DataLoaderTuner",
+    "FusedOptimizer",
     "Int8Export",
     "LRFinder",
     "PrecisionTuner",

@@ -20,6 +20,7 @@ from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.checks import check_bool
 from lightning_speedkit.compile import Compile
 from lightning_speedkit.dataloader import DataLoaderTuner
+from lightning_speedkit.fused import FusedOptimizer
 from lightning_speedkit.guard import TrainingGuard
 from lightning_speedkit.lr_finder import LRFinder
 from lightning_speedkit.monitor import UtilizationMonitor
@@ -76,6 +77,7 @@ def _directory(value: Any) -> dict[str, Any] | None:
 SLOTS: tuple[Slot, ...] = (
     Slot("channels_last", lambda: ChannelsLast, True, lever=True),
     Slot("tune_precision", lambda: PrecisionTuner, True, lever=True),
+    Slot("fused_optimizer", lambda: FusedOptimizer, True, lever=True),
     Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
     Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
@@ -132,17 +134,18 @@ def default_callbacks(
     """The callbacks of `SLOTS` in acting order, with the user's own merged in.
 
     Every slot takes ``False``, ``True``, a dict of the callback's arguments or an instance; ``prune`` also takes a
-    channel amount in (0, 1) and ``export`` a directory. Defaults: ChannelsLast, PrecisionTuner, DataLoaderTuner,
-    WarmupScheduler, TrainingGuard and UtilizationMonitor in; BatchSizeFinder (``batch_size``), LRFinder (``lr``),
-    Compile (``compile``), StructuredPruning (``prune``) and Int8Export (``export``) out. A callback in
-    ``callbacks`` of the same type as one of ours *replaces* ours in its slot (never a duplicate); the user's other
-    callbacks follow ours.
+    channel amount in (0, 1) and ``export`` a directory. Defaults: ChannelsLast, PrecisionTuner, FusedOptimizer,
+    DataLoaderTuner, WarmupScheduler, TrainingGuard and UtilizationMonitor in; BatchSizeFinder (``batch_size``),
+    LRFinder (``lr``), Compile (``compile``), StructuredPruning (``prune``) and Int8Export (``export``) out. A
+    callback in ``callbacks`` of the same type as one of ours *replaces* ours in its slot (never a duplicate); the
+    user's other callbacks follow ours.
 
     Args:
         callbacks: The user's callbacks.
         remember: Whether the levers built here remember their decisions across runs (their ``remember``;
             `lightning_speedkit.trials.memory`).
-        **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``tune_data``, ``batch_size``,
+        **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``fused_optimizer``,
+            ``tune_data``, ``batch_size``,
             ``lr``, ``compile``, ``warmup``, ``guard``, ``monitor``, ``prune``, ``export``.
 
     Raises:
@@ -151,10 +154,10 @@ def default_callbacks(
 
     Example:
         >>> [type(c).__name__ for c in default_callbacks()]  # doctest: +NORMALIZE_WHITESPACE
-        ['ChannelsLast', 'PrecisionTuner', 'DataLoaderTuner', 'WarmupScheduler', 'TrainingGuard',
-         'UtilizationMonitor']
+        ['ChannelsLast', 'PrecisionTuner', 'FusedOptimizer', 'DataLoaderTuner', 'WarmupScheduler',
+         'TrainingGuard', 'UtilizationMonitor']
         >>> mine = WarmupScheduler(warmup=10)
-        >>> default_callbacks(callbacks=[mine], tune_precision=False)[2] is mine
+        >>> default_callbacks(callbacks=[mine], tune_precision=False)[3] is mine
         True
     """
     check_bool("remember", remember)

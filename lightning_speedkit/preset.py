@@ -138,6 +138,7 @@ def preset(
     remember: bool = True,
     channels_last: Any = True,
     tune_precision: Any = True,
+    fused_optimizer: Any = True,
     tune_data: Any = True,
     batch_size: Any = False,
     lr: Any = False,
@@ -169,9 +170,10 @@ def preset(
       ``False`` (leave it out), ``True`` (its defaults), a dict of its arguments, or an instance; ``prune`` also
       takes a channel amount and ``export`` a directory. In by default: ``channels_last`` (`ChannelsLast`, which
       acts only on conv nets and keeps NHWC only when real steps are faster), ``tune_precision`` (`PrecisionTuner`,
-      with ``precision="auto"`` only), ``tune_data`` (`DataLoaderTuner`), ``warmup`` (`WarmupScheduler`:
-      warmup-stable-decay, the user's LR from the first step (a raised LR is ramped up to over 5% of the steps
-      left), held, and cooled down over the last 20% of the budget), ``guard``
+      with ``precision="auto"`` only), ``fused_optimizer`` (`FusedOptimizer`: the user's Adam, AdamW or SGD update
+      as torch's fused kernel, kept only when real steps are faster), ``tune_data`` (`DataLoaderTuner`), ``warmup``
+      (`WarmupScheduler`: warmup-stable-decay, the user's LR from the first step (a raised LR is ramped up to over
+      5% of the steps left), held, and cooled down over the last 20% of the budget), ``guard``
       (`TrainingGuard`: a last-good snapshot, rolled back at half the LR on a NaN or a loss spike) and ``monitor``
       (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`), ``lr`` (`LRFinder`; ``lr="auto"``
       or ``True``: short LR trials at fit start keep the user's LR unless another is clearly and much better, then

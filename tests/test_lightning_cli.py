@@ -66,6 +66,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "probe_steps": 3,
         "remember": False,
     },
+    "FusedOptimizer": {"margin": 0.1, "probe_steps": 8, "remember": False},
     "LRFinder": {
         "method": "range",
         "trial_steps": 8,

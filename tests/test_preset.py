@@ -150,6 +150,7 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     assert names == [
         "ChannelsLast",
         "PrecisionTuner",
+        "FusedOptimizer",
         "DataLoaderTuner",
         "BatchSizeFinder",
         "LRFinder",
@@ -161,6 +162,7 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
         "Int8Export",
     ]
     off = dict.fromkeys(("warmup", "monitor", "tune_data", "channels_last", "tune_precision", "guard"), False)
+    off["fused_optimizer"] = False
     assert [type(c).__name__ for c in default_callbacks(**off)] == []
 
 

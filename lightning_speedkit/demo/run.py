@@ -290,6 +290,7 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         "precision": str(trainer.precision),
         "precision_reason": reports.get("PrecisionTuner", {}).get("reason", "as set"),
         "channels_last": layout.get("decision", "not used"),
+        "optimizer": reports.get("FusedOptimizer", {}).get("decision", "not used"),
         "loader": reports.get("DataLoaderTuner", {}).get("decision", "as built"),
         "lr": float(finder.get("chosen_lr", config.lr)),
         "lr_reason": finder.get("reason", "as set"),

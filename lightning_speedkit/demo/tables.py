@@ -24,6 +24,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("diagnosis", *(str(runs[n]["diagnosis"]) for n in names)),
         ("final val_acc", *(f"{runs[n]['final_val_acc'] or 0:.3f}" for n in names)),
         ("precision", *(str(runs[n]["choices"]["precision"]) for n in names)),
+        ("optimizer update", *(str(runs[n]["choices"].get("optimizer", "not used")) for n in names)),
         ("peak LR", *(f"{runs[n]['lr']:g}" for n in names)),
         ("LR schedule", *(str(runs[n]["schedule"]) for n in names)),
         ("max epochs", *(str(runs[n]["max_epochs"]) for n in names)),
@@ -71,7 +72,8 @@ def format_seeds(report: dict[str, Any]) -> str:
     ]
     for row in report["seeds"]:
         chose = row["speedkit"]["choices"]
-        picked = f"{chose['precision']}, {chose['channels_last']} layout, LR {chose['lr']:.2g}"
+        picked = f"{chose['precision']}, {chose['channels_last']} layout, {chose.get('optimizer', 'not used')} update"
+        picked += f", LR {chose['lr']:.2g}"
         picked += f", probes {chose['probe_s']:.1f} s"
         if chose.get("rollbacks"):
             picked += f", {chose['rollbacks']} rollback(s)"

@@ -1,7 +1,7 @@
 """The lever contract, written once: `Decision` (what a lever decided, and why) and `Lever` (its life cycle).
 
-A speed lever (ChannelsLast, PrecisionTuner, DataLoaderTuner, BatchSizeFinder, LRFinder, Compile) fills in what is
-particular to it and inherits the rest:
+A speed lever (ChannelsLast, PrecisionTuner, FusedOptimizer, DataLoaderTuner, BatchSizeFinder, LRFinder, Compile)
+fills in what is particular to it and inherits the rest:
 
 - ``AREA`` (its metric namespace, ``speedkit/<AREA>/...``) and ``MAX_GAIN`` (the payback rule's best case);
 - `Lever.plan`: the setting in place and the settings to try, or a `Decision` saying why there is nothing to
