@@ -2,12 +2,13 @@
 
 End to end, for each ``lr_tasks`` workload at its right LR (an SGD MLP, an Adam conv net, an AdamW transformer and the
 demo's AdamW ResNet): a plain Trainer against the same Trainer with ``FusedOptimizer()`` added (its probe included,
-deciding afresh each time), ``--repeats`` times in alternating order, on the same data, seed and epochs; the fit's
+deciding afresh each time), five times in alternating order, on the same data, seed and epochs (the ``lr_tasks``
+budgets: the demo's 420 steps are the fewest that repay the lever's probe); the fit's
 seconds, its final ``val_acc`` and what the lever decided. Narrower, for the same models: the median milliseconds of a
 training step (forward, backward, update) with torch's default update and with ``fused=True``, interleaved rounds
 from the same weights on one batch.
 
-    python benchmarks/fused_optimizer.py --threads 1          # about 5 minutes on 2 CPU cores
+    python benchmarks/fused_optimizer.py --threads 1          # about 8 minutes on 2 CPU cores
     python benchmarks/fused_optimizer.py --quick              # seconds: a smoke run for the tests
 """
 
@@ -41,16 +42,13 @@ from _harness import Column, alternated, interleaved_ms, print_and_write, quiet_
 from lr_tasks import QUICK_SIZES, TASKS, Task, peak_acc
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "fused_optimizer.json"
-EPOCHS = {"mlp": 6, "conv": 6, "transformer": 7, "demo": 4}
-"""Epochs of each end-to-end fit: the ``lr_tasks`` budgets, the demo's cut to 4 (its steps are the slowest)."""
 
 
 def _settings(quick: bool) -> tuple[dict[str, Task], dict[str, Any]]:
     if quick:
         tasks = {n: dataclasses.replace(t, max_epochs=1, samples=QUICK_SIZES[n][1]) for n, t in TASKS.items()}
         return tasks, {"quick": True, "repeats": 1, "rounds": 1, "step_repeats": 3}
-    tasks = {n: dataclasses.replace(t, max_epochs=EPOCHS[n]) for n, t in TASKS.items()}
-    return tasks, {"quick": False, "repeats": 3, "rounds": 5, "step_repeats": 20}
+    return dict(TASKS), {"quick": False, "repeats": 5, "rounds": 5, "step_repeats": 20}
 
 
 # ---------------------------------------------------------------------------------------------- the step alone
