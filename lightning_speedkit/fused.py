@@ -5,8 +5,9 @@ torch's CPU default, a Python loop of small ops per tensor. The update is the sa
 optimizer, its state and its checkpoints stay as they are; only the step's speed changes, and by how much depends on
 the model (many small tensors gain most) and the CPU: on the 2-core AVX-512 EPYC the fused AdamW step of the
 ``lr_tasks`` transformer took 0.7 ms against 1.5 ms, of a 7.8 ms training step (a scratch timing, not a benchmark).
-So the lever times the fit's first steps in counted blocks with the flag on and off
-(`lightning_speedkit.trials.counted`) and keeps it only when the steps win by the margin.
+So the lever trains the fit's first steps in counted blocks with the flag on and off
+(`lightning_speedkit.trials.counted`), timing in each step what the flag changes, the update (`_UpdateClock`), and
+keeps the fused update only when it wins by the margin.
 
 Only a group whose ``fused`` and ``foreach`` the user left unset (None) is switched: an explicit choice is the
 user's. Only CPU parameters: on CUDA torch already defaults to ``foreach``, and its fused Adam keeps the step count on
@@ -15,6 +16,7 @@ the GPU where the default keeps it on the host, a switch mid-run this CPU-only p
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +29,8 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_margin, check_probe_steps
-from lightning_speedkit.trials.counted import fitted_block
+from lightning_speedkit.timing import StepClock
+from lightning_speedkit.trials.counted import CountedTrials, fitted_block
 
 __all__ = ["FUSABLE", "FusedOptimizer", "fusable_groups", "set_fused"]
 
@@ -114,6 +117,38 @@ class _Fused(trials.Setting):
         self.lever.use(trainer, self._was)
 
 
+class _UpdateClock(StepClock):
+    """Times the part of a step the fused flag changes: from ``on_before_optimizer_step`` (`mark`) to the step's end.
+
+    The forward and backward passes are the same in both settings; left out, their noise on a shared machine does
+    not hide a gain of the update (5-20% of a step on the ``lr_tasks`` workloads) as it did over whole steps, where
+    five fits of one job kept the fused update two or three times. A step without a mark is timed whole.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._marked = 0.0
+
+    def mark(self) -> None:
+        """The gradients are ready and the update is next (the first mark of a running step counts)."""
+        if self.running and not self._marked:
+            self._marked = time.perf_counter()
+
+    @override
+    def stop(self) -> float:
+        marked, self._marked = self._marked, 0.0
+        whole = super().stop()
+        return time.perf_counter() - marked if marked else whole
+
+
+class _UpdateTrials(CountedTrials):
+    """Counted trials whose blocks time the update of each step (`_UpdateClock`), not the whole step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = self.clock = _UpdateClock()
+
+
 class FusedOptimizer(trials.Lever):
     """Run the user's Adam, AdamW or SGD update as torch's fused kernel when real steps show it faster.
 
@@ -121,8 +156,10 @@ class FusedOptimizer(trials.Lever):
     left unset, CPU parameters) are found; with none, nothing is measured and the report says why. Otherwise the
     fit's first training steps are the probe (counted trials, `lightning_speedkit.trials.counted`): blocks of
     ``probe_steps`` steps alternate torch's default update and the fused one, three rounds, every step training the
-    model as the run would, so the probe costs only the slower blocks' extra seconds. The fused update is kept when
-    its steps are at least ``margin`` faster. The choice outlives an optimizer state being loaded (a checkpoint, a
+    model as the run would, so the probe costs only the slower blocks' extra seconds. Each step is timed from
+    Lightning's ``on_before_optimizer_step`` (the gradients ready) to its end, the part the flag changes (whole
+    steps when gradients accumulate over several batches); the fused update is kept when it is at least
+    ``margin`` faster. The choice outlives an optimizer state being loaded (a checkpoint, a
     `TrainingGuard` rollback): a hook on each optimizer puts the flag back. A run too short for the probe to pay
     back keeps the default, and the report says why. The life cycle (checkpointed decision, resume, report) is
     `lightning_speedkit.trials.Lever`'s. Optimizers built later (a pruning fine-tune rebuilds them) keep torch's
@@ -155,6 +192,7 @@ class FusedOptimizer(trials.Lever):
         self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.fused_on = False
         self.switched = 0
+        self._accumulate = 1
 
     @override
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
@@ -163,11 +201,31 @@ class FusedOptimizer(trials.Lever):
         return fitted_block(self.probe_steps, shortest, settings, trials.steps_left(trainer), self.MAX_GAIN)
 
     @override
+    def counted_trials(
+        self, current: trials.Setting, others: Sequence[trials.Setting], steps: int, warmup: int
+    ) -> CountedTrials:
+        """Blocks timed from the gradients to the step's end (`_UpdateClock`), or whole steps under accumulation."""
+        kind = _UpdateTrials if self._accumulate == 1 else CountedTrials
+        return kind(current, others, steps, self.margin, warmup=warmup)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Mark the update's start for the counted blocks (a no-op once decided)."""
+        if isinstance(self._counted, _UpdateTrials):
+            self._counted.clock.mark()
+
+    @override
+    def finish(self, decision: trials.Decision) -> trials.Decision:
+        if decision.probed and self._accumulate == 1:
+            decision.reason += " (the update timed: from the gradients to the step's end)"
+        return decision
+
+    @override
     def plan(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[trials.Setting, Sequence[trials.Setting]] | trials.Decision:
         if not trainer.optimizers:
             return trials.Decision.skipped(_DEFAULT, "no optimizer")
+        self._accumulate = trainer.accumulate_grad_batches
         found = [fusable_groups(optimizer) for optimizer in trainer.optimizers]
         problems = [why for groups, why in found if not groups]
         if problems:
@@ -205,7 +263,8 @@ class FusedOptimizer(trials.Lever):
         """``fused_groups``: the param groups running the fused update now.
 
         The decision beside it (`lightning_speedkit.trials.Decision`): ``decision`` (``"fused"`` or ``"default"``),
-        ``reason``, ``source``, ``step_ms`` (median training-step milliseconds per setting when measured),
+        ``reason``, ``source``, ``step_ms`` (per setting when measured, the median milliseconds from the gradients to
+        the step's end: the update, and what follows it in every step alike),
         ``probe_s`` and ``probed``.
         """
         return {"fused_groups": self.switched}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,30 @@ def test_benchmark_quick_mode_fits_with_and_without_the_lever_and_times_both_upd
     }
     assert all(r["lever"]["decision"] in ("fused", "default") for r in result["runs"] if "lever" in r)
     assert all(row["default_ms"] > 0 and row["fused_ms"] > 0 for row in result["steps"])
+
+
+class _SlowForward(_Chosen):
+    """A training step whose forward takes 5 ms more: in both settings alike, so no part of the decision."""
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.005)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_blocks_time_the_update_unless_gradients_accumulate(tmp_path: Path, accumulate: int) -> None:
+    """The probe times each step from the gradients to its end, leaving a slow forward out.
+
+    Under gradient accumulation, where a batch without an update has no such span, it times whole steps.
+    """
+    lever = FusedOptimizer()
+    _fit(tmp_path, _SlowForward(num_samples=1600 * accumulate), lever, max_epochs=2, accumulate_grad_batches=accumulate)
+    report = lever.report()
+    assert report["probed"], report
+    if accumulate == 1:
+        assert max(report["step_ms"].values()) < 2.5
+        assert report["reason"].endswith("(the update timed: from the gradients to the step's end)")
+    else:
+        assert min(report["step_ms"].values()) > 2.5
+        assert "the update timed" not in report["reason"]
