@@ -215,7 +215,7 @@ class FusedOptimizer(trials.Lever):
 
     @override
     def finish(self, decision: trials.Decision) -> trials.Decision:
-        if decision.probed and self._accumulate == 1:
+        if decision.probed and decision.source == "measured" and self._accumulate == 1:  # a remembered one has it
             decision.reason += " (the update timed: from the gradients to the step's end)"
         return decision
 

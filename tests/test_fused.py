@@ -253,3 +253,15 @@ def test_the_blocks_time_the_update_unless_gradients_accumulate(tmp_path: Path, 
     else:
         assert min(report["step_ms"].values()) > 2.5
         assert "the update timed" not in report["reason"]
+
+
+def test_a_remembered_decision_is_applied_with_its_reason_as_measured(tmp_path: Path) -> None:
+    """The same job again applies the first fit's decision without probing; its reason is the measured one."""
+    first, again = FusedOptimizer(), FusedOptimizer()
+    _fit(tmp_path / "a", _Chosen(num_samples=1600), first, max_epochs=2)
+    _fit(tmp_path / "b", _Chosen(num_samples=1600), again, max_epochs=2)
+    report = again.report()
+    assert report["source"] == "remembered"
+    assert report["decision"] == first.report()["decision"]
+    assert report["reason"] == first.report()["reason"]
+    assert report["reason"].count("(the update timed") == 1
