@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_speedkit.data import CachedDataset, build
 from lightning_speedkit.data.packed import MANIFEST
@@ -59,6 +60,17 @@ def test_the_samples_come_in_order_whichever_way_decodes_them(
     assert report["workers_s"] is None or report["workers_s"] > 0
     assert report["way"] == ("workers" if workers_win else "in process")
     assert report["workers"] == (2 if workers_win else 0)
+
+
+@pytest.mark.parametrize("workers_win", [True, False])
+def test_trying_workers_leaves_the_global_rng_as_it_was(monkeypatch: pytest.MonkeyPatch, workers_win: bool) -> None:
+    """Whichever way decodes, the global RNG after the build is the one before it: the fit's shuffle is the same."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    _force(monkeypatch, workers_win)
+    torch.manual_seed(0)
+    list(build.decode_all(Decode(delay=0.0005), 0, 400, workers=2))
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_a_build_shorter_than_the_timing_window_never_starts_workers() -> None:

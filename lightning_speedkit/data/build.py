@@ -14,7 +14,9 @@ is measured on the build's own samples, none decoded twice (as counted trials ar
    the rest only when they beat this process by `MARGIN`; otherwise they are shut down and this process decodes
    the rest.
 
-Workers serve the samples in order (a DataLoader over the indices left), so the cache is the same file either way.
+Workers serve the samples in order (a DataLoader over the indices left), so the cache is the same file either way,
+and the global RNG is left as it was (a worker loader draws its seed from it: a build that tried workers used to move
+the fit's shuffle and weights, so the demo's same seed trained another trajectory when the timing chose otherwise).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit.hardware import cpu_info
@@ -133,7 +136,8 @@ def decode_all(
         began, served = time.perf_counter(), 0
         iterator: Iterator[list[Any]] | None = None
         try:
-            iterator = iter(loader)
+            with isolate_rng(include_cuda=False):  # starting workers draws their seed from torch's global RNG
+                iterator = iter(loader)
             first = next(iterator)
         except Exception:  # workers could not start here (an unpicklable source under spawn): decode in-process
             iterator = None
