@@ -53,6 +53,10 @@ class StepClock:
         """A step begins (its clock starts here only if no step ended before it)."""
         self._started = time.perf_counter()
 
+    def reset(self) -> None:
+        """Forget the last step's end: the next step is timed from its `start` (after a pause, or validation)."""
+        self._last_end = 0.0
+
     def stop(self) -> float:
         """The step ends: its seconds from the previous step's end (or from its `start`)."""
         now = time.perf_counter()

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, TypeVar
 
 import lightning as L
@@ -183,6 +183,12 @@ def tiny_trainer(tmp_path: Path, **kwargs: object) -> L.Trainer:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+IN_EPOCH_LOOP = SimpleNamespace(
+    epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(ready=2)))
+)
+"""A stand-in Trainer's ``fit_loop`` for scripted counted trials: every step is a batch inside an epoch (not its first,
+where the step clock starts afresh after validation)."""
 
 
 def rank_records(directory: Path, prefix: str = "rank", world_size: int = 2) -> list[Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import RankWriter, callback_of, load_benchmark, rank_records, tiny_trainer
+from conftest import IN_EPOCH_LOOP, RankWriter, callback_of, load_benchmark, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -367,6 +367,9 @@ class _ScriptedClock:
     def start(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def stop(self) -> float:
         seconds, self.last_wait = next(self.steps)
         return seconds
@@ -379,6 +382,8 @@ class _OneProcess:
         @staticmethod
         def broadcast(obj: Any, src: int = 0) -> Any:
             return obj
+
+    fit_loop = IN_EPOCH_LOOP
 
 
 def _scripted_probe(

@@ -265,3 +265,28 @@ def test_a_remembered_decision_is_applied_with_its_reason_as_measured(tmp_path: 
     assert report["decision"] == first.report()["decision"]
     assert report["reason"] == first.report()["reason"]
     assert report["reason"].count("(the update timed") == 1
+
+
+class _SlowValidation(_Chosen):
+    """Validation that takes 150 ms a batch: between two epochs, no part of any training step."""
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        time.sleep(0.15)
+        super().validation_step(batch, batch_idx)
+
+
+def test_a_counted_block_across_an_epoch_end_does_not_time_the_validation(tmp_path: Path) -> None:
+    """Whole-step counted blocks (gradients accumulate) across epoch ends leave the validation out.
+
+    The first step of an epoch is timed from its own start, not from the previous step's end.
+    """
+    lever = FusedOptimizer()
+    L.seed_everything(0, verbose=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[lever], max_epochs=20, limit_val_batches=1, accumulate_grad_batches=2)
+    trainer.fit(_SlowValidation(num_samples=320))
+    report = lever.report()
+    assert report["probed"], report
+    steps = [t for block in report["blocks"] for t in block["step_s"]]
+    assert len(steps) > 40  # more than one epoch of batches: the blocks cross epoch ends
+    assert max(steps) < 0.1

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import IN_EPOCH_LOOP, TinyClassifier, tiny_trainer
 from typing_extensions import override
 
 from lightning_speedkit import trials
@@ -235,6 +235,9 @@ class _Script:
     def start(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def stop(self) -> float:
         self.last_wait = next(self.waits) if self.waits is not None else 0.0
         return next(self.times)
@@ -247,6 +250,8 @@ class _Broadcast:
         @staticmethod
         def broadcast(obj: Any, src: int = 0) -> Any:
             return obj
+
+    fit_loop = IN_EPOCH_LOOP
 
 
 def _decided(

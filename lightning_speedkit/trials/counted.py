@@ -165,11 +165,9 @@ class CountedTrials:
         self.notes: list[str] = []  # what `drop` left untried, and why: added to the decision's reason
         self._queue: list[Setting] = list(self.settings)
         self._active: Setting | None = None
-        self._left = 0
         self._clock = StepClock()
-        self._round = 1
+        self._left, self._round, self._began = 0, 1, 0.0
         self._dropped: list[str] = []
-        self._began = 0.0
 
     @property
     def window(self) -> int:
@@ -196,6 +194,8 @@ class CountedTrials:
         """Before a training step: start the next block when the last one is over, then start the clock."""
         if self._waiting(trainer):
             return
+        if self._active is None or trainer.fit_loop.epoch_loop.batch_progress.current.ready <= 1:
+            self._clock.reset()  # after a pause (`_go_last`) or validation: no part of this step
         if self._left == 0:
             if self._active is not None:
                 self._active.revert(trainer)
