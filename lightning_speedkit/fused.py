@@ -121,8 +121,9 @@ class _UpdateClock(StepClock):
     """Times the part of a step the fused flag changes: from ``on_before_optimizer_step`` (`mark`) to the step's end.
 
     The forward and backward passes are the same in both settings; left out, their noise on a shared machine does
-    not hide a gain of the update (5-20% of a step on the ``lr_tasks`` workloads) as it did over whole steps, where
-    five fits of one job kept the fused update two or three times. A step without a mark is timed whole.
+    not hide the update's gain (the update is 5-20% of a step on the ``lr_tasks`` workloads, and fused takes about
+    half of it) as it did over whole steps, where five fits of one job kept the fused update two or three times. A
+    step without a mark is timed whole.
     """
 
     def __init__(self) -> None:
@@ -166,7 +167,7 @@ class FusedOptimizer(trials.Lever):
     default.
 
     Args:
-        margin: How much faster (relative step time, in [0, 1)) the fused steps must be to be kept.
+        margin: How much faster (relative time of the span timed, in [0, 1)) the fused update must be to be kept.
         probe_steps: The longest block of each setting, in training steps (the first of each block is a warm-up); a
             run too short to repay blocks that long gets the longest it can, down to `MIN_BLOCK`.
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
