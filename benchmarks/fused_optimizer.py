@@ -33,6 +33,7 @@ import torch
 
 from lightning_speedkit import FusedOptimizer
 from lightning_speedkit.demo.run import Timeline
+from lightning_speedkit.fused import set_fused
 from lightning_speedkit.hardware import cpu_info
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
@@ -54,13 +55,11 @@ def _settings(quick: bool) -> tuple[dict[str, Task], dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- the step alone
 
 
-def _optimizer(task: Task, params: Any, fused: bool) -> torch.optim.Optimizer:
-    """The task's optimizer at its right LR, as `lr_tasks.Classifier` builds it, with ``fused`` on or left unset."""
-    extra = {"fused": True} if fused else {}
-    if task.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=task.right_lr, momentum=0.9, **extra)
-    kind = torch.optim.AdamW if task.optimizer == "adamw" else torch.optim.Adam
-    return kind(params, lr=task.right_lr, **extra)
+def _optimizer(model: L.LightningModule, fused: bool) -> torch.optim.Optimizer:
+    """The model's own optimizer (its ``configure_optimizers``), switched to the fused update as the lever does."""
+    optimizer = model.configure_optimizers()
+    set_fused(optimizer.param_groups, fused)
+    return optimizer  # type: ignore[no-any-return]
 
 
 def _step(model: L.LightningModule, optimizer: torch.optim.Optimizer, batch: list[torch.Tensor]) -> Callable[[], None]:
@@ -84,8 +83,8 @@ def step_times(task: Task, root: Path, rounds: int, repeats: int) -> dict[str, A
     fused = copy.deepcopy(default)
     default.log = fused.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no Trainer attached
     runs = {
-        "default": _step(default, _optimizer(task, default.parameters(), False), batch),
-        "fused": _step(fused, _optimizer(task, fused.parameters(), True), batch),
+        "default": _step(default, _optimizer(default, False), batch),
+        "fused": _step(fused, _optimizer(fused, True), batch),
     }
     ms = interleaved_ms(runs, rounds, repeats)
     tensors = sum(1 for p in default.parameters() if p.requires_grad)
