@@ -61,7 +61,8 @@ test: lint typecheck pytest
 # pass is skipped with a line saying so; FORCE_AVX2_PASS=1 runs it anyway.
 HW_TESTS := tests/test_hardware.py tests/test_doctor.py tests/test_recommend.py tests/test_precision.py \
 	tests/test_layout.py tests/test_channels_last.py tests/test_preset.py tests/test_demo_model.py \
-	tests/test_int8.py tests/test_int8_multi_input.py tests/test_int8_formats.py tests/test_monitor.py
+	tests/test_int8.py tests/test_int8_multi_input.py tests/test_int8_formats.py tests/test_monitor.py \
+	tests/test_fused.py
 test-avx2: install
 	@if [ -z "$(FORCE_AVX2_PASS)" ] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 		echo "make test-avx2: this CPU has no AVX-512, so make test already ran as an AVX2-only CPU: skipped"; \

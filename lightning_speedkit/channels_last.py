@@ -30,17 +30,13 @@ from lightning_speedkit.layout import (
     to_channels_last,
     to_default_layout,
 )
-from lightning_speedkit.trials.counted import counted_cost, fitted_block
+from lightning_speedkit.trials.counted import counted_cost
 
 __all__ = ["ChannelsLast"]
 
 _NHWC, _NCHW = "channels_last", "default"
 _MAX_GAIN = 0.4
 """The most NHWC is taken to save of a step when deciding whether a probe can pay back (1.33-1.36x measured here)."""
-
-
-MIN_BLOCK = 10
-"""The shortest block of each layout a probe runs (the default before blocks were fitted to the run)."""
 
 
 class _Layout(trials.Setting):
@@ -109,7 +105,7 @@ class ChannelsLast(trials.Lever):
         measure: Time both layouts and keep NHWC only when it wins; ``False`` keeps NHWC without timing it.
         margin: How much faster (relative step time, in [0, 1)) NHWC must be to be kept.
         probe_steps: The longest block of each layout, in training steps (the first of each block is a warm-up);
-            a run too short to repay blocks that long gets the longest it can, down to `MIN_BLOCK`
+            a run too short to repay blocks that long gets the longest it can, down to ``MIN_BLOCK``
             (`lightning_speedkit.trials.counted.fitted_block`). 25: on the 2-core AVX-512 EPYC in bf16, where NHWC
             was 13-14% faster over 250 steps, 10-step blocks kept NHWC in 2 of 10 fresh decisions and 25-step
             blocks in 9 of 10 (`benchmarks/layout_stability.py --precision bf16-mixed`).
@@ -130,6 +126,7 @@ class ChannelsLast(trials.Lever):
     AREA = "layout"
     MAX_GAIN = _MAX_GAIN
     COUNTED = True
+    MIN_BLOCK = 10  # the default before blocks were fitted to the run
 
     def __init__(
         self,
@@ -212,12 +209,6 @@ class ChannelsLast(trials.Lever):
                 self._decision = trials.Decision.skipped(_NCHW, why)
                 return
         rank_zero_info(f"ChannelsLast: {converted} convolution weights moved to the channels-last layout.")
-
-    @override
-    def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
-        """``probe_steps`` when the run can repay blocks that long, else the longest it can, down to `MIN_BLOCK`."""
-        shortest = min(MIN_BLOCK, self.probe_steps)
-        return fitted_block(self.probe_steps, shortest, settings, trials.steps_left(trainer), self.MAX_GAIN)
 
     @override
     def plan(

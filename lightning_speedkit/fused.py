@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_margin, check_probe_steps
 from lightning_speedkit.timing import StepClock
-from lightning_speedkit.trials.counted import CountedTrials, fitted_block
+from lightning_speedkit.trials.counted import CountedTrials
 
 __all__ = ["FUSABLE", "FusedOptimizer", "fusable_groups", "set_fused"]
 
@@ -43,9 +43,6 @@ _MAX_GAIN = 0.25
 
 _HOOK = "_speedkit_fused_hook"
 """The attribute of an optimizer that holds this lever's ``load_state_dict`` hook (one per optimizer)."""
-
-MIN_BLOCK = 5
-"""The shortest block of each setting a probe runs (the first step of each block is a warm-up)."""
 
 
 def fusable_groups(optimizer: Optimizer, switched: bool = False) -> tuple[list[dict[str, Any]], str]:
@@ -169,7 +166,7 @@ class FusedOptimizer(trials.Lever):
     Args:
         margin: How much faster (relative time of the span timed, in [0, 1)) the fused update must be to be kept.
         probe_steps: The longest block of each setting, in training steps (the first of each block is a warm-up); a
-            run too short to repay blocks that long gets the longest it can, down to `MIN_BLOCK`.
+            run too short to repay blocks that long gets the longest it can, down to ``MIN_BLOCK``.
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
             fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
@@ -186,6 +183,7 @@ class FusedOptimizer(trials.Lever):
     AREA = "optimizer"
     MAX_GAIN = _MAX_GAIN
     COUNTED = True
+    MIN_BLOCK = 5  # the first step of each block is a warm-up
 
     def __init__(self, margin: float = 0.03, probe_steps: int = 20, remember: bool = True) -> None:
         self.remember = check_bool("remember", remember)
@@ -194,12 +192,6 @@ class FusedOptimizer(trials.Lever):
         self.fused_on = False
         self.switched = 0
         self._accumulate = 1
-
-    @override
-    def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
-        """``probe_steps`` when the run can repay blocks that long, else the longest it can, down to `MIN_BLOCK`."""
-        shortest = min(MIN_BLOCK, self.probe_steps)
-        return fitted_block(self.probe_steps, shortest, settings, trials.steps_left(trainer), self.MAX_GAIN)
 
     @override
     def counted_trials(

@@ -412,3 +412,25 @@ class _DecidedOrder(L.Callback):
         for lever in self.levers:
             if lever not in self.decided and lever.report().get("decision") is not None:
                 self.decided.append(lever)
+
+
+class _FittedLever(_TestLever):
+    """`_TestLever` with blocks fitted to the run (``MIN_BLOCK``), as ChannelsLast and FusedOptimizer have."""
+
+    MAX_GAIN = 0.4
+    MIN_BLOCK = 10
+
+
+def test_a_lever_with_min_block_fits_its_blocks_to_the_steps_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``MIN_BLOCK`` a counted block is ``probe_steps``; with it, the longest the run repays, down to it."""
+    trainer = tiny_trainer(tmp_path)
+    monkeypatch.setattr(trials, "steps_left", lambda trainer: 400.0)
+    assert _TestLever(probe_steps=25).block_steps(trainer, 2) == 25
+    assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 13  # fitted_block(25, 10, 2, 400, 0.4)
+    monkeypatch.setattr(trials, "steps_left", lambda trainer: 40.0)
+    assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 10  # cannot repay even MIN_BLOCK: the shortest
+    assert _FittedLever(probe_steps=6).block_steps(trainer, 2) == 6  # never longer than probe_steps
+    monkeypatch.setattr(trials, "steps_left", lambda trainer: math.inf)
+    assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 25

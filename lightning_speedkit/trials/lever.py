@@ -111,15 +111,8 @@ class Decision:
         Raises:
             ValueError: If a field has the wrong type, naming it.
         """
-        kinds: dict[str, tuple[type, ...]] = {
-            "decision": (str,),
-            "reason": (str,),
-            "probed": (bool,),
-            "probe_s": (int, float),
-            "step_s": (dict,),
-            "rejected": (dict,),
-            "source": (str,),
-        }
+        kinds: dict[str, tuple[type, ...]] = {"decision": (str,), "reason": (str,), "probed": (bool,)}
+        kinds.update(probe_s=(int, float), step_s=(dict,), rejected=(dict,), source=(str,))
         for name, kind in kinds.items():
             item = value.get(name, "" if name in ("decision", "reason") else None)
             if item is not None and (not isinstance(item, kind) or (kind != (bool,) and isinstance(item, bool))):
@@ -173,6 +166,10 @@ class Lever(LeanCallback):
     COUNTED: ClassVar[bool] = False
     """Whether the lever probes on counted trials (`lightning_speedkit.trials.counted`, blocks of ``probe_steps``)
     when every setting of `plan` keeps the math (``Setting.changes_math`` False); else on restored trials."""
+
+    MIN_BLOCK: ClassVar[int | None] = None
+    """With a value, counted blocks are fitted to the run (`~lightning_speedkit.trials.counted.fitted_block`): the
+    longest it repays, from ``probe_steps`` down to this many steps."""
 
     probe_steps: int
     margin: float
@@ -319,8 +316,13 @@ class Lever(LeanCallback):
         )
 
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
-        """Steps per block of a counted probe of ``settings`` settings: ``probe_steps`` (a lever may fit the run)."""
-        return self.probe_steps
+        """Steps per block of a counted probe of ``settings`` settings: ``probe_steps``, or fitted with `MIN_BLOCK`."""
+        from lightning_speedkit.trials import counted, steps_left
+
+        if self.MIN_BLOCK is None:
+            return self.probe_steps
+        shortest = min(self.MIN_BLOCK, self.probe_steps)
+        return counted.fitted_block(self.probe_steps, shortest, settings, steps_left(trainer), self.MAX_GAIN)
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
         """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
