@@ -32,6 +32,7 @@ __all__ = [
     "check_probe_steps",
     "choose_setting",
     "loss_is_sound",
+    "outside_band",
     "paired_ratios",
     "probe_pays_back",
     "round_ratios",
@@ -204,3 +205,14 @@ def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | No
     if mean > ref_mean + tolerance * abs(ref_mean):
         return f"mean loss {mean:.3g} vs {ref_mean:.3g} (more than {100 * tolerance:.0f}% worse)"
     return ""
+
+
+def outside_band(live: float, remembered: float, band: float) -> bool:
+    """Whether a run's live step time is more than ``band`` times off the remembered one, either way.
+
+    Example:
+        >>> outside_band(0.030, 0.020, 1.5), outside_band(0.012, 0.020, 1.5), outside_band(0.012, 0.020, 2.0)
+        (False, True, False)
+    """
+    ratio = live / remembered
+    return not 1 / band <= ratio <= band

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier
 from lightning_speedkit.trials import Lever, TrialSession
+from lightning_speedkit.trials.counted import queued_steps
 from lightning_speedkit.trials.memory import DecisionMemory, Remembering, fingerprint_key, outside_band
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # a shared 2-core machine: one thread steps steadily
@@ -36,10 +38,12 @@ def _levers(**kwargs: Any) -> list[Lever]:
     return [speedkit.ChannelsLast(probe_steps=3, **kwargs), precision]
 
 
-def _fit(tmp_path: Path, levers: list[Lever], width: int = 16, **kwargs: Any) -> L.Trainer:
+def _fit(
+    tmp_path: Path, levers: list[Lever], width: int = 16, extra: Sequence[L.Callback] = (), **kwargs: Any
+) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     model = DemoClassifier(width=width, crop_size=16)
-    trainer = tiny_trainer(tmp_path, max_epochs=6, callbacks=levers, limit_val_batches=0, **kwargs)
+    trainer = tiny_trainer(tmp_path, max_epochs=6, callbacks=[*levers, *extra], limit_val_batches=0, **kwargs)
     trainer.fit(model, _images())
     return trainer
 
@@ -156,14 +160,20 @@ def test_remember_false_neither_reads_nor_writes(tmp_path: Path) -> None:
     assert all(not c.remember for c in trainer.callbacks if isinstance(c, Lever))
 
 
-def test_a_remembered_decision_far_from_the_runs_steps_is_forgotten(tmp_path: Path) -> None:
-    """The live steps are timed at no cost; a remembered figure 10x off makes the next run probe again."""
+@pytest.mark.parametrize("stored_from", [True, False], ids=["same batches", "file without live_from"])
+def test_a_remembered_decision_far_from_the_runs_steps_is_forgotten(tmp_path: Path, stored_from: bool) -> None:
+    """The live steps are timed at no cost; a remembered figure 10x off makes the next run probe again.
+
+    A file of an earlier version, without the batches its figure timed, is checked on the run's first steps.
+    """
     _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
     (path,) = DecisionMemory().root.glob("*/*.json")
     entry = json.loads(path.read_text())
     live = entry["decision"]["live_step_s"]
     assert live > 0  # the measuring run recorded its own steps
     entry["decision"]["live_step_s"] = live * 10  # as if remembered on a far slower (loaded) machine
+    if not stored_from:
+        del entry["decision"]["live_from"]
     path.write_text(json.dumps(entry))
     lever = speedkit.ChannelsLast(probe_steps=3)
     _fit(tmp_path / "b", [lever])
@@ -172,6 +182,51 @@ def test_a_remembered_decision_far_from_the_runs_steps_is_forgotten(tmp_path: Pa
     assert check["ratio"] < 1 / Remembering.BAND
     assert not path.exists()
     assert "the next run probes again" in lever.report()["memory_note"]
+
+
+class _FirstFreeBatch(L.Callback):
+    """The first training batch at whose start no counted probe was pending any more."""
+
+    def __init__(self) -> None:
+        self.batch: int | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.batch is None and not queued_steps(trainer):
+            self.batch = trainer.fit_loop.epoch_loop.total_batch_idx
+
+
+def test_the_check_times_the_runs_own_settings_and_a_later_run_the_same_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like with like: a measured decision's steps are timed once no counted probe is pending.
+
+    The precision, decided at fit start, waits for the layout's counted blocks; a remembered run times the same
+    batches of its run.
+    """
+    first, free = _levers(), _FirstFreeBatch()
+    _fit(tmp_path / "a", first, extra=[free])
+    assert free.batch is not None
+    assert free.batch > 0  # the layout's counted blocks came first
+    stored = [json.loads(p.read_text())["decision"] for p in sorted(DecisionMemory().root.glob("*/*.json"))]
+    assert [d["live_from"] for d in stored] == [free.batch + Remembering.CHECK_SKIP] * 2
+    timed: dict[int, list[int]] = {}
+    step_ended = Remembering.step_ended
+
+    def recording(self: Remembering, trainer: L.Trainer, decision: Any) -> None:
+        before = len(self._times)
+        step_ended(self, trainer, decision)
+        if len(self._times) > before:
+            timed.setdefault(id(self), []).append(trainer.fit_loop.epoch_loop.total_batch_idx)
+
+    monkeypatch.setattr(Remembering, "step_ended", recording)
+    monkeypatch.setattr(Remembering, "BAND", math.inf)  # what is timed, not the verdict
+    second = _levers()
+    _fit(tmp_path / "b", second)
+    assert all(lever.report()["source"] == "remembered" for lever in second)
+    assert all("memory_check" in lever.report() for lever in second)
+    first_batch = free.batch + Remembering.CHECK_SKIP
+    expected = list(range(first_batch, first_batch + Remembering.CHECK_STEPS))
+    assert list(timed.values()) == [expected, expected]
 
 
 @pytest.mark.parametrize(

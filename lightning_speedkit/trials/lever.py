@@ -248,7 +248,7 @@ class Lever(LeanCallback):
         if self._counted is not None:
             self._counted.step_started(trainer)
         elif self._memory is not None:
-            self._memory.step_started()
+            self._memory.step_started(trainer)
 
     @override
     def on_train_batch_end(

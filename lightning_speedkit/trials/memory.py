@@ -39,9 +39,11 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.decisions import outside_band
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import cache_dir, quiet_logger, write_json_atomic
 from lightning_speedkit.timing import StepClock
+from lightning_speedkit.trials.counted import queued_steps
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.session import LIGHTNING_INFO
 
@@ -66,10 +68,7 @@ FORMAT = 1
 
 
 def decisions_dir() -> Path:
-    """Where remembered decisions live: ``$SPEEDKIT_DECISIONS_DIR``, else ``$SPEEDKIT_CACHE_DIR/decisions``.
-
-    (``~/.cache/lightning_speedkit/decisions`` without either.)
-    """
+    """``$SPEEDKIT_DECISIONS_DIR``, else ``$SPEEDKIT_CACHE_DIR/decisions`` (``~/.cache/lightning_speedkit/...``)."""
     env = os.environ.get("SPEEDKIT_DECISIONS_DIR")
     return Path(env) if env else cache_dir() / "decisions"
 
@@ -110,9 +109,7 @@ def _shapes(value: Any) -> Any:
         return {str(k): _shapes(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):
         return [_shapes(v) for v in value]
-    if isinstance(value, (int, float, bool, str)) or value is None:
-        return type(value).__name__
-    return type(value).__name__
+    return type(value).__name__  # a number, a string, None or anything else: its type
 
 
 _SAMPLES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
@@ -279,26 +276,23 @@ class DecisionMemory:
 _WARNED: set[Path] = set()
 
 
-def outside_band(live: float, remembered: float, band: float) -> bool:
-    """Whether a run's live step time is more than ``band`` times off the remembered one, either way.
-
-    Example:
-        >>> outside_band(0.030, 0.020, 1.5), outside_band(0.012, 0.020, 1.5), outside_band(0.012, 0.020, 2.0)
-        (False, True, False)
-    """
-    ratio = live / remembered
-    return not 1 / band <= ratio <= band
+def _batch(trainer: pl.Trainer) -> int:
+    """The run's current training batch, counted across epochs from 0."""
+    return int(trainer.fit_loop.epoch_loop.total_batch_idx)
 
 
 class Remembering:
     """One lever's use of the memory in one fit: recall before deciding, store a measured decision, check it live.
 
     The check costs nothing: the training steps the run takes anyway are timed (``CHECK_STEPS`` steps after the first
-    ``CHECK_SKIP``). A measured decision stores their median as ``live_step_s``; a remembered one compares its run's
-    median with it, and outside a factor of ``BAND`` either way the entry is forgotten, so the next run probes again
-    (a decision made on a loaded machine, or a machine that changed, does not stick). The band is wide because the
-    same job on the same shared 2-core machine ran up to 1.45x slower under a second process's load; it catches that
-    and a wrong layout or loader setting (1.2-2x on the demo), not run-to-run jitter.
+    ``CHECK_SKIP``), once no counted probe is pending (`lightning_speedkit.trials.counted`), so every setting is the
+    run's own. A measured decision stores their median as ``live_step_s`` and the run's batch where they began as
+    ``live_from``; a remembered one times the same batches of its run and compares their median with it, and outside a
+    factor of ``BAND`` either way the entry is forgotten, so the next run probes again (a decision made on a loaded
+    machine, or a machine that changed, does not stick). Like with like: checked on a later run's first steps, a layout
+    decision stored right after its probe was forgotten at 0.64x (the demo). The band is wide because the same job on
+    the same shared 2-core machine ran up to 1.45x slower under a second process's load; it catches that and a wrong
+    layout or loader setting (1.2-2x on the demo).
 
     Args:
         enabled: The lever's ``remember`` argument.
@@ -318,7 +312,7 @@ class Remembering:
         self.check: dict[str, Any] = {}
         self._times: list[float] = []
         self._clock = StepClock()
-        self._steps = 0
+        self._steps = self._first = 0  # steps counted; the run's batch where the timed ones begin
 
     def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
         """Rank zero's remembered decision for this run, on every rank (None: probe), unless remembering is off."""
@@ -333,6 +327,8 @@ class Remembering:
         found = self.memory.recall(self.print_) if trainer.is_global_zero else Recalled(None)
         found = trainer.strategy.broadcast(found, src=0)
         self.note = found.note
+        if found.decision is not None and isinstance(found.decision.extra.get("live_from"), int):
+            self._first = found.decision.extra["live_from"]  # the check times the batches the stored figure timed
         return found.decision
 
     def store(self, trainer: pl.Trainer, decision: Decision) -> None:
@@ -352,10 +348,14 @@ class Remembering:
         """Whether the check still times steps (until then the lever needs its step hooks)."""
         return self.enabled and self._steps < self.CHECK_SKIP + self.CHECK_STEPS
 
-    def step_started(self) -> None:
-        """Start timing a training step (while the check still needs steps)."""
-        if self.timing:
-            self._clock.start()
+    def step_started(self, trainer: pl.Trainer) -> None:
+        """Time a step of the check: none while a counted probe is pending, or before the batches remembered."""
+        if not self.timing:
+            return
+        if queued_steps(trainer) or _batch(trainer) < self._first - self.CHECK_SKIP:
+            self._clock.reset()  # not a step of the check: the next one is timed from its start
+            return
+        self._clock.start()
 
     def step_ended(self, trainer: pl.Trainer, decision: Decision) -> None:
         """Count a timed step; after the last one, record (measured) or check (remembered) the live median."""
@@ -365,11 +365,13 @@ class Remembering:
         self._steps += 1
         if self._steps > self.CHECK_SKIP:
             self._times.append(seconds)
+        if self._steps == self.CHECK_SKIP + 1 and decision.source == "measured":
+            self._first = _batch(trainer)
         if self._steps != self.CHECK_SKIP + self.CHECK_STEPS:
             return
         live = float(trainer.strategy.broadcast(statistics.median(self._times), src=0))
         if decision.source == "measured":
-            decision.extra["live_step_s"] = live
+            decision.extra.update(live_step_s=live, live_from=self._first)
             self.store(trainer, decision)
             return
         expected = decision.extra.get("live_step_s")
