@@ -75,6 +75,26 @@ def test_oracle_is_the_fastest_grid_lr_that_reached_and_over_handles_misses(benc
     assert math.isinf(bench.over(None, 2.0))
 
 
+def test_nudge_moves_each_nonzero_weight_one_ulp_and_leaves_zeros_and_buffers(bench: ModuleType) -> None:
+    """The nudged naive fit starts from the same model to any user: every non-zero weight one float ulp up."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with torch.no_grad():
+        model[0].bias.zero_()
+    before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    bench.nudge_weights(model)
+    after = model.state_dict()
+    weight = before["0.weight"]
+    assert torch.equal(after["0.weight"], torch.nextafter(weight, torch.full_like(weight, math.inf)))
+    assert not torch.equal(after["0.weight"], weight)
+    assert torch.equal(after["0.bias"], before["0.bias"])  # zeros stay zeros: no denormal
+    assert torch.equal(after["1.running_mean"], before["1.running_mean"])  # buffers are not parameters
+    assert torch.allclose(after["0.weight"], weight, rtol=1e-6, atol=0)
+
+
 def test_quick_without_out_never_writes_the_committed_result(bench: ModuleType) -> None:
     """--quick with no --out writes to a new temp dir; --out is used as given."""
     path = bench.out_path(None, quick=True)
@@ -104,14 +124,14 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
 
     runs = result["runs"]
     assert len(runs) == 2 * 2 * 4  # tasks x user LRs x variants; the quick grid (1x) is the naive fit at 1x
-    assert {r["variant"] for r in runs} == {"naive", "preset", "preset_auto", "naive_again"}
+    assert {r["variant"] for r in runs} == {"naive", "preset", "preset_auto", "naive_nudged"}
     for run in runs:
         assert run["timeline"], run
         assert {"epoch", "seconds", "val_acc"} <= set(run["timeline"][0])
         assert run["reached"] == (run["time_to_target_s"] is not None)
         assert run["peak_val_acc"] >= run["final_val_acc"]
         assert run["fit_s"] >= run["timeline"][-1]["seconds"]
-        if run["variant"] not in ("naive", "naive_again"):
+        if run["variant"] not in ("naive", "naive_nudged"):
             assert {"levers", "lr_finder", "warmup"} <= set(run["decisions"])
             assert run["chosen_lr"] > 0
 
