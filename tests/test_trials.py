@@ -115,6 +115,47 @@ def test_a_trial_leaves_the_run_exactly_as_without_it(tmp_path: Path) -> None:
     assert all(loss is not None for r in runner.results for loss in r.losses)
 
 
+class _MidFitTrials(L.Callback):
+    """Runs three trials at the start of epoch 1, once the optimizer and the scheduler hold state."""
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            with TrialSession(trainer, steps=3) as session:
+                self.results = [session.run(s) for s in (AsIs(), _LRSchedule(), AsIs())]
+
+
+class _EpochOneRecorder(_Recorder):
+    """`_Recorder`'s record, taken at the first batch of epoch 1 (after any trial there)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.current_epoch == 1:
+            super().on_train_batch_start(trainer, pl_module, batch, idx)
+
+
+def test_trials_at_an_epoch_start_mid_fit_leave_the_run_exactly_as_without_them(tmp_path: Path) -> None:
+    """At the start of a later epoch (optimizer and scheduler state built), trials run their steps and put it back.
+
+    Each trial trains its steps from the same state (the first and the last, alike, get the same losses); the run
+    then goes on as if there had been none: the same state and batch at the epoch's first step, the same final
+    weights. The snapshot is copied into the optimizer, so a trial's in-place updates cannot reach it.
+    """
+    runs = {}
+    for name, trials in (("with", True), ("without", False)):
+        L.seed_everything(0, verbose=False)
+        runner = _MidFitTrials()
+        callbacks = ([runner] if trials else []) + [_EpochOneRecorder(tmp_path, name)]
+        tiny_trainer(tmp_path, max_epochs=3, callbacks=callbacks).fit(_Dropout())
+        runs[name] = runner
+    assert rank_records(tmp_path, "with", 1)[0] == rank_records(tmp_path, "without", 1)[0]
+    results = runs["with"].results
+    assert [len(r.step_s) for r in results] == [3, 3, 3]
+    assert results[0].losses == results[2].losses
+    assert results[1].losses[1:] != results[0].losses[1:]  # the LR schedule's steps train differently
+
+
 def test_every_trial_starts_from_the_same_state_and_batches(tmp_path: Path) -> None:
     """Two trials of the same setting train on the same batches from the same weights: identical losses."""
 

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +14,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -27,6 +24,7 @@ from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
+from lightning_speedkit.trials.snapshot import cpu_copy, loop_flags, reset_grad_scaler, restore_loop_flags
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -107,14 +105,8 @@ class _Probe(Callback):
         return [s.data_wait_s + s.compute_s for s in steps], [s.samples for s in steps], [s.data_wait_s for s in steps]
 
 
-def _cpu_copy(value: Any) -> Any:
-    """A deep copy with every tensor copied to host memory (so a snapshot costs no device memory)."""
-    copied = apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu", copy=True))
-    return copy.deepcopy(copied)
-
-
 class TrialSession:
-    """Run trials inside ``on_fit_start`` and put everything back afterwards.
+    """Run trials inside ``on_fit_start``, or ``on_train_epoch_start`` later in the fit, and put everything back.
 
     Use as a context manager; `run` tries one `Setting`. Before every trial and on exit, the weights, optimizer and
     scheduler states, precision plugin (e.g. the grad scaler), fit-loop progress, RNG streams (torch, CUDA, numpy,
@@ -126,7 +118,8 @@ class TrialSession:
     info lines about the trials' own loops ("`Trainer.fit` stopped: `max_steps=4` reached.") are held back.
 
     Args:
-        trainer: The Trainer, in ``on_fit_start`` (optimizers set up, strategy wrapped).
+        trainer: The Trainer, in ``on_fit_start`` (optimizers set up, strategy wrapped) or at an epoch's start, where
+            the optimizers and schedulers already hold state (each trial then starts from a copy of it).
         steps: Training batches per trial, each a full optimizer step.
         warmup: Leading steps of each trial left out of its median step time.
         validate: Also run one validation batch after the steps (the batch-size finder probes eval memory).
@@ -154,12 +147,13 @@ class TrialSession:
         self._started = time.perf_counter()
         self._quiet.enter_context(quiet_logger(LIGHTNING_INFO, logging.WARNING))
         self._saved = {
-            "model": _cpu_copy(module.state_dict()),
-            "optimizers": [_cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
+            "model": cpu_copy(module.state_dict()),
+            "optimizers": [cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
             "schedulers": [copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
-            "precision": _cpu_copy(trainer.precision_plugin.state_dict()),
+            "precision": cpu_copy(trainer.precision_plugin.state_dict()),
             "precision_plugin": trainer.strategy.precision_plugin,
             "loop": copy.deepcopy(fit_loop.state_dict()),
+            "loop_flags": loop_flags(fit_loop),
             "modes": {name: sub.training for name, sub in module.named_modules()},
             "forward": module.__dict__.get("forward"),
             "stage": trainer.state.stage,
@@ -257,14 +251,19 @@ class TrialSession:
                         " use fewer probe steps or more data."
                     )
             trainer.limit_train_batches = limit
-            fit_loop.max_epochs, fit_loop.min_epochs = self.steps, None
-            fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = self.steps, None
+            epoch, step = trainer.current_epoch, trainer.global_step  # 0 at fit start; later for a trial mid-fit
+            fit_loop.max_epochs, fit_loop.min_epochs = epoch + self.steps, None
+            fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = step + self.steps, None
             trainer.callbacks = [self.probe, *setting.callbacks()]  # type: ignore[attr-defined]
             self.probe.start(trainer.strategy.root_device)
             with self._no_sync():
                 fit_loop._combined_loader = None
+                fit_loop._data_fetcher = None  # a fetcher of the run (a trial mid-fit) is kept aside, not reused
                 fit_loop.load_state_dict(copy.deepcopy(self._saved["loop"]))
                 fit_loop.restarting = False
+                # An iteration-bounded fit loop stays "restarting", and so would its epoch loop, keeping the batch
+                # counts of the epoch before: a trial mid-fit would then find its epoch done before any step.
+                fit_loop.epoch_loop.restarting = False
                 fit_loop.run()
                 if self.validate and val_loop._data_source.is_defined():
                     trainer.limit_val_batches = 1
@@ -337,12 +336,14 @@ class TrialSession:
         """Weights, optimizers, schedulers, precision plugin, loop progress and RNG as on entry."""
         trainer, module, saved = self.trainer, self.trainer.lightning_module, self._saved
         module.load_state_dict(saved["model"])
+        # Copies: torch's `load_state_dict` keeps the tensors it is given (an optimizer's momentum buffers) and a
+        # scheduler its lists, which the next trial would then change in place, and the snapshot with them.
         for optimizer, state in zip(trainer.optimizers, saved["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(copy.deepcopy(state))
         for config, state in zip(trainer.lr_scheduler_configs, saved["schedulers"], strict=True):
-            config.scheduler.load_state_dict(state)
+            config.scheduler.load_state_dict(copy.deepcopy(state))
         trainer.strategy.precision_plugin = saved["precision_plugin"]
-        _reset_grad_scaler(trainer.precision_plugin)
+        reset_grad_scaler(trainer.precision_plugin)
         trainer.precision_plugin.load_state_dict(copy.deepcopy(saved["precision"]))
         trainer.fit_loop.load_state_dict(copy.deepcopy(saved["loop"]))
         trainer.fit_loop.restarting = False
@@ -360,6 +361,7 @@ class TrialSession:
         trainer, module, fit_loop = self.trainer, self.trainer.lightning_module, self.trainer.fit_loop
         saved = self._saved
         self._restore_state()
+        restore_loop_flags(saved["loop_flags"])
         trainer.callbacks, trainer.loggers = saved["callbacks"], saved["loggers"]  # type: ignore[attr-defined]
         trainer.limit_train_batches, trainer.limit_val_batches, trainer.accumulate_grad_batches = saved["limits"]
         fit_loop.max_epochs, fit_loop.min_epochs, fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = saved[
@@ -384,14 +386,3 @@ class TrialSession:
         # A failed trial was collected in `run`; on an accelerator, cycles may still pin device memory that the
         # run needs (a batch-size trial's activations). On the CPU the collector frees them in its own time.
         release_memory(collect=trainer.strategy.root_device.type != "cpu")
-
-
-def _reset_grad_scaler(plugin: Any) -> None:
-    """Forget a GradScaler's per-optimizer step state, which ``load_state_dict`` leaves as it is.
-
-    An OOM between ``unscale_`` and ``update`` leaves an optimizer marked unscaled; the next trial's ``unscale_``
-    would then fail with "unscale_() has already been called".
-    """
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
-        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
