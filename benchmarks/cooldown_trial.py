@@ -4,10 +4,10 @@ For each task of `benchmarks/lr_tasks.py` at its user LRs of 10x too low, right 
 the right LR only), and each seed, a plain fit at a constant LR (the trajectory `preset()` trains at the user's LR
 until the cool-down) stops where a 20% cool-down would begin. From that state, on the same `TRIAL_STEPS` batches:
 
-- **the trial**: the held LR against the cool-down's mean LR (`COOLED`, a third of the peak: the mean of the
-  `1 - sqrt` cool-down), each batch's loss taken before its update. Over the second half of the trial, the paired
-  differences (held minus cooled) give a mean and a z; the verdict is **hold** when the held LR's loss is lower by
-  more than `Z` standard errors, else **cool down**.
+- **the trial**: the held LR against the cool-down's mean LR (`lightning_speedkit.cooldown.TRIAL_COOLED`, a third of
+  the peak: the mean of the `1 - sqrt` cool-down), each batch's loss taken before its update; the verdict is
+  `lightning_speedkit.cooldown.trial_holds`: **hold** when, over the second half, the paired differences (held
+  minus cooled, `paired_gap`) put the held LR's loss lower by more than 3 standard errors, else **cool down**.
 - **the outcome**: the rest of the budget run twice on the same batches, once at the held LR and once under the
   cool-down `lightning_speedkit.WarmupScheduler` applies (`lightning_speedkit.schedule.warmup_factor`, ``"wsd"``),
   then ``val_acc`` on the validation set. The cool-down helped when its ``val_acc`` is the higher.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_speedkit.cooldown import check_window
+from lightning_speedkit.cooldown import TRIAL_COOLED, TRIAL_Z, check_window, paired_gap, trial_holds
 from lightning_speedkit.schedule import cooldown_start, still_falling, warmup_factor
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
@@ -51,23 +50,8 @@ from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
 DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_trial.json"
 FACTORS = (0.1, 1.0, 10.0)
 COOLDOWN = 0.2
-COOLED = 1.0 / 3.0
-"""The trial's lower LR, as a share of the peak: the mean factor of the ``1 - sqrt`` cool-down."""
+COOLED, Z = TRIAL_COOLED, TRIAL_Z
 TRIAL_STEPS = 32
-Z = 3.0
-
-
-def paired_z(held: Sequence[float], cooled: Sequence[float]) -> tuple[float, float]:
-    """``(mean, z)`` of ``held[i] - cooled[i]`` over the second half: negative when the held LR's loss is lower.
-
-    Example:
-        >>> paired_z([9.0, 9.0, 1.0, 1.1, 1.0, 1.1], [9.0, 9.0, 1.2, 1.2, 1.2, 1.3])
-        (-0.1667, -5.0)
-    """
-    diffs = [h - c for h, c in zip(held[len(held) // 2 :], cooled[len(cooled) // 2 :], strict=True)]
-    mean = statistics.fmean(diffs)
-    spread = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
-    return round(mean, 4), round(mean / spread, 1) if spread > 0 else 0.0
 
 
 def _batches(dataset: Any, batch_size: int, count: int, seed: int) -> list[Any]:
@@ -138,7 +122,7 @@ def run_case(task: Task, factor: float, seed: int, root: Path) -> dict[str, Any]
     trial = _batches(data.train_set, task.batch_size, TRIAL_STEPS, seed + 1000)  # type: ignore[attr-defined]
     held = _train(model, state, trial, [lr] * len(trial))
     cooled = _train(model, state, trial, [lr * COOLED] * len(trial))
-    mean, z = paired_z(held, cooled)
+    mean, z = paired_gap(held, cooled)
 
     rest = _batches(data.train_set, task.batch_size, total - start, seed + 2000)  # type: ignore[attr-defined]
     _train(model, state, rest, [lr] * len(rest))
@@ -146,7 +130,7 @@ def run_case(task: Task, factor: float, seed: int, root: Path) -> dict[str, Any]
     schedule = [lr * warmup_factor(step, 0, total, "wsd", cooldown=COOLDOWN) for step in range(start, total)]
     _train(model, state, rest, schedule)
     cooled_acc = _val_acc(model, data)
-    verdict = "hold" if z < -Z else "cool down"
+    verdict = "hold" if trial_holds(held, cooled) else "cool down"
     helped = cooled_acc > held_acc
     return {
         "task": task.name,

@@ -12,6 +12,9 @@ user's LR is then exactly the constant-LR run); flat, the cool-down runs as plan
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -21,10 +24,48 @@ from lightning_speedkit.schedule import cooldown_start, still_falling
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["MIN_STEPS", "CooldownCheck", "check_window"]
+__all__ = ["MIN_STEPS", "TRIAL_COOLED", "TRIAL_Z", "CooldownCheck", "check_window", "paired_gap", "trial_holds"]
 
 MIN_STEPS = 16
 """The fewest steps the check watches: with fewer, the cool-down runs as planned."""
+
+
+TRIAL_COOLED = 1.0 / 3.0
+"""A cool-down trial's lower LR, as a share of the peak: the mean factor of the ``1 - sqrt`` cool-down."""
+TRIAL_Z = 3.0
+"""A cool-down trial holds the LR when the held LR's loss is lower by more than this many standard errors."""
+
+
+def paired_gap(held: Sequence[float], cooled: Sequence[float]) -> tuple[float, float]:
+    """``(mean, z)`` of ``held[i] - cooled[i]`` over the second half: negative when the held LR's loss is lower.
+
+    ``held`` and ``cooled`` are the losses of two trials on the same batches from the same state (each batch's loss
+    before its update), so the differences carry no batch noise; the first half, where the two LRs have barely moved
+    the weights apart, is left out. The z is the mean over its standard error (0 without spread).
+
+    Example:
+        >>> paired_gap([9.0, 9.0, 1.0, 1.1, 1.0, 1.1], [9.0, 9.0, 1.2, 1.2, 1.2, 1.3])
+        (-0.1667, -5.0)
+    """
+    diffs = [h - c for h, c in zip(held[len(held) // 2 :], cooled[len(cooled) // 2 :], strict=True)]
+    mean = statistics.fmean(diffs)
+    spread = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+    return round(mean, 4), round(mean / spread, 1) if spread > 0 else 0.0
+
+
+def trial_holds(held: Sequence[float], cooled: Sequence[float], z: float = TRIAL_Z) -> bool:
+    """Whether a cool-down trial says to hold the LR: the held LR's loss clearly below the cooled one's.
+
+    A run still limited by its LR learns faster at the peak; one limited by the noise of its updates gets a lower
+    loss at once from a lower LR (`benchmarks/cooldown_trial.py` measures the verdict against both continuations).
+
+    Example:
+        >>> trial_holds([9.0, 9.0, 1.0, 1.1, 1.0, 1.1], [9.0, 9.0, 1.2, 1.2, 1.2, 1.3])
+        True
+        >>> trial_holds([1.0, 1.0, 1.3, 1.2], [1.0, 1.0, 1.0, 1.1])
+        False
+    """
+    return paired_gap(held, cooled)[1] < -z
 
 
 def check_window(warmup_steps: int, total_steps: int, cooldown: float) -> tuple[int, int] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import load_benchmark
 
-from lightning_speedkit.cooldown import MIN_STEPS, CooldownCheck, check_window
+from lightning_speedkit.cooldown import MIN_STEPS, CooldownCheck, check_window, paired_gap, trial_holds
 from lightning_speedkit.schedule import still_falling
 
 
@@ -79,3 +79,17 @@ def test_the_benchmark_judges_each_fits_window_as_the_scheduler_would(tmp_path: 
         assert row["window"] == (None if (w := check_window(0, row["steps"], 0.2)) is None else list(w))
         assert isinstance(row["held"], bool)
         assert isinstance(row["drop"], float)
+
+
+def test_the_trials_paired_gap_compares_the_second_half_batch_by_batch() -> None:
+    """Only the second half counts; the same batches make the differences paired, so a steady gap is a large z."""
+    held = [5.0, 0.0, 1.0, 1.1, 1.0, 1.1]
+    assert paired_gap(held, [0.0, 5.0, 1.2, 1.2, 1.2, 1.3]) == (-0.1667, -5.0)  # the held LR's loss is lower
+    assert trial_holds(held, [0.0, 5.0, 1.2, 1.2, 1.2, 1.3])
+    assert paired_gap(held, held) == (0.0, 0.0)  # no spread: no z
+    assert not trial_holds(held, held)
+    mean, z = paired_gap([1.0, 1.0, 1.3, 1.2], [1.0, 1.0, 1.0, 1.1])
+    assert mean > 0
+    assert z > 0  # the cooled LR's loss is lower: cool down
+    assert not trial_holds([1.0, 1.0, 1.3, 1.2], [1.0, 1.0, 1.0, 1.1])
+    assert trial_holds([1.0, 1.0, 1.0, 1.1, 1.0], [1.0, 1.0, 1.05, 1.2, 1.2], z=1.0)  # a lower bar holds sooner
