@@ -10,7 +10,7 @@
   decide afresh (`fresh_decisions`): a benchmark times probes, so no decision is remembered from an earlier fit, and
   nothing is written to the user's cache.
 - The table and JSON: `Column` and `table` print fixed-width text; `print_and_write` prints it and writes the JSON
-  atomically.
+  atomically; `quick_args` reads the ``--quick``, ``--out`` and ``--threads`` a fit-by-fit benchmark takes.
 
 A benchmark is a script loaded by path (``python benchmarks/<name>.py``, or a test's ``load_benchmark``); it puts its
 own directory on ``sys.path`` before ``from _harness import ...``.
@@ -18,6 +18,7 @@ own directory on ``sys.path`` before ``from _harness import ...``.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import shutil
@@ -292,3 +293,31 @@ def print_and_write(text: str, result: Any, out: str | Path) -> Path:
     path = write_json_atomic(result, out)
     print(f"wrote {out}")
     return path
+
+
+def quick_args(argv: list[str] | None, doc: str, default_out: Path, quick_help: str) -> tuple[bool, Path, int]:
+    """``(quick, out, threads)`` from ``--quick``, ``--out`` and ``--threads`` (torch threads, 1 by default).
+
+    ``out`` is ``--out``, else ``default_out``, but with ``--quick`` a new temporary directory, so a smoke run never
+    writes over the committed result.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default=None, help=f"the JSON (default {default_out}; with --quick a temp dir)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args(argv)
+    out = args.out or (Path(tempfile.mkdtemp()) / default_out.name if args.quick else default_out)
+    return args.quick, Path(out), args.threads
+
+
+class LossRecorder(L.Callback):
+    """Every training step's loss, in ``values``."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.values.append(float(loss.detach()))

@@ -13,7 +13,6 @@ peak) or cooled down. A run limited by its LR should be held; one limited by its
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -29,25 +28,12 @@ from lightning_speedkit.schedule import fall, still_falling
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import print_and_write, quiet_trainer
+from _harness import LossRecorder, print_and_write, quick_args, quiet_trainer
 from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_check.json"
 FACTORS = (0.1, 1.0, 10.0)
 COOLDOWN = 0.2
-
-
-class _Losses(L.Callback):
-    """Every training step's loss."""
-
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.values.append(float(loss.detach()))
 
 
 def judge(losses: list[float]) -> dict[str, Any]:
@@ -65,7 +51,7 @@ def _fit(task: Task, factor: float, seed: int, root: Path) -> list[float]:
     data = task.make_data(task, seed, root)
     L.seed_everything(seed, verbose=False)  # the weights and batch order lr_tasks' fits get
     model = task.make_model(task, task.right_lr * factor)
-    losses = _Losses()
+    losses = LossRecorder()
     options = {"devices": 1, "max_epochs": task.max_epochs, "num_sanity_val_steps": 0}
     quiet_trainer("cpu", callbacks=[losses], **options).fit(model, data)
     return losses.values
@@ -94,13 +80,8 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed at the right LR, tiny budgets: a smoke run")
-    parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args(argv)
-    out = args.out or (Path(tempfile.mkdtemp()) / "cooldown_check.json" if args.quick else DEFAULT_OUT)
-    return run(quick=args.quick, out=out, threads=args.threads)
+    quick, out, threads = quick_args(argv, __doc__, DEFAULT_OUT, "one seed at the right LR, tiny budgets: a smoke run")
+    return run(quick=quick, out=out, threads=threads)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ callback: research for a trial-based cool-down, not a decision the pack makes.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import statistics
@@ -43,14 +42,12 @@ from lightning_speedkit.schedule import cooldown_start, still_falling, warmup_fa
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import print_and_write, quiet_trainer
-from cooldown_check import _Losses
+from _harness import LossRecorder, print_and_write, quick_args, quiet_trainer
 from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_trial.json"
 FACTORS = (0.1, 1.0, 10.0)
 COOLDOWN = 0.2
-COOLED, Z = TRIAL_COOLED, TRIAL_Z
 TRIAL_STEPS = 32
 
 
@@ -109,7 +106,7 @@ def run_case(task: Task, factor: float, seed: int, root: Path) -> dict[str, Any]
     model = task.make_model(task, lr)
     total = len(data.train_dataloader()) * task.max_epochs
     start = cooldown_start(0, total, COOLDOWN)
-    losses = _Losses()
+    losses = LossRecorder()
     options = {"devices": 1, "max_epochs": task.max_epochs, "max_steps": start, "num_sanity_val_steps": 0}
     quiet_trainer("cpu", callbacks=[losses], limit_val_batches=0, **options).fit(model, data)
     state = {
@@ -121,7 +118,7 @@ def run_case(task: Task, factor: float, seed: int, root: Path) -> dict[str, Any]
 
     trial = _batches(data.train_set, task.batch_size, TRIAL_STEPS, seed + 1000)  # type: ignore[attr-defined]
     held = _train(model, state, trial, [lr] * len(trial))
-    cooled = _train(model, state, trial, [lr * COOLED] * len(trial))
+    cooled = _train(model, state, trial, [lr * TRIAL_COOLED] * len(trial))
     mean, z = paired_gap(held, cooled)
 
     rest = _batches(data.train_set, task.batch_size, total - start, seed + 2000)  # type: ignore[attr-defined]
@@ -195,20 +192,15 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
             f"{policy:<12} agrees with the outcome in {figures['agrees']} of {len(rows)}; val_acc lost to it:"
             f" at most {figures['lost_max']:.3f}, mean {figures['lost_mean']:.4f}"
         )
-    settings = {"quick": quick, "cooldown": COOLDOWN, "cooled": COOLED, "trial_steps": TRIAL_STEPS, "z": Z}
+    settings = {"quick": quick, "cooldown": COOLDOWN, "cooled": TRIAL_COOLED, "trial_steps": TRIAL_STEPS, "z": TRIAL_Z}
     result = {"settings": settings | {"threads": threads}, "machine": _machine(), "rows": rows, "summary": summary}
     print_and_write("\n".join(lines), result, out)
     return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed of the MLP, a tiny budget: a smoke run")
-    parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args(argv)
-    out = args.out or (Path(tempfile.mkdtemp()) / "cooldown_trial.json" if args.quick else DEFAULT_OUT)
-    return run(quick=args.quick, out=out, threads=args.threads)
+    quick, out, threads = quick_args(argv, __doc__, DEFAULT_OUT, "one seed of the MLP, a tiny budget: a smoke run")
+    return run(quick=quick, out=out, threads=threads)
 
 
 if __name__ == "__main__":
