@@ -14,17 +14,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_speedkit.schedule import cooldown_start, still_falling
+from lightning_speedkit.trials import Setting, TrialSession
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["MIN_STEPS", "TRIAL_COOLED", "TRIAL_Z", "CooldownCheck", "check_window", "paired_gap", "trial_holds"]
+__all__ = [
+    "CHECKS",
+    "MIN_STEPS",
+    "TRIAL_COOLED",
+    "TRIAL_STEPS",
+    "TRIAL_Z",
+    "CooldownCheck",
+    "check_method",
+    "check_window",
+    "paired_gap",
+    "run_trial",
+    "trial_holds",
+    "trial_plan",
+]
+
+CHECKS = ("loss", "trial")
+"""How `lightning_speedkit.WarmupScheduler` may decide its cool-down: from the loss before it, or by a trial."""
 
 MIN_STEPS = 16
 """The fewest steps the check watches: with fewer, the cool-down runs as planned."""
@@ -34,6 +52,26 @@ TRIAL_COOLED = 1.0 / 3.0
 """A cool-down trial's lower LR, as a share of the peak: the mean factor of the ``1 - sqrt`` cool-down."""
 TRIAL_Z = 3.0
 """A cool-down trial holds the LR when the held LR's loss is lower by more than this many standard errors."""
+TRIAL_STEPS = 32
+"""Training steps of each side of a cool-down trial (the held LR, then the cooled one, from the same state)."""
+
+
+def check_method(value: object) -> str | None:
+    """The cool-down check asked for: ``"loss"`` (``True`` too), ``"trial"``, or None (``False``: no check).
+
+    Example:
+        >>> check_method(True), check_method("trial"), check_method(False)
+        ('loss', 'trial', None)
+        >>> check_method("yes")
+        Traceback (most recent call last):
+        ...
+        ValueError: `cooldown_check` must be False, True, 'loss' or 'trial', got 'yes'.
+    """
+    if value is False or value is True:
+        return "loss" if value else None
+    if isinstance(value, str) and value in CHECKS:
+        return value
+    raise ValueError(f"`cooldown_check` must be False, True, 'loss' or 'trial', got {value!r}.")
 
 
 def paired_gap(held: Sequence[float], cooled: Sequence[float]) -> tuple[float, float]:
@@ -83,17 +121,95 @@ def check_window(warmup_steps: int, total_steps: int, cooldown: float) -> tuple[
     return (first, begin) if begin - first >= MIN_STEPS else None
 
 
+def trial_plan(warmup_steps: int, total_steps: int, cooldown: float, done: int, epoch_steps: int | None) -> str | None:
+    """At an epoch's start, ``done`` schedule steps in: ``""`` to run the cool-down trial now, None to wait, or why not.
+
+    The trial runs at the start of the epoch in which the cool-down begins (a trial needs an epoch's start), when
+    that start is past the warmup and no further before the cool-down than the cool-down is long (so the state it
+    starts from is the run's at the cool-down), and when its two sides cost at most half the cool-down's steps, the
+    steps whose LR it decides. ``epoch_steps`` is the epoch's optimizer steps (None when unknown).
+
+    Example:
+        >>> trial_plan(0, 900, 0.2, 600, 150), trial_plan(0, 900, 0.2, 720, 150)
+        (None, '')
+        >>> trial_plan(0, 300, 0.2, 0, 300)
+        'its two sides (2 x 32 steps) would cost more than half of the 60 cool-down steps'
+    """
+    begin = cooldown_start(warmup_steps, total_steps, cooldown)
+    steps = total_steps - begin
+    if steps < 4 * TRIAL_STEPS:
+        return f"its two sides (2 x {TRIAL_STEPS} steps) would cost more than half of the {steps} cool-down steps"
+    if done > begin:
+        return f"the cool-down began at step {begin}, before an epoch started"
+    if epoch_steps is None:
+        return "the epochs' length is unknown (an iterable dataset), so no epoch is known to hold the cool-down's start"
+    if done + epoch_steps <= begin:
+        return None
+    if done < max(warmup_steps, begin - steps):
+        return (
+            f"the epoch holding the cool-down's start (step {begin}) begins at step {done}: further before it than the"
+            f" cool-down's {steps} steps (or inside the warmup), and a trial needs an epoch's start"
+        )
+    return ""
+
+
+class _Factor(Setting):
+    """The schedule's multiplier pinned at ``factor`` for one trial (through ``pin``; None unpins it)."""
+
+    def __init__(self, name: str, factor: float, pin: Callable[[float | None], None]) -> None:
+        self.name, self.factor, self._pin = name, factor, pin
+
+    @override
+    def apply(self, trainer: pl.Trainer) -> None:
+        self._pin(self.factor)
+
+    @override
+    def revert(self, trainer: pl.Trainer) -> None:
+        self._pin(None)
+
+
+def run_trial(
+    trainer: pl.Trainer, pin: Callable[[float | None], None], steps: int = TRIAL_STEPS
+) -> tuple[list[float], list[float], float] | str:
+    """The cool-down trial: ``steps`` real steps at the held LR, then the same batches at `TRIAL_COOLED` of it.
+
+    Both sides start from the run's state at this epoch's start and everything is put back afterwards
+    (`lightning_speedkit.trials.TrialSession`); ``pin`` fixes the schedule's multiplier for a side. Returns each
+    side's losses and the seconds both took, or why there is no verdict (a side failed, a loss was not a scalar).
+    """
+    with TrialSession(trainer, steps, warmup=0) as session:
+        batches = session.batches_per_epoch()
+        sides = [
+            session.run(_Factor(name, f, pin), max_batches=batches)
+            for name, f in (("held", 1.0), ("cooled", TRIAL_COOLED))
+        ]
+    failed = next((side for side in sides if not side.fits), None)
+    if failed is not None:
+        return f"its {failed.setting} side failed ({failed.error})"
+    held, cooled = ([v for v in side.losses if v is not None and math.isfinite(v)] for side in sides)
+    if len(held) != steps or len(cooled) != steps:
+        return "a trial step gave no finite scalar loss"
+    return held, cooled, session.elapsed_s
+
+
 @dataclasses.dataclass
 class CooldownCheck:
-    """What the check watched (training losses, reduced over ranks, so every rank decides alike) and decided.
+    """What the check watched or tried, and what it decided (every rank alike).
 
-    ``held`` is None until the cool-down's first step, then whether the LR is held to the end; ``drop`` is the
-    relative fall of the mean loss from the first half of the steps watched to the second.
+    ``held`` is None until decided, then whether the LR is held to the end. The loss check keeps the training losses
+    it watched (reduced over ranks) and ``drop``, the relative fall of their mean from the first half to the second;
+    the trial keeps ``gap`` and ``z`` (`paired_gap`), ``probe_s`` (both sides' seconds) and ``step`` (where it ran).
+    ``reason`` says why the cool-down ran as planned without a verdict.
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
     held: bool | None = None
     drop: float | None = None
+    gap: float | None = None
+    z: float | None = None
+    probe_s: float = 0.0
+    step: int | None = None
+    reason: str = ""
 
     def watch(self, trainer: pl.Trainer, outputs: Any) -> None:
         """Keep this batch's loss (from ``training_step``'s output: a scalar tensor or a dict with one as ``loss``)."""
@@ -110,16 +226,61 @@ class CooldownCheck:
             " their first half to their second)"
         )
 
+    def decide_trial(self, held: Sequence[float], cooled: Sequence[float], probe_s: float, step: int) -> str:
+        """Decide from a trial's two sides (`trial_holds`); the line that says what was found."""
+        self.gap, self.z = paired_gap(held, cooled)
+        self.held, self.probe_s, self.step = self.z < -TRIAL_Z, probe_s, step
+        verdict = "lower: the LR is held to the end" if self.held else "not clearly lower: cooling down"
+        return (
+            f"a trial at step {step} ({len(held)} steps at the peak LR, then at {TRIAL_COOLED:.2g} of it, {probe_s:.2f}"
+            f" s): the peak LR's loss is {verdict} (gap {self.gap:+.4g}, z {self.z:+.1f}, {TRIAL_Z:g} needed)"
+        )
+
+    def try_at_epoch_start(
+        self, trainer: pl.Trainer, schedule: tuple[int, int, int], cooldown: float, pin: Callable[[float | None], None]
+    ) -> str | None:
+        """At an epoch's start: run the trial if this is its epoch (`trial_plan`) and decide; the line, or None.
+
+        ``schedule`` is ``(warmup_steps, total_steps, start_step)``; None means nothing was decided yet (a later epoch
+        holds the cool-down's start).
+        """
+        warmup_steps, total_steps, start = schedule
+        batches = trainer.num_training_batches
+        epoch_steps = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
+        done = trainer.global_step - start
+        plan = trial_plan(warmup_steps, total_steps, cooldown, done, epoch_steps)
+        if plan is None:
+            return None
+        if plan:
+            return self.skip(plan)
+        outcome = run_trial(trainer, pin)
+        if isinstance(outcome, str):
+            return self.skip(outcome)
+        return self.decide_trial(*outcome, step=trainer.global_step)
+
+    def skip(self, reason: str, probe_s: float = 0.0) -> str:
+        """No verdict: the cool-down runs as planned; the line that says why."""
+        self.held, self.reason, self.probe_s = False, reason, probe_s
+        return f"no cool-down trial, cooling down as planned: {reason}"
+
     def state(self) -> dict[str, Any]:
         """The check as saved in a checkpoint."""
-        return {"losses": list(self.losses), "held": self.held, "drop": self.drop}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> CooldownCheck:
-        """The check saved by `state` (a fresh one for None)."""
-        state = state or {}
-        return cls(list(state.get("losses", [])), state.get("held"), state.get("drop"))
+        """The check saved by `state` (a fresh one for None; a key an older version did not save takes its default)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (state or {}).items() if k in names})
 
-    def report(self, enabled: bool) -> dict[str, Any]:
-        """``enabled``, ``held``, ``drop`` and ``steps`` (how many losses were watched)."""
-        return {"enabled": enabled, "held": self.held, "drop": self.drop, "steps": len(self.losses)}
+    def report(self, method: str | None) -> dict[str, Any]:
+        """``enabled``, ``method``, ``held``, ``drop``, ``steps`` (losses watched) and the trial's fields."""
+        trial = {"gap": self.gap, "z": self.z, "probe_s": self.probe_s, "step": self.step, "reason": self.reason}
+        return {
+            "enabled": method is not None,
+            "method": method,
+            "held": self.held,
+            "drop": self.drop,
+            "steps": len(self.losses),
+            **trial,
+        }

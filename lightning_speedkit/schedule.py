@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.callbacks import Timer
 
 from lightning_speedkit.checks import check_choice, is_int, is_number
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = [
     "DECAYS",
+    "TIME_EVERY",
+    "budget_timer",
     "check_cooldown",
     "check_schedule",
     "check_warmup",
@@ -24,6 +32,7 @@ __all__ = [
     "factor_at",
     "fall",
     "still_falling",
+    "time_fraction",
     "warmup_factor",
 ]
 
@@ -252,3 +261,24 @@ def factor_at(
     else:
         remaining = 1.0 - progress
     return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
+
+
+TIME_EVERY = 20
+"""Optimizer steps between readings of a time budget's clock: rank zero reads it and every rank gets its value, so
+every rank applies the same LR."""
+
+
+def budget_timer(trainer: pl.Trainer) -> Timer | None:
+    """The Trainer's ``max_time`` timer, when it has a time budget."""
+    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration), None)  # type: ignore[attr-defined]
+
+
+def time_fraction(trainer: pl.Trainer, last: float | None) -> float | None:
+    """The share of the Trainer's time budget spent (None without one), read every `TIME_EVERY` steps on rank zero."""
+    timer = budget_timer(trainer)
+    if timer is None:
+        return None
+    if last is not None and trainer.global_step % TIME_EVERY:
+        return last
+    spent = timer.time_elapsed("train") / float(timer._duration or 1.0)
+    return float(trainer.strategy.broadcast(spent, src=0))

@@ -7,22 +7,23 @@ import math
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_speedkit.checks import check_bool, is_int
-from lightning_speedkit.cooldown import CooldownCheck, check_window
+from lightning_speedkit.checks import is_int
+from lightning_speedkit.cooldown import CooldownCheck, check_method, check_window
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.schedule import (
     DECAYS,
+    budget_timer,
     check_cooldown,
     check_schedule,
     check_warmup,
     factor_at,
+    time_fraction,
     warmup_factor,
 )
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
+
+
+_NO_EPOCH = "no epoch started between the schedule's start and the cool-down's (a trial needs an epoch's start)"
 
 
 class _Schedule(NamedTuple):
@@ -79,14 +83,18 @@ class WarmupScheduler(LeanCallback):
         min_lr_ratio: Floor of the decay as a fraction of the base LR, in [0, 1].
         cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
         start_factor: Multiplier at the first warmup step, in [0, 1].
-        cooldown_check: For ``"wsd"`` with a step budget: before the cool-down, look at the training loss over as
-            many steps as the cool-down takes (reduced over ranks, so every rank decides alike), and hold the LR to
-            the end instead when it still falls there (`lightning_speedkit.schedule.still_falling`): such a run is
-            limited by its LR, and cooling down would slow it (with the check, the run at your LR is then the
-            constant-LR run). ``report()["cooldown_check"]`` says what it found. Off by default: on
-            ``speedkit demo --quick`` (a run still learning, 40% lower loss over the window) it held the LR and the
-            final val_acc swung to 0.37-0.48 where the cool-down ends at 0.99, a larger loss than the one it saved
-            (the MLP of ``benchmarks/lr_tasks.py`` at 10x too low an LR, 0.864 against 0.880 at its last epoch).
+        cooldown_check: For ``"wsd"`` with a step budget, whether to hold the LR to the end instead of cooling down
+            when the run is still limited by its LR (cooling down would slow it; held, the run at your LR is the
+            constant-LR run). ``"trial"``: at the start of the epoch in which the cool-down begins, `TRIAL_STEPS`
+            real steps at the peak LR and the same batches at a third of it, from the same state and put back
+            afterwards (`lightning_speedkit.cooldown.trial_plan` says when it runs: it costs at most half the
+            cool-down's steps); the LR is held when the peak's loss is clearly lower (`trial_holds`). ``"loss"``
+            (or True): hold when the training loss still falls over as many steps as the cool-down takes
+            (`lightning_speedkit.schedule.still_falling`). ``report()["cooldown_check"]`` says what it found. Off
+            by default. On ``benchmarks/cooldown_trial.py`` the trial's verdict picked the better continuation in
+            26 of 30 cases and the loss check in 21; the loss check held the LR on ``speedkit demo --quick`` (a run
+            still learning, 40% lower loss over the window), where the final val_acc then swung to 0.37-0.48
+            against 0.99 with the cool-down.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
@@ -110,10 +118,11 @@ class WarmupScheduler(LeanCallback):
         min_lr_ratio: float = 0.0,
         start_factor: float = 0.0,
         cooldown: float = 0.2,
-        cooldown_check: bool = False,
+        cooldown_check: bool | str = False,
     ) -> None:
         check_warmup(warmup)
-        self.cooldown_check = check_bool("cooldown_check", cooldown_check)
+        self._method = check_method(cooldown_check)
+        self.cooldown_check = cooldown_check
         steps = warmup if isinstance(warmup, int) else 0
         check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown))
         self.cooldown = float(cooldown)
@@ -131,6 +140,7 @@ class WarmupScheduler(LeanCallback):
         self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
         self._warned_overwrite = False
         self._check = CooldownCheck()
+        self._pinned: float | None = None  # a cool-down trial's multiplier, during its steps
 
     @property
     @override
@@ -149,7 +159,12 @@ class WarmupScheduler(LeanCallback):
         "warmup": (int, float),
         "total_steps": (int, None),
         "schedule": (None, {"warmup_steps": int, "total_steps": (int, None), "start_step": int}),
-        "cooldown_check": {"losses": ListOf(float), "held": (None, bool), "drop": (None, float)},
+        "cooldown_check": {
+            "losses": ListOf(float),
+            "held": (None, bool),
+            "drop": (None, float),
+            **{"gap": (None, float), "z": (None, float), "probe_s": float, "step": (None, int), "reason": str},
+        },
     }
     """What a checkpoint may hold for the warmup (checked before anything is restored: `lightning_speedkit.restore`)."""
 
@@ -163,12 +178,19 @@ class WarmupScheduler(LeanCallback):
             self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._method == "trial" and self._check_window() is not None:  # undecided, "wsd" on a step budget
+            line = self._check.try_at_epoch_start(trainer, self.schedule, self.cooldown, self._pin)  # type: ignore[arg-type]
+            if line is not None:
+                rank_zero_info(f"WarmupScheduler: {line}.")
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._schedule is None:
             self._resolve(trainer)
-        self._time_fraction = _time_fraction(trainer, self._time_fraction)
+        self._time_fraction = time_fraction(trainer, self._time_fraction)
         if len(self._attached) != len(trainer.optimizers) or any(
             a is not b for a, b in zip(self._attached, trainer.optimizers, strict=False)
         ):
@@ -182,7 +204,7 @@ class WarmupScheduler(LeanCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        window = self._check_window()
+        window = self._check_window() if self._method == "loss" else None  # a trial watches no loss of the run
         if window is None or self._schedule is None:
             if self._schedule is not None:
                 self._skip_hooks(("on_train_batch_end",), WarmupScheduler)  # nothing (more) to watch in this fit
@@ -242,14 +264,14 @@ class WarmupScheduler(LeanCallback):
             "start_factor": self.start_factor,
             "cooldown": self.cooldown,
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
-            "cooldown_check": self._check.report(self.cooldown_check),
+            "cooldown_check": self._check.report(self._method),
         }
 
     def factor(self, step: int) -> float:
         """The multiplier applied at ``trainer.global_step == step`` (1.0 before the schedule is resolved)."""
         s = self._schedule
-        if s is None:
-            return 1.0
+        if s is None or self._pinned is not None:
+            return 1.0 if self._pinned is None else self._pinned
         return factor_at(
             max(0, step - s.start_step),
             s.warmup_steps,
@@ -290,17 +312,22 @@ class WarmupScheduler(LeanCallback):
         cools down by the clock).
         """
         s = self._schedule
-        if not self.cooldown_check or self._check.held is not None or s is None or s.total_steps is None:
+        if self._method is None or self._check.held is not None or s is None or s.total_steps is None:
             return None
         if self.decay != "wsd" or self._time_fraction is not None:
             return None
         return check_window(s.warmup_steps, s.total_steps, self.cooldown)
 
     def _decide_cooldown(self, step: int) -> None:
-        """At the cool-down's first step: hold the LR when the loss watched before it still falls."""
+        """At the cool-down's first step: hold the LR when the loss watched before it still falls (no trial ran)."""
         window = self._check_window()
         if window is not None and self._schedule is not None and step - self._schedule.start_step >= window[1]:
-            rank_zero_info(f"WarmupScheduler: {self._check.decide()}.")
+            line = self._check.decide() if self._method == "loss" else self._check.skip(_NO_EPOCH)
+            rank_zero_info(f"WarmupScheduler: {line}.")
+
+    def _pin(self, factor: float | None) -> None:
+        """Fix the multiplier at ``factor`` for a cool-down trial's steps (None: the schedule's again)."""
+        self._pinned = factor
 
     def _resolve(self, trainer: pl.Trainer) -> None:
         start, total, warmup = trainer.global_step, self._total_spec, self._warmup_spec
@@ -311,7 +338,7 @@ class WarmupScheduler(LeanCallback):
             if total is None:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
             warmup = math.ceil(warmup * total)
-        timed = _timer(trainer) is not None
+        timed = budget_timer(trainer) is not None
         if total is None and self.decay != "constant" and not timed:
             raise ValueError(
                 f"`total_steps` is needed for decay={self.decay!r}, got None, and the Trainer cannot estimate it"
@@ -336,7 +363,7 @@ class WarmupScheduler(LeanCallback):
         if self._schedule is None:
             return
         step = trainer.global_step
-        if self._check.held is None:
+        if self._check.held is None and self._pinned is None:
             self._decide_cooldown(step)
         factor = self.factor(step)
         originals = [group["lr"] for group in optimizer.param_groups]
@@ -367,24 +394,3 @@ class WarmupScheduler(LeanCallback):
             handle.remove()
         self._handles, self._attached = [], []
         self._inflight.clear()
-
-
-_TIME_EVERY = 20
-"""Optimizer steps between readings of a time budget's clock: rank zero reads it and every rank gets its value, so
-every rank applies the same LR."""
-
-
-def _timer(trainer: pl.Trainer) -> Timer | None:
-    """The Trainer's ``max_time`` timer, when it has a time budget."""
-    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration), None)  # type: ignore[attr-defined]
-
-
-def _time_fraction(trainer: pl.Trainer, last: float | None) -> float | None:
-    """The share of the Trainer's time budget spent (None without one), read every `_TIME_EVERY` steps on rank zero."""
-    timer = _timer(trainer)
-    if timer is None:
-        return None
-    if last is not None and trainer.global_step % _TIME_EVERY:
-        return last
-    spent = timer.time_elapsed("train") / float(timer._duration or 1.0)
-    return float(trainer.strategy.broadcast(spent, src=0))

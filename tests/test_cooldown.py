@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 from conftest import load_benchmark
 
-from lightning_speedkit.cooldown import MIN_STEPS, CooldownCheck, check_window, paired_gap, trial_holds
+from lightning_speedkit.cooldown import (
+    MIN_STEPS,
+    TRIAL_STEPS,
+    CooldownCheck,
+    check_method,
+    check_window,
+    paired_gap,
+    trial_holds,
+    trial_plan,
+)
 from lightning_speedkit.schedule import still_falling
 
 
@@ -65,8 +74,52 @@ def test_the_check_state_round_trips_and_reports() -> None:
     clone = CooldownCheck.from_state(check.state())
     assert clone == check
     assert clone.held is True
-    assert clone.report(enabled=True) == {"enabled": True, "held": True, "drop": check.drop, "steps": 20}
+    report = clone.report("loss")
+    assert (report["enabled"], report["method"], report["held"], report["steps"]) == (True, "loss", True, 20)
+    assert report["drop"] == check.drop
     assert CooldownCheck.from_state(None) == CooldownCheck()
+
+
+def test_the_trial_runs_at_the_start_of_the_epoch_holding_the_cool_downs_start() -> None:
+    """The trial waits for the epoch in which the cool-down begins and runs at its start, when that start is near.
+
+    900 steps, a 20% cool-down from step 720: epochs of 150 steps wait until step 600 (720 lies in 600-749); one
+    that begins 180 or fewer steps before the cool-down (its length) is near enough; one that begins further back,
+    or inside the warmup, cannot start from the run's state at the cool-down; an epoch's start after the cool-down's
+    is too late. A cool-down shorter than 4 x `TRIAL_STEPS` is not worth the two sides' steps.
+    """
+    assert TRIAL_STEPS == 32
+    assert trial_plan(0, 900, 0.2, 450, 150) is None
+    assert trial_plan(0, 900, 0.2, 600, 150) == ""
+    assert trial_plan(0, 900, 0.2, 720, 150) == ""
+    assert trial_plan(0, 900, 0.2, 540, 200) == ""  # 180 steps before the cool-down: its length
+    assert "further before it" in str(trial_plan(0, 900, 0.2, 500, 300))
+    assert "inside the warmup" in str(trial_plan(650, 900, 0.2, 600, 300))
+    assert "began at step 720" in str(trial_plan(0, 900, 0.2, 750, 150))
+    assert "unknown" in str(trial_plan(0, 900, 0.2, 600, None))
+    assert "more than half of the 127 cool-down steps" in str(trial_plan(0, 635, 0.2, 500, 100))
+    assert trial_plan(0, 640, 0.2, 500, 100) == ""  # 128 cool-down steps: twice the trial's
+
+
+def test_a_trial_verdict_is_kept_and_an_older_state_still_loads() -> None:
+    """A trial's verdict round-trips through a checkpoint's state; a state saved before the trial existed loads too."""
+    check = CooldownCheck()
+    line = check.decide_trial([2.0] * 8 + [1.0, 1.1] * 4, [2.0] * 8 + [1.3, 1.35] * 4, probe_s=0.5, step=600)
+    assert "held to the end" in line
+    assert (check.held, check.step, check.probe_s) == (True, 600, 0.5)
+    assert CooldownCheck.from_state(check.state()) == check
+    old = CooldownCheck.from_state({"losses": [1.0], "held": False, "drop": 0.01})
+    assert (old.held, old.gap, old.z, old.step, old.reason) == (False, None, None, None, "")
+    skipped = CooldownCheck()
+    assert "as planned: why" in skipped.skip("why")
+    assert (skipped.held, skipped.reason) == (False, "why")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Trial"])
+def test_a_bad_cooldown_check_is_named(value: object) -> None:
+    """Anything but False, True, "loss" or "trial" raises a ValueError naming `cooldown_check` and the value."""
+    with pytest.raises(ValueError, match=f"`cooldown_check` must be False, True, 'loss' or 'trial', got {value!r}"):
+        check_method(value)
 
 
 def test_the_benchmark_judges_each_fits_window_as_the_scheduler_would(tmp_path: Path) -> None:

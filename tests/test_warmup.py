@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
 from typing_extensions import override
 
+from lightning_speedkit.cooldown import TRIAL_Z
 from lightning_speedkit.warmup import WarmupScheduler, warmup_factor
 
 BASE_LR = 0.1  # TinyClassifier's default
@@ -187,7 +188,8 @@ def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str)
         ({"cooldown": 1.5}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got 1.5"),
         ({"cooldown": "0.2"}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got '0.2'"),
         ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
-        ({"cooldown_check": "yes"}, "`cooldown_check` must be True or False, got 'yes'"),
+        ({"cooldown_check": "yes"}, "`cooldown_check` must be False, True, 'loss' or 'trial', got 'yes'"),
+        ({"cooldown_check": 1}, "`cooldown_check` must be False, True, 'loss' or 'trial', got 1"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -258,7 +260,7 @@ def test_a_raised_lr_gets_a_ramp_even_without_a_warmup(tmp_path: Path, tiny_mode
 
 def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_model: TinyClassifier) -> None:
     """With ``max_time`` and no step budget the cool-down follows the share of the time spent."""
-    from lightning_speedkit import warmup as warmup_module
+    from lightning_speedkit import schedule as schedule_module
 
     recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0, cooldown=0.5)
     trainer = tiny_trainer(
@@ -266,14 +268,14 @@ def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_
     )
     clock = iter(range(10_000))
 
-    class FakeTimer(warmup_module.Timer):  # each reading of the budget's clock is 1% further on
+    class FakeTimer(schedule_module.Timer):  # each reading of the budget's clock is 1% further on
         def time_elapsed(self, stage: str = "train") -> float:
             return 0.02 * next(clock)
 
-    timer = callback_of(trainer, warmup_module.Timer)
+    timer = callback_of(trainer, schedule_module.Timer)
     timer.__class__ = FakeTimer
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(warmup_module, "_TIME_EVERY", 1)
+        patch.setattr(schedule_module, "TIME_EVERY", 1)
         trainer.fit(tiny_model)
     lrs = recorder.lrs()
     assert warmup.schedule is not None
@@ -506,12 +508,11 @@ def test_the_cool_down_runs_when_the_loss_has_flattened(tmp_path: Path) -> None:
     L.seed_everything(0, verbose=False)
     recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check=True)
     fit(tmp_path, FlatLoss(), warmup, recorder, max_epochs=10)  # 80 steps: watches 0-39, decides at step 40
-    assert warmup.report()["cooldown_check"] == {
-        "enabled": True,
-        "held": False,
-        "drop": pytest.approx(0, abs=0.1),
-        "steps": 40,
-    }
+    check = warmup.report()["cooldown_check"]
+    assert check["method"] == "loss"
+    assert check["held"] is False
+    assert check["drop"] == pytest.approx(0, abs=0.1)
+    assert check["steps"] == 40
     assert recorder.lrs()[:40] == [BASE_LR] * 40
     assert recorder.lrs()[40:] == pytest.approx([BASE_LR * (1 - ((k - 40) / 40) ** 0.5) for k in range(40, 80)])
 
@@ -521,7 +522,14 @@ def test_without_the_check_the_cool_down_runs_even_while_the_loss_falls(tmp_path
     recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5)
     fit(tmp_path, full_batch(0.05), warmup, recorder, max_epochs=40)
     assert recorder.lrs()[20:] == pytest.approx([0.05 * (1 - ((k - 20) / 20) ** 0.5) for k in range(20, 40)])
-    assert warmup.report()["cooldown_check"] == {"enabled": False, "held": None, "drop": None, "steps": 0}
+    check = warmup.report()["cooldown_check"]
+    assert (check["enabled"], check["method"], check["held"], check["steps"], check["probe_s"]) == (
+        False,
+        None,
+        None,
+        0,
+        0,
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
@@ -544,6 +552,92 @@ def test_a_resume_while_the_check_watches_keeps_the_losses_watched(tmp_path: Pat
     assert [r["steps"] for r in reports] == [40, 40]
     assert [r["held"] for r in reports] == [False, False]
     assert resumed[1].steps == full[1].steps[16:]  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the cool-down trial
+def test_a_cool_down_trial_holds_the_lr_of_a_run_still_limited_by_it(tmp_path: Path) -> None:
+    """A run whose loss still falls fast at its LR: the trial's peak side ends clearly lower, so the LR is held.
+
+    It runs at the start of the epoch in which the cool-down begins (one step an epoch: step 150 of 300), and the
+    run is then exactly the plain fit at the constant LR: the trial's 2 x 32 steps left nothing behind.
+    """
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check="trial")
+    checked = full_batch(0.05)
+    fit(tmp_path, checked, warmup, recorder, max_epochs=300)
+    plain = full_batch(0.05)
+    fit(tmp_path, plain, max_epochs=300)
+    check = warmup.report()["cooldown_check"]
+    assert (check["method"], check["held"], check["step"], check["reason"]) == ("trial", True, 150, "")
+    assert check["z"] < -TRIAL_Z
+    assert check["gap"] < 0
+    assert check["probe_s"] > 0
+    assert recorder.lrs() == [0.05] * 300
+    assert all(torch.equal(a, b) for a, b in zip(checked.parameters(), plain.parameters(), strict=True))
+
+
+def test_a_cool_down_trial_that_cools_leaves_the_run_as_without_it(tmp_path: Path) -> None:
+    """An LR whose loss the peak does not lower (it climbs at this LR): the trial cools down as planned.
+
+    The LRs and the final weights are those of the run without the check: the trial, at step 160 (the cool-down's
+    first step, an epoch's start), is put back whole (weights, SGD's state, the loader's order).
+    """
+
+    def run(check: bool | str) -> tuple[LRRecorder, WarmupScheduler, TinyClassifier]:
+        L.seed_everything(0, verbose=False)
+        model, recorder, warmup = (
+            TinyClassifier(lr=0.2),
+            LRRecorder(),
+            WarmupScheduler(cooldown=0.5, cooldown_check=check),
+        )
+        fit(tmp_path, model, warmup, recorder, max_epochs=40)  # 8 steps an epoch, 320 steps: cools down from 160
+        return recorder, warmup, model
+
+    (recorder, warmup, model), (plain_lrs, _, plain) = run("trial"), run(False)
+    check = warmup.report()["cooldown_check"]
+    assert (check["method"], check["held"], check["step"]) == ("trial", False, 160)
+    assert check["z"] >= -TRIAL_Z
+    assert recorder.lrs() == plain_lrs.lrs()
+    assert recorder.lrs()[160] == pytest.approx(0.2)
+    assert recorder.lrs()[-1] < 0.02
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+def test_no_cool_down_trial_when_it_would_cost_more_than_half_the_cool_down(tmp_path: Path) -> None:
+    """A cool-down of 40 steps is shorter than twice the trial's 2 x 32 steps: no trial, the cool-down runs."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check="trial")
+    fit(tmp_path, full_batch(0.05), warmup, recorder, max_epochs=80)
+    check = warmup.report()["cooldown_check"]
+    assert (check["held"], check["step"], check["probe_s"]) == (False, None, 0)
+    assert "more than half of the 40 cool-down steps" in check["reason"]
+    assert recorder.lrs()[40:] == pytest.approx([0.05 * (1 - ((k - 40) / 40) ** 0.5) for k in range(40, 80)])
+
+
+def test_no_cool_down_trial_without_an_epoch_start_before_the_cool_down(tmp_path: Path) -> None:
+    """One epoch of 256 steps: no epoch starts after the schedule's start, so the cool-down runs as planned."""
+    L.seed_everything(0, verbose=False)
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.5, cooldown_check="trial")
+    fit(tmp_path, TinyClassifier(num_samples=2048), warmup, recorder, max_epochs=1)
+    check = warmup.report()["cooldown_check"]
+    assert (check["held"], check["step"]) == (False, None)
+    assert "no epoch started" in check["reason"]
+    assert recorder.lrs()[-1] < 0.01 * BASE_LR
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+def test_a_resume_after_the_cool_down_trial_keeps_its_verdict(tmp_path: Path) -> None:
+    """A checkpoint taken after the trial carries its verdict: the resumed fit runs no second trial, same LRs."""
+
+    def run(*callbacks: Callback, ckpt_path: str | None = None) -> None:
+        fit(tmp_path, full_batch(0.05), *callbacks, max_epochs=300, ckpt_path=ckpt_path, enable_checkpointing=True)
+
+    full = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
+    run(*full, ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=200, save_top_k=-1, filename="{step}"))
+    resumed = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
+    run(*resumed, ckpt_path=str(tmp_path / "ckpt" / "step=200.ckpt"))
+    reports = [r[0].report()["cooldown_check"] for r in (full, resumed)]  # type: ignore[attr-defined]
+    assert reports[0] == reports[1]
+    assert reports[1]["held"] is True
+    assert resumed[1].steps == full[1].steps[200:]  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
