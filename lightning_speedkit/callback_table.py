@@ -51,6 +51,8 @@ class Slot:
         lever: Whether the callback decides a speed setting by measurement (a `lightning_speedkit.trials.Lever`).
         shorthand: A value form of its own beside the common ones (pruning's amount, the export's directory), as
             ``(what it is, value -> dict of arguments or None when it is not that form)``.
+        options: Arguments preset gives the callback where the user's value does not (``True`` or a dict without
+            them): the warmup's cool-down decided by a trial.
     """
 
     argument: str
@@ -58,6 +60,7 @@ class Slot:
     default: Any
     lever: bool = False
     shorthand: tuple[str, Callable[[Any], dict[str, Any] | None]] | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def _amount(value: Any) -> dict[str, Any] | None:
@@ -82,7 +85,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
     Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("compile", lambda: Compile, False, lever=True),
-    Slot("warmup", lambda: WarmupScheduler, True),
+    Slot("warmup", lambda: WarmupScheduler, True, options=(("cooldown_check", "trial"),)),
     Slot("guard", lambda: TrainingGuard, True),
     Slot("monitor", lambda: UtilizationMonitor, True),
     Slot("prune", lambda: StructuredPruning, False, shorthand=("a channel amount in (0, 1)", _amount)),
@@ -96,8 +99,8 @@ use; the warmup ramps to the LR found; pruning and the export act last."""
 def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None:
     """The callback ``value`` asks for in ``slot`` (None for ``False``), or a ValueError naming the argument.
 
-    A lever built here (from ``True`` or a dict without its own ``remember``) gets ``remember``; an instance is used
-    as it is.
+    A lever built here (from ``True`` or a dict without its own ``remember``) gets ``remember``, and a callback the
+    slot's ``options`` the dict does not set; an instance is used as it is.
 
     Example:
         >>> guard = next(s for s in SLOTS if s.argument == "guard")
@@ -112,6 +115,7 @@ def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None
         return None
     cls = slot.load()
     defaults = {"remember": remember} if slot.lever else {}
+    defaults |= dict(slot.options)
     if value is True:
         return cls(**defaults)
     if isinstance(value, cls):

@@ -35,6 +35,7 @@ __all__ = [
     "CooldownCheck",
     "check_method",
     "check_window",
+    "describe",
     "paired_gap",
     "run_trial",
     "trial_holds",
@@ -190,6 +191,24 @@ def run_trial(
     if len(held) != steps or len(cooled) != steps:
         return "a trial step gave no finite scalar loss"
     return held, cooled, session.elapsed_s
+
+
+def describe(check: dict[str, Any], cooldown: float) -> str:
+    """The ``"wsd"`` schedule as its cool-down check decided (``check``: `CooldownCheck.report`), in a few words.
+
+    Example:
+        >>> describe({"held": True, "step": 600}, 0.2)
+        'wsd (LR held: a trial at step 600 found the peak LR still lowering the loss faster)'
+        >>> describe({"held": False, "step": 600}, 0.2), describe({}, 0.2)
+        ('wsd (cool-down 20%, chosen by a trial at step 600)', 'wsd (cool-down 20%)')
+    """
+    step = check.get("step")
+    if check.get("held"):
+        if step is not None:
+            return f"wsd (LR held: a trial at step {step} found the peak LR still lowering the loss faster)"
+        return f"wsd (LR held: the loss still fell before the {cooldown:.0%} cool-down)"
+    chosen = f", chosen by a trial at step {step}" if step is not None else ""
+    return f"wsd (cool-down {cooldown:.0%}{chosen})"
 
 
 @dataclasses.dataclass

@@ -252,9 +252,10 @@ class WarmupScheduler(LeanCallback):
 
         Keys: ``warmup`` and ``total_steps`` (as asked, or as set by a finder or pruning), ``decay``,
         ``min_lr_ratio``, ``start_factor``, ``resolved`` (``warmup_steps``, ``total_steps``, ``start_step``; None
-        before the first training batch) and ``cooldown_check`` (``enabled``; ``held``: None until the cool-down's
-        first step, then whether the LR was held because the loss still fell; ``drop``: the relative fall of the
-        mean loss over the steps watched; ``steps``: how many were watched).
+        before the first training batch), ``cooldown_check`` (`lightning_speedkit.cooldown.CooldownCheck.report`:
+        ``enabled``, ``method``; ``held``: None until decided, then whether the LR is held to the end; the loss
+        check's ``drop`` and ``steps`` watched; the trial's ``gap``, ``z``, ``probe_s``, ``step``; the ``reason``
+        no verdict was reached) and ``probe_s`` (the trial's seconds, 0 without one).
         """
         return {
             "warmup": self._warmup_spec,
@@ -265,6 +266,7 @@ class WarmupScheduler(LeanCallback):
             "cooldown": self.cooldown,
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
             "cooldown_check": self._check.report(self._method),
+            "probe_s": self._check.probe_s,
         }
 
     def factor(self, step: int) -> float:

@@ -319,6 +319,17 @@ def test_preset_forwards_every_default_callbacks_option(tmp_path: Path) -> None:
     assert callback_of(tuned, speedkit.DataLoaderTuner).probe_steps == 3
 
 
+def test_preset_decides_the_cool_down_by_a_trial_unless_told_otherwise(tmp_path: Path) -> None:
+    """The warmup of `preset` decides its cool-down by a trial (its slot option); a dict or an instance may not."""
+    common: dict[str, Any] = {"logger": False, "verbose": False, "default_root_dir": tmp_path}
+    assert callback_of(preset(**common), speedkit.WarmupScheduler).cooldown_check == "trial"
+    assert callback_of(preset(warmup={"warmup": 5}, **common), speedkit.WarmupScheduler).cooldown_check == "trial"
+    asked = preset(warmup={"cooldown_check": False}, **common)
+    assert callback_of(asked, speedkit.WarmupScheduler).cooldown_check is False
+    mine = speedkit.WarmupScheduler()
+    assert callback_of(preset(warmup=mine, **common), speedkit.WarmupScheduler).cooldown_check is False
+
+
 _CPU_DDP_RUN = """
 import json, sys
 import torch

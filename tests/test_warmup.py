@@ -707,3 +707,32 @@ def test_ddp_spawn_ranks_decide_the_cool_down_on_the_mean_loss(tmp_path: Path) -
     lrs = rank_records(tmp_path, "lrs_rank")
     assert lrs[0] == lrs[1]
     assert [step[2] for step in lrs[0]] == [[BASE_LR]] * 40
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_spawn_ranks_reach_one_cool_down_trial_verdict(tmp_path: Path) -> None:
+    """Under 2-process DDP the trial runs on both ranks at the same step and both keep rank zero's verdict.
+
+    Full batches (32 samples a rank, one step an epoch) at a low LR: the loss still falls, both ranks hold the LR and
+    apply the same LR at every step.
+    """
+    L.seed_everything(0, verbose=False)
+    fit(
+        tmp_path,
+        TinyClassifier(lr=0.05, batch_size=32),
+        WarmupScheduler(cooldown=0.5, cooldown_check="trial"),
+        LRRecorder(out=tmp_path),
+        RankWriter(tmp_path, cooldown_check_report, prefix="check_rank"),
+        max_epochs=300,
+        strategy="ddp_spawn",
+        devices=2,
+    )
+    checks = rank_records(tmp_path, "check_rank")
+    assert {k: v for k, v in checks[0].items() if k != "probe_s"} == {
+        k: v for k, v in checks[1].items() if k != "probe_s"
+    }
+    assert (checks[0]["method"], checks[0]["held"], checks[0]["step"]) == ("trial", True, 150)
+    lrs = rank_records(tmp_path, "lrs_rank")
+    assert lrs[0] == lrs[1]
+    assert [step[2] for step in lrs[0]] == [[0.05]] * 300

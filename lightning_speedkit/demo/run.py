@@ -269,6 +269,7 @@ _EVERY_RUN = ("UtilizationMonitor", "Timeline", "RunSummary")
 
 def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     """What each run used, read from the trained Trainer and speedkit's reports (not restated from a config)."""
+    from lightning_speedkit.cooldown import describe
     from lightning_speedkit.warmup import WarmupScheduler
 
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -281,9 +282,7 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         asked, resolved = warmup.report()["warmup"], warmup.schedule  # as set by a finder that raised the LR, if so
         length = f"{asked:.0%}" if isinstance(asked, float) else f"{asked} steps"
         length = f"{resolved[0]} steps" if resolved is not None else length
-        decay = f"wsd (cool-down {warmup.cooldown:.0%})" if warmup.decay == "wsd" else warmup.decay
-        if warmup.report()["cooldown_check"]["held"]:
-            decay = f"wsd (LR held: the loss still fell before the {warmup.cooldown:.0%} cool-down)"
+        decay = describe(warmup.report()["cooldown_check"], warmup.cooldown) if warmup.decay == "wsd" else warmup.decay
         schedule = f"warmup {length}, {decay}"
     layout = reports.get("ChannelsLast", {})
     return {
