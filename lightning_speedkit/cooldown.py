@@ -1,12 +1,14 @@
-"""The cool-down check of `lightning_speedkit.WarmupScheduler`: the LR is held when the loss still falls before it.
+"""The cool-down check of `lightning_speedkit.WarmupScheduler`: hold the LR to the end when the run is limited by it.
 
 Warmup-stable-decay cools down over the last part of the budget because, at a constant LR, the loss ends up
 limited by the noise of the updates, which a lower LR takes out (Hägele et al. 2024). A run whose LR is too low is
 not there yet: its loss still falls at the peak LR, and cooling down only slows it (on `benchmarks/lr_tasks.py`'s
-MLP at 10x too low an LR, the plain loop reached the target in its last epoch and `preset()` missed it). So before
-the cool-down the scheduler watches the training loss over as many steps as the cool-down takes, and
-`lightning_speedkit.schedule.still_falling` decides: still falling, the LR is held to the end (the run at the
-user's LR is then exactly the constant-LR run); flat, the cool-down runs as planned.
+MLP at 10x too low an LR, the plain loop reached the target in its last epoch and `preset()` missed it). Two ways
+to tell: the **trial** (`run_trial`, `trial_holds`; preset's way) trains `TRIAL_STEPS` steps at the peak LR and
+the same batches at `TRIAL_COOLED` of it from the same state, and holds when the peak's loss is clearly lower; the
+**loss check** (`CooldownCheck.watch`, `lightning_speedkit.schedule.still_falling`) holds when the training loss
+still falls over as many steps as the cool-down takes. Held, the run at the user's LR is exactly the constant-LR
+run; otherwise the cool-down runs as planned.
 """
 
 from __future__ import annotations

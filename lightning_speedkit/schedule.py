@@ -1,6 +1,7 @@
 """The maths of an LR schedule: linear warmup, then warmup-stable-decay (the default), cosine, linear or constant.
 
-Pure functions, used by `lightning_speedkit.WarmupScheduler`. The default, ``"wsd"`` (warmup-stable-decay: MiniCPM,
+Pure functions, used by `lightning_speedkit.WarmupScheduler`, and the two readings of a ``max_time`` budget it
+follows (`budget_timer`, `time_fraction`). The default, ``"wsd"`` (warmup-stable-decay: MiniCPM,
 DeepSeek; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"), holds
 the user's LR after the warmup and cools down only over the last ``cooldown`` fraction of the budget, with the
 ``1 - sqrt`` shape that paper found best. Until the cool-down the run is the constant-LR run; cosine instead lowers
