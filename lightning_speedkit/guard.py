@@ -10,6 +10,7 @@ import copy
 import math
 import os
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -25,8 +26,31 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.trials.snapshot import cpu_copy
 
-__all__ = ["TrainingGuard", "robust_z", "snapshot_bytes"]
+__all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "snapshot_bytes", "snapshot_interval"]
+
+SNAPSHOT_EVERY = 50
+"""The fewest optimizer steps between snapshots when the guard chooses (``every_n_steps=None``)."""
+SNAPSHOT_SHARE = 0.01
+"""The most of the training time the guard's snapshots may take when it chooses their interval."""
+_TIMED_STEPS = 10
+"""Steps timed after the first snapshot to choose the interval."""
+
+
+def snapshot_interval(
+    snapshot_s: float, step_s: float, least: int = SNAPSHOT_EVERY, share: float = SNAPSHOT_SHARE
+) -> int:
+    """Steps between snapshots: ``least`` doubled until a snapshot takes at most ``share`` of the steps' time.
+
+    Example:
+        >>> snapshot_interval(0.0005, 0.002), snapshot_interval(0.5, 0.1), snapshot_interval(0.1, 0.0)
+        (50, 800, 50)
+    """
+    interval = least
+    while step_s > 0 and snapshot_s > share * interval * step_s:
+        interval *= 2
+    return interval
 
 
 def robust_z(value: float, window: Sequence[float]) -> float:
@@ -76,18 +100,6 @@ def snapshot_bytes(*states: Any) -> int:
     return total
 
 
-def _host_copy(value: Any) -> Any:
-    """``value`` with each tensor copied to host memory once; the rest deep-copied (not the copies again)."""
-    copies: dict[int, Tensor] = {}
-
-    def host(tensor: Tensor) -> Tensor:
-        copied = tensor.detach().to("cpu", copy=True)
-        copies[id(copied)] = copied
-        return copied
-
-    return copy.deepcopy(apply_to_collection(value, Tensor, host), memo=copies)
-
-
 def _host_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -99,8 +111,11 @@ class TrainingGuard(LeanCallback):
     """Roll training back to the last good state, at a lower LR, when the loss goes wrong; then go on.
 
     Every ``every_n_steps`` optimizer steps (and at the first step), the weights, optimizer, LR-scheduler and
-    precision-plugin states are copied to host memory. After each step the train loss, averaged over ranks (so every
-    rank decides alike), is checked:
+    precision-plugin states are copied to host memory. By default the guard chooses the interval: `SNAPSHOT_EVERY`
+    steps, doubled until a snapshot (timed at the first step) takes at most `SNAPSHOT_SHARE` of the time of the
+    steps between two (the median of the first ten), so the insurance costs at most 1% of the run (a large model
+    whose copy to host takes longer gets rarer snapshots); rank zero's choice holds on every rank. After each step
+    the train loss, averaged over ranks (so every rank decides alike), is checked:
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
@@ -118,7 +133,7 @@ class TrainingGuard(LeanCallback):
     checkpointed (counters, events, the loss window); snapshots are not, since a checkpoint is one.
 
     Args:
-        every_n_steps: Optimizer steps between snapshots.
+        every_n_steps: Optimizer steps between snapshots; None (default) for the guard's choice (`snapshot_interval`).
         window: Losses the spike and stall checks look back over (>= 2).
         spike_z: Robust z-score above which a loss is a spike.
         stall_steps: Steps after which a run whose loss has not fallen is stalled (a float in (0, 1): that fraction
@@ -142,7 +157,7 @@ class TrainingGuard(LeanCallback):
 
     def __init__(
         self,
-        every_n_steps: int = 50,
+        every_n_steps: int | None = None,
         window: int = 50,
         spike_z: float = 8.0,
         stall_steps: int | float | None = None,
@@ -151,7 +166,7 @@ class TrainingGuard(LeanCallback):
         max_rollbacks: int = 3,
         max_snapshot_bytes: int | None = None,
     ) -> None:
-        check_int("every_n_steps", every_n_steps)
+        check_int("every_n_steps", every_n_steps, optional=True)
         check_int("window", window, low=2)
         if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
             stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
@@ -184,6 +199,10 @@ class TrainingGuard(LeanCallback):
         self._first: dict[str, Any] | None = None
         self._watch_only = ""
         self._snapshot_size = 0
+        self._every = every_n_steps or SNAPSHOT_EVERY
+        self._snapshot_s = 0.0
+        self._step_s: list[float] = []  # the first steps' durations, while the interval is chosen
+        self._last_end: float | None = None
         self._stall_at: int | None = stall_steps if isinstance(stall_steps, int) else None
 
     state_spec: ClassVar[StateSpec] = {
@@ -200,6 +219,8 @@ class TrainingGuard(LeanCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
+        if stage == "fit" and self.every_n_steps is None:  # each fit chooses the interval again
+            self._every, self._step_s, self._last_end = SNAPSHOT_EVERY, [], None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -235,7 +256,9 @@ class TrainingGuard(LeanCallback):
         self._losses.append(value)
         if len(self._start_losses) < self.window:
             self._start_losses.append(value)
-        if trainer.global_step % self.every_n_steps == 0 and not self._watch_only:
+        if self.every_n_steps is None and len(self._step_s) < _TIMED_STEPS and not self._watch_only:
+            self._time_step(trainer)
+        if trainer.global_step % self._every == 0 and not self._watch_only:
             self._take(trainer, first=False)
 
     @override
@@ -264,13 +287,16 @@ class TrainingGuard(LeanCallback):
         """What the guard did, as a plain dict.
 
         Keys: ``rollbacks``, ``lr_scale`` (the product of the backoffs), ``events`` (step, trigger, loss (None when
-        non-finite), restored step, LR scale), ``snapshot_bytes`` and ``watch_only`` (why no snapshot is kept, if so).
+        non-finite), restored step, LR scale), ``snapshot_bytes``, ``snapshot_s`` (the first snapshot's seconds),
+        ``every_n_steps`` (the interval in use) and ``watch_only`` (why no snapshot is kept, if so).
         """
         return {
             "rollbacks": self._rollbacks,
             "lr_scale": self._lr_scale,
             "events": list(self._events),
             "snapshot_bytes": self._snapshot_size,
+            "snapshot_s": self._snapshot_s,
+            "every_n_steps": self._every,
             "watch_only": self._watch_only,
         }
 
@@ -288,7 +314,18 @@ class TrainingGuard(LeanCallback):
                 return "stalled"
         return None
 
+    def _time_step(self, trainer: pl.Trainer) -> None:
+        """Time the steps after the first snapshot; after `_TIMED_STEPS`, choose the interval (rank zero's)."""
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._step_s.append(now - self._last_end)
+        self._last_end = now
+        if len(self._step_s) == _TIMED_STEPS:
+            interval = snapshot_interval(self._snapshot_s, statistics.median(self._step_s))
+            self._every = int(trainer.strategy.broadcast(interval, src=0))
+
     def _take(self, trainer: pl.Trainer, first: bool) -> None:
+        started = time.perf_counter()
         states = {
             "model": trainer.lightning_module.state_dict(),
             "optimizers": [opt.state_dict() for opt in trainer.optimizers],
@@ -299,13 +336,13 @@ class TrainingGuard(LeanCallback):
             self._watch_only = f"a snapshot takes {size / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
             rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
             return
-        snapshot = _host_copy(states)
+        snapshot = cpu_copy(states)
         snapshot["schedulers"] = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-        snapshot["precision"] = _host_copy(trainer.precision_plugin.state_dict())
+        snapshot["precision"] = cpu_copy(trainer.precision_plugin.state_dict())
         snapshot["step"], snapshot["lr_scale"] = trainer.global_step, self._lr_scale
         self._snapshot, self._snapshot_size = snapshot, size
         if first:
-            self._first = snapshot
+            self._first, self._snapshot_s = snapshot, time.perf_counter() - started
             log_rank_zero(trainer, {"speedkit/guard/snapshot_mb": size / 2**20})
 
     def _roll_back(self, trainer: pl.Trainer, trigger: str, loss: float) -> None:

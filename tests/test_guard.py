@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_speedkit import TrainingGuard
-from lightning_speedkit.guard import robust_z
+from lightning_speedkit.guard import SNAPSHOT_EVERY, robust_z, snapshot_interval
 
 
 class _Faulty(TinyClassifier):
@@ -218,6 +219,74 @@ def test_ddp_ranks_roll_back_together(tmp_path: Path) -> None:
     ranks = rank_records(tmp_path)
     assert ranks[0]["rollbacks"] == ranks[1]["rollbacks"] == 1
     assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], abs=1e-6)
+
+
+def test_the_snapshot_interval_doubles_until_a_snapshot_takes_a_hundredth_of_the_steps() -> None:
+    """50 steps while a snapshot costs at most 1% of them; doubled as often as needed when it costs more."""
+    assert SNAPSHOT_EVERY == 50
+    assert snapshot_interval(0.001, 0.002) == 50  # 1 ms against 100 ms of steps: 1%
+    assert snapshot_interval(0.0011, 0.002) == 100
+    assert snapshot_interval(0.5, 0.1) == 800  # a large model's copy to host: 0.5 s against 0.1 s steps
+    assert snapshot_interval(0.5, 0.0) == 50  # no step time measured: the least
+
+
+class _SlowSnapshot(TinyClassifier):
+    """Its ``state_dict`` takes ``delay`` seconds more on the ranks in ``ranks``: a model slow to copy to host."""
+
+    def __init__(self, delay: float, ranks: tuple[int, ...] = (0,)) -> None:
+        super().__init__(lr=0.05, num_samples=256, batch_size=8)
+        self.delay, self.ranks = delay, ranks
+
+    @override
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.global_rank in self.ranks:
+            time.sleep(self.delay)
+        return super().state_dict(*args, **kwargs)
+
+
+def test_the_guard_takes_slow_snapshots_more_rarely(tmp_path: Path) -> None:
+    """By default the interval follows the measured cost: a snapshot of 30 ms is taken more rarely than every 50 steps.
+
+    A tiny model's steps take milliseconds, so 1% of 50 of them is under 30 ms: the interval is 50 doubled (to keep
+    the snapshots within 1% of the steps' time). An interval asked for is kept as it is.
+    """
+    slow = TrainingGuard()
+    _fit(tmp_path, _SlowSnapshot(0.03), slow)
+    report = slow.report()
+    assert report["snapshot_s"] >= 0.03
+    assert report["every_n_steps"] >= 2 * SNAPSHOT_EVERY
+    assert report["every_n_steps"] % SNAPSHOT_EVERY == 0
+    assert (report["every_n_steps"] // SNAPSHOT_EVERY).bit_count() == 1  # 50 times a power of two
+    asked = TrainingGuard(every_n_steps=5)
+    _fit(tmp_path, _SlowSnapshot(0.03), asked)
+    assert asked.report()["every_n_steps"] == 5
+
+
+def _rank_interval(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+    report = callback_of(trainer, TrainingGuard).report()
+    return {"every_n_steps": report["every_n_steps"], "snapshot_s": report["snapshot_s"]}
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_keep_rank_zeros_snapshot_interval(tmp_path: Path) -> None:
+    """2-process DDP: only rank 1's snapshots are slow, and both ranks keep rank zero's interval.
+
+    So a rollback puts both ranks back to the same step.
+    """
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    _fit(
+        tmp_path,
+        _SlowSnapshot(0.1, ranks=(1,)),
+        TrainingGuard(),
+        strategy=strategy,
+        devices=2,
+        callbacks=[RankWriter(tmp_path, _rank_interval)],
+    )
+    ranks = rank_records(tmp_path)
+    assert ranks[1]["snapshot_s"] >= 0.1
+    assert ranks[0]["every_n_steps"] == ranks[1]["every_n_steps"]
+    assert ranks[0]["every_n_steps"] < snapshot_interval(ranks[1]["snapshot_s"], 0.01)  # not rank 1's own choice
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,14 @@ def cpu_copy(value: Any) -> Any:
         >>> copied["w"].add_(1.0).tolist(), state["w"].tolist(), copied["step"]
         ([2.0, 2.0], [1.0, 1.0], 3)
     """
-    copied = apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu", copy=True))
-    return copy.deepcopy(copied)
+    copies: dict[int, Tensor] = {}
+
+    def host(tensor: Tensor) -> Tensor:
+        copied = tensor.detach().to("cpu", copy=True)
+        copies[id(copied)] = copied
+        return copied
+
+    return copy.deepcopy(apply_to_collection(value, Tensor, host), memo=copies)  # the host copies are not copied again
 
 
 def _loops(loop: _Loop) -> list[_Loop]:
