@@ -133,7 +133,7 @@ def trial_plan(warmup_steps: int, total_steps: int, cooldown: float, done: int, 
     steps whose LR it decides. ``epoch_steps`` is the epoch's optimizer steps (None when unknown).
 
     Example:
-        >>> trial_plan(0, 900, 0.2, 600, 150), trial_plan(0, 900, 0.2, 720, 150)
+        >>> trial_plan(0, 900, 0.2, 450, 150), trial_plan(0, 900, 0.2, 600, 150)  # the cool-down starts at step 720
         (None, '')
         >>> trial_plan(0, 300, 0.2, 0, 300)
         'its two sides (2 x 32 steps) would cost more than half of the 60 cool-down steps'
