@@ -279,9 +279,9 @@ class CooldownCheck:
             return self.skip(outcome)
         return self.decide_trial(*outcome, step=trainer.global_step)
 
-    def skip(self, reason: str, probe_s: float = 0.0) -> str:
+    def skip(self, reason: str) -> str:
         """No verdict: the cool-down runs as planned; the line that says why."""
-        self.held, self.reason, self.probe_s = False, reason, probe_s
+        self.held, self.reason = False, reason
         return f"no cool-down trial, cooling down as planned: {reason}"
 
     def state(self) -> dict[str, Any]:

@@ -272,8 +272,10 @@ class WarmupScheduler(LeanCallback):
     def factor(self, step: int) -> float:
         """The multiplier applied at ``trainer.global_step == step`` (1.0 before the schedule is resolved)."""
         s = self._schedule
-        if s is None or self._pinned is not None:
-            return 1.0 if self._pinned is None else self._pinned
+        if self._pinned is not None:  # a cool-down trial's side
+            return self._pinned
+        if s is None:
+            return 1.0
         return factor_at(
             max(0, step - s.start_step),
             s.warmup_steps,
