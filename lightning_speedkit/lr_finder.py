@@ -22,7 +22,7 @@ from lightning_speedkit.lr import (
     smooth_losses,
     suggest_lr,
 )
-from lightning_speedkit.lr_search import REFERENCE, choose_scale, next_scale, plateau
+from lightning_speedkit.lr_search import REFERENCE, choose_scale, plateau, walk
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
@@ -111,7 +111,8 @@ class LRFinder(trials.Lever):
     does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
     same batches, their step-by-step difference carries no batch noise, so the search tells LRs apart on a plateau
     where a range test's single curve shows only noise; when no LR moved the loss at all and the run is long enough
-    (the longer trials take at most 10% of it), the first three trials run again four times as long.
+    (the longer trials take at most 10% of it), the search runs again with trials four times as long, walking up (or
+    down) as far as that share allows.
     ``method="range"``: an LR range test over ``steps`` steps from ``start_factor`` to ``end_factor`` times the
     user's LR, fastai's "valley" rule on the smoothed
     curve (`lightning_speedkit.lr.suggest_lr`).
@@ -270,20 +271,13 @@ class LRFinder(trials.Lever):
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
         k = self._trial_steps(left)
         budget = self.max_fraction * left
-        curves: dict[float, list[float]] = {}
-        with TrialSession(trainer, k, warmup=0) as session:
-            batches = session.batches_per_epoch()
-            scale: float | None = REFERENCE
-            while scale is not None and (len(curves) + 1) * k <= budget:
-                curves[scale] = _losses(session.run(_Scaled(scale), max_batches=batches))
-                scale = 1.0 if len(curves) == 1 else next_scale(curves, self.min_scale, self.max_scale)
-        used, probe_s = len(curves) * k, session.elapsed_s
+        curves, probe_s = self._walk(trainer, k, int(budget // k))
+        used = len(curves) * k
         chosen, why = choose_scale(curves)
-        up = min((s for s in curves if s > 1.0), default=None)
-        if plateau(curves) and up is not None and 12 * k <= min(budget - used, _PLATEAU_SHARE * left):
-            with TrialSession(trainer, 4 * k, warmup=0) as session:  # a plateau: again, four times as long
-                curves = {s: _losses(session.run(_Scaled(s), max_batches=batches)) for s in (REFERENCE, 1.0, up)}
-            used, probe_s = used + 12 * k, probe_s + session.elapsed_s
+        room = min(budget - used, _PLATEAU_SHARE * left)
+        if plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
+            curves, seconds = self._walk(trainer, 4 * k, int(room // (4 * k)))  # a plateau: again, four times as long
+            used, probe_s = used + len(curves) * 4 * k, probe_s + seconds
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
@@ -300,6 +294,18 @@ class LRFinder(trials.Lever):
             "scale": scale_kept,
             "reason": why,
         }
+
+    def _walk(self, trainer: pl.Trainer, steps: int, most: int) -> tuple[dict[float, list[float]], float]:
+        """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds."""
+        with TrialSession(trainer, steps, warmup=0) as session:
+            batches = session.batches_per_epoch()
+            curves = walk(
+                lambda scale: _losses(session.run(_Scaled(scale), max_batches=batches)),
+                most,
+                self.min_scale,
+                self.max_scale,
+            )
+        return curves, session.elapsed_s
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]

@@ -14,7 +14,7 @@ target.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
     "BROKE",
@@ -28,6 +28,7 @@ __all__ = [
     "paired_gain",
     "plateau",
     "progress_of",
+    "walk",
 ]
 
 GRID = 10.0
@@ -179,6 +180,30 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
         return None
     above = min(s for s in scales if s > bottom)
     return _down(bottom, low) if _better(curves, bottom, above) else None
+
+
+def walk(trial: Callable[[float], Sequence[float]], trials: int, low: float, high: float) -> dict[float, list[float]]:
+    """Run the search's trials in order, at most ``trials``: the reference, the user's LR, then `next_scale`'s.
+
+    ``trial(scale)`` trains the same steps at ``scale`` times the user's LR and gives their losses. The LR finder walks
+    once, and on a plateau again with trials four times as long: the second walk goes on up (or down) like the first,
+    so it can find an LR the short trials could not tell apart.
+
+    Example:
+        >>> def trial(scale):  # progress grows with the LR up to x100; above it, the loss blows up
+        ...     return [2.0 - (0.01 * scale * t if scale <= 100 else -t) for t in range(4)]
+        >>> curves = walk(trial, 9, 0.01, 1000)
+        >>> sorted(curves), choose_scale(curves)[0]
+        ([0.0, 1.0, 10.0, 100.0, 1000.0], 10.0)
+        >>> sorted(walk(trial, 3, 0.01, 1000))
+        [0.0, 1.0, 10.0]
+    """
+    curves: dict[float, list[float]] = {}
+    scale: float | None = REFERENCE
+    while scale is not None and len(curves) < trials:
+        curves[scale] = list(trial(scale))
+        scale = 1.0 if len(curves) == 1 else next_scale(curves, low, high)
+    return curves
 
 
 def grid_scale(index: int) -> float:

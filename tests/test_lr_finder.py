@@ -166,6 +166,45 @@ def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
+class _Plateau(L.LightningModule):
+    """Loss ``(1 - w)^2`` from ``w = 0``, reported to three decimals, at SGD 5e-6: a loss on a plateau.
+
+    Each step lowers the loss by about 2e-5 at the user's LR, 2e-4 at ten times it, 2e-3 at a hundred times: over
+    3 steps no trial moves the reported loss; over 12, ten and a hundred times the LR do.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raw = (1 - self.w) ** 2
+        return raw + ((raw * 1000).round() / 1000 - raw).detach()  # the value rounded, the gradient the raw loss's
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=5e-6)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(100, 1)), batch_size=1)
+
+
+def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path) -> None:
+    """No LR moves the loss in 3 steps; the longer trials go on up past ten times the LR and raise it.
+
+    The longer trials used to rerun only the reference, the user's LR and ten times it, so the edge was always ten
+    times and the LR always kept: a probe that could not change the decision.
+    """
+    finder = LRFinder(trial_steps=3)
+    trainer = tiny_trainer(tmp_path, callbacks=[finder], max_epochs=5, limit_val_batches=0)
+    trainer.fit(_Plateau())
+    report = finder.report()
+    assert report["reason"].endswith("(tried again over 12 steps: no LR moved the loss in 3)")
+    assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0]
+    assert report["scale"] == 10.0, report["reason"]
+    assert report["steps"] == 3 * 3 + 4 * 12
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(5e-5)
+
+
 def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's LRFinder scale, LR and weights (written by `RankWriter`)."""
     record = {"scale": callback_of(trainer, LRFinder).report()["scale"]}
