@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -22,6 +21,7 @@ from lightning_speedkit.schedule import (
     check_cooldown,
     check_schedule,
     check_warmup,
+    cooldown_start,
     factor_at,
     time_fraction,
     warmup_factor,
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
     from torch.utils.hooks import RemovableHandle
-
-log = logging.getLogger(__name__)
 
 __all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
 
@@ -179,7 +177,7 @@ class WarmupScheduler(LeanCallback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._method == "trial" and self._check_window() is not None:  # undecided, "wsd" on a step budget
+        if self._method == "trial" and self._check_window(trial=True) is not None:  # undecided, "wsd", step budget
             line = self._check.try_at_epoch_start(trainer, self.schedule, self.cooldown, self._pin)  # type: ignore[arg-type]
             if line is not None:
                 rank_zero_info(f"WarmupScheduler: {line}.")
@@ -309,8 +307,8 @@ class WarmupScheduler(LeanCallback):
         self._check = CooldownCheck()
         self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
-    def _check_window(self) -> tuple[int, int] | None:
-        """`lightning_speedkit.cooldown.check_window` of this schedule, or None: no check to make (any more).
+    def _check_window(self, trial: bool = False) -> tuple[int, int] | None:
+        """`cooldown.check_window` (``trial``: from the warmup's end to the cool-down, any length), or None: no check.
 
         None when the check is off or decided, the decay is not ``"wsd"``, or there is no step budget (a time budget
         cools down by the clock).
@@ -320,11 +318,13 @@ class WarmupScheduler(LeanCallback):
             return None
         if self.decay != "wsd" or self._time_fraction is not None:
             return None
+        if trial:  # `trial_plan` says why a trial does not run, however short the cool-down
+            return s.warmup_steps, cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
         return check_window(s.warmup_steps, s.total_steps, self.cooldown)
 
     def _decide_cooldown(self, step: int) -> None:
         """At the cool-down's first step: hold the LR when the loss watched before it still falls (no trial ran)."""
-        window = self._check_window()
+        window = self._check_window(trial=self._method == "trial")
         if window is not None and self._schedule is not None and step - self._schedule.start_step >= window[1]:
             line = self._check.decide() if self._method == "loss" else self._check.skip(_NO_EPOCH)
             rank_zero_info(f"WarmupScheduler: {line}.")

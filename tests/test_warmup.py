@@ -612,6 +612,22 @@ def test_no_cool_down_trial_when_it_would_cost_more_than_half_the_cool_down(tmp_
     assert recorder.lrs()[40:] == pytest.approx([0.05 * (1 - ((k - 40) / 40) ** 0.5) for k in range(40, 80)])
 
 
+@pytest.mark.parametrize("max_epochs", [20, 1])
+def test_a_cool_down_too_short_for_the_loss_check_still_says_why_no_trial_ran(tmp_path: Path, max_epochs: int) -> None:
+    """A 10-step cool-down (shorter than the loss check's 16-step window): the trial's report still gives a reason.
+
+    Over 20 one-step epochs, its price; in one epoch of 20 steps (8 samples each), that no epoch started before
+    the cool-down.
+    """
+    L.seed_everything(0, verbose=False)
+    warmup = WarmupScheduler(cooldown=0.5, cooldown_check="trial")
+    model = full_batch(0.05) if max_epochs > 1 else TinyClassifier(num_samples=160)
+    fit(tmp_path, model, warmup, max_epochs=max_epochs)
+    check = warmup.report()["cooldown_check"]
+    assert (check["held"], check["step"]) == (False, None)
+    assert "of the 10 cool-down steps" in check["reason"] if max_epochs > 1 else "no epoch started" in check["reason"]
+
+
 def test_no_cool_down_trial_without_an_epoch_start_before_the_cool_down(tmp_path: Path) -> None:
     """One epoch of 256 steps: no epoch starts after the schedule's start, so the cool-down runs as planned."""
     L.seed_everything(0, verbose=False)
