@@ -19,7 +19,7 @@ The two: the cool-down trial and the guard's measured snapshot interval.
 
 Every fit decides afresh (`_harness.fresh_decisions`); one torch thread, as lr_tasks.
 
-    python benchmarks/preset_defaults.py --out benchmarks/results/avx512/preset_defaults.json  # ~10 min on 2 cores
+    python benchmarks/preset_defaults.py --out benchmarks/results/avx512/preset_defaults.json  # ~4 min on 2 cores
     python benchmarks/preset_defaults.py --quick    # a smoke run for the tests (JSON to a temp dir)
 """
 

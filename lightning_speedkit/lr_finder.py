@@ -271,12 +271,12 @@ class LRFinder(trials.Lever):
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
         k = self._trial_steps(left)
         budget = self.max_fraction * left
-        curves, probe_s = self._walk(trainer, k, int(budget // k))
+        curves, probe_s = self._walk(trainer, k, _fits(budget, k))
         used = len(curves) * k
         chosen, why = choose_scale(curves)
         room = min(budget - used, _PLATEAU_SHARE * left)
         if plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
-            curves, seconds = self._walk(trainer, 4 * k, int(room // (4 * k)))  # a plateau: again, four times as long
+            curves, seconds = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, four times as long
             used, probe_s = used + len(curves) * 4 * k, probe_s + seconds
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
@@ -295,7 +295,7 @@ class LRFinder(trials.Lever):
             "reason": why,
         }
 
-    def _walk(self, trainer: pl.Trainer, steps: int, most: int) -> tuple[dict[float, list[float]], float]:
+    def _walk(self, trainer: pl.Trainer, steps: int, most: float) -> tuple[dict[float, list[float]], float]:
         """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds."""
         with TrialSession(trainer, steps, warmup=0) as session:
             batches = session.batches_per_epoch()
@@ -331,6 +331,11 @@ class LRFinder(trials.Lever):
         clamp = "" if scale == raw else f"; clamped from x{raw:.3g} to [{self.min_scale:g}, {self.max_scale:g}]"
         report.update(suggested_lr=suggested, chosen_lr=user_lr * scale, scale=scale, reason=why + clamp)
         return report
+
+
+def _fits(budget: float, steps: int) -> float:
+    """How many trials of ``steps`` fit in ``budget`` steps: whole ones, or ``inf`` for a run with no step limit."""
+    return math.inf if math.isinf(budget) else float(budget // steps)
 
 
 def _losses(result: trials.TrialResult) -> list[float]:

@@ -182,10 +182,11 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
     return _down(bottom, low) if _better(curves, bottom, above) else None
 
 
-def walk(trial: Callable[[float], Sequence[float]], trials: int, low: float, high: float) -> dict[float, list[float]]:
-    """Run the search's trials in order, at most ``trials``: the reference, the user's LR, then `next_scale`'s.
+def walk(trial: Callable[[float], Sequence[float]], trials: float, low: float, high: float) -> dict[float, list[float]]:
+    """Run the search's trials in order, as many as ``trials`` allows: the reference, the user's LR, `next_scale`'s.
 
-    ``trial(scale)`` trains the same steps at ``scale`` times the user's LR and gives their losses. The LR finder walks
+    ``trial(scale)`` trains the same steps at ``scale`` times the user's LR and gives their losses; ``trials`` is how
+    many fit in the search's share of the run (fractional, or ``inf`` for a run with no step limit). The LR finder walks
     once, and on a plateau again with trials four times as long: the second walk goes on up (or down) like the first,
     so it can find an LR the short trials could not tell apart.
 
@@ -195,12 +196,12 @@ def walk(trial: Callable[[float], Sequence[float]], trials: int, low: float, hig
         >>> curves = walk(trial, 9, 0.01, 1000)
         >>> sorted(curves), choose_scale(curves)[0]
         ([0.0, 1.0, 10.0, 100.0, 1000.0], 10.0)
-        >>> sorted(walk(trial, 3, 0.01, 1000))
-        [0.0, 1.0, 10.0]
+        >>> sorted(walk(trial, 3.9, 0.01, 1000)), sorted(walk(trial, float("inf"), 0.01, 10))
+        ([0.0, 1.0, 10.0], [0.0, 1.0, 10.0])
     """
     curves: dict[float, list[float]] = {}
     scale: float | None = REFERENCE
-    while scale is not None and len(curves) < trials:
+    while scale is not None and len(curves) + 1 <= trials:
         curves[scale] = list(trial(scale))
         scale = 1.0 if len(curves) == 1 else next_scale(curves, low, high)
     return curves

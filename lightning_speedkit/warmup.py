@@ -125,11 +125,8 @@ class WarmupScheduler(LeanCallback):
         check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown))
         self.cooldown = float(cooldown)
         self._time_fraction: float | None = None
-        self.warmup = warmup
-        self.decay = decay
-        self.total_steps = total_steps
-        self.min_lr_ratio = min_lr_ratio
-        self.start_factor = start_factor
+        self.warmup, self.decay, self.total_steps = warmup, decay, total_steps
+        self.min_lr_ratio, self.start_factor = min_lr_ratio, start_factor
         self._warmup_spec = warmup
         self._total_spec = total_steps
         self._schedule: _Schedule | None = None
@@ -310,16 +307,17 @@ class WarmupScheduler(LeanCallback):
     def _check_window(self, trial: bool = False) -> tuple[int, int] | None:
         """`cooldown.check_window` (``trial``: from the warmup's end to the cool-down, any length), or None: no check.
 
-        None when the check is off or decided, the decay is not ``"wsd"``, or there is no step budget (a time budget
-        cools down by the clock).
+        None when the check is off or decided, the decay is not ``"wsd"``, there is no step budget (a time budget
+        cools down by the clock) or no cool-down step.
         """
         s = self._schedule
         if self._method is None or self._check.held is not None or s is None or s.total_steps is None:
             return None
         if self.decay != "wsd" or self._time_fraction is not None:
             return None
+        begin = cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
         if trial:  # `trial_plan` says why a trial does not run, however short the cool-down
-            return s.warmup_steps, cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
+            return (s.warmup_steps, begin) if begin < s.total_steps else None
         return check_window(s.warmup_steps, s.total_steps, self.cooldown)
 
     def _decide_cooldown(self, step: int) -> None:

@@ -188,13 +188,15 @@ class _Plateau(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(100, 1)), batch_size=1)
 
 
-def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_scale", [100.0, 1000.0])
+def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path, max_scale: float) -> None:
     """No LR moves the loss in 3 steps; the longer trials go on up past ten times the LR and raise it.
 
     The longer trials used to rerun only the reference, the user's LR and ten times it, so the edge was always ten
-    times and the LR always kept: a probe that could not change the decision.
+    times and the LR always kept: a probe that could not change the decision. A tenth of the 500 steps holds four
+    12-step trials, so the walk stops at x100 whether the bound is there (``max_scale=100``) or not.
     """
-    finder = LRFinder(trial_steps=3)
+    finder = LRFinder(trial_steps=3, max_scale=max_scale)
     trainer = tiny_trainer(tmp_path, callbacks=[finder], max_epochs=5, limit_val_batches=0)
     trainer.fit(_Plateau())
     report = finder.report()
@@ -203,6 +205,25 @@ def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path)
     assert report["scale"] == 10.0, report["reason"]
     assert report["steps"] == 3 * 3 + 4 * 12
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(5e-5)
+
+
+class _StopAfter(L.Callback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.should_stop = trainer.global_step >= self.steps
+
+
+def test_a_run_with_no_step_limit_searches_as_far_as_the_scales_go(tmp_path: Path) -> None:
+    """``max_epochs=-1``: the steps left are infinite, so the search's share is too; it walks to ``max_scale``."""
+    finder = LRFinder(trial_steps=3)
+    trainer = tiny_trainer(tmp_path, callbacks=[finder, _StopAfter(5)], max_epochs=-1, limit_val_batches=0)
+    trainer.fit(_Plateau())
+    report = finder.report()
+    assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0], report["reason"]
+    assert report["scale"] == 10.0
+    assert report["steps"] == 3 * 3 + 4 * 12
 
 
 def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:

@@ -628,6 +628,15 @@ def test_a_cool_down_too_short_for_the_loss_check_still_says_why_no_trial_ran(tm
     assert "of the 10 cool-down steps" in check["reason"] if max_epochs > 1 else "no epoch started" in check["reason"]
 
 
+def test_no_cool_down_no_trial_and_nothing_to_explain(tmp_path: Path) -> None:
+    """``cooldown=0``: there is nothing for a trial to decide, so none runs and no reason is given; the LR is held."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(cooldown=0.0, cooldown_check="trial")
+    fit(tmp_path, full_batch(0.05), warmup, recorder, max_epochs=20)
+    check = warmup.report()["cooldown_check"]
+    assert (check["held"], check["step"], check["reason"]) == (None, None, "")
+    assert recorder.lrs() == pytest.approx([0.05] * 20)
+
+
 def test_no_cool_down_trial_without_an_epoch_start_before_the_cool_down(tmp_path: Path) -> None:
     """One epoch of 256 steps: no epoch starts after the schedule's start, so the cool-down runs as planned."""
     L.seed_everything(0, verbose=False)
