@@ -22,7 +22,7 @@ from lightning_speedkit.lr import (
     smooth_losses,
     suggest_lr,
 )
-from lightning_speedkit.lr_search import REFERENCE, choose_scale, plateau, walk
+from lightning_speedkit.lr_search import REFERENCE, choose_scale, next_scale, plateau, walk
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
@@ -280,6 +280,9 @@ class LRFinder(trials.Lever):
             used, probe_s = used + len(curves) * 4 * k, probe_s + seconds
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
+        unwalked = next_scale(curves, self.min_scale, self.max_scale)
+        if unwalked is not None:  # the walk stopped at its share of the run, not where the losses stopped it
+            why += f" (x{unwalked:.4g} not tried: the search's share of the run was spent)"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
         tried = sorted(curves)
         return {

@@ -200,7 +200,8 @@ def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path,
     trainer = tiny_trainer(tmp_path, callbacks=[finder], max_epochs=5, limit_val_batches=0)
     trainer.fit(_Plateau())
     report = finder.report()
-    assert report["reason"].endswith("(tried again over 12 steps: no LR moved the loss in 3)")
+    cut = " (x1000 not tried: the search's share of the run was spent)" if max_scale > 100 else ""
+    assert report["reason"].endswith(f"(tried again over 12 steps: no LR moved the loss in 3){cut}")
     assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0]
     assert report["scale"] == 10.0, report["reason"]
     assert report["steps"] == 3 * 3 + 4 * 12
