@@ -214,6 +214,22 @@ def quiet_trainer(device: torch.device | str = "cpu", **kwargs: Any) -> L.Traine
     return L.Trainer(**{"accelerator": accelerator, **QUIET, **kwargs})
 
 
+class StepTimes(L.Callback):
+    """The seconds between consecutive training batch ends."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        """Note the time."""
+        self.ends.append(time.perf_counter())
+
+    def median_ms(self) -> float | None:
+        """The median step in milliseconds (None before two batches ended)."""
+        gaps = [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        return round(1000 * statistics.median(gaps), 3) if gaps else None
+
+
 @dataclass(frozen=True)
 class Fit:
     """One timed ``Trainer.fit``: its wall seconds, the optimizer steps taken and the last ``val_acc`` logged."""

@@ -93,6 +93,31 @@ def time_to_target(timeline: Sequence[Mapping[str, float]], target: float) -> fl
     return next((float(p["seconds"]) for p in timeline if p["val_acc"] >= target), None)
 
 
+def epoch_to_target(timeline: Sequence[Mapping[str, float]], target: float) -> int | None:
+    """The epoch of the first point of ``timeline`` whose ``val_acc`` is at least ``target``; None when none is.
+
+    Example:
+        >>> epoch_to_target([{"epoch": 0, "val_acc": 0.5}, {"epoch": 1, "val_acc": 0.9}], 0.8)
+        1
+    """
+    return next((int(p["epoch"]) for p in timeline if p["val_acc"] >= target), None)
+
+
+def timed_points(
+    trainer: L.Trainer, model: L.LightningModule, data: L.LightningDataModule, timeline: Timeline
+) -> tuple[float, list[dict[str, Any]]]:
+    """``trainer.fit(model, data)`` timed from the call (``timeline`` among its callbacks); its seconds and epochs.
+
+    Each epoch's point is ``epoch``, ``seconds`` (since the fit started) and ``val_acc``.
+    """
+    timeline.start()
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    seconds = time.perf_counter() - start
+    points = [{"epoch": int(p["epoch"]), "seconds": p["seconds"], "val_acc": p["val_acc"]} for p in timeline.points]
+    return seconds, points
+
+
 def peak_acc(timeline: Sequence[Mapping[str, float]]) -> float:
     """The highest ``val_acc`` of ``timeline`` (0.0 for an empty one)."""
     return max((float(p["val_acc"]) for p in timeline), default=0.0)
@@ -374,11 +399,7 @@ def fit_one(
     timeline = Timeline(verbose=False)
     options = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
     trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline]})
-    timeline.start()
-    start = time.perf_counter()
-    trainer.fit(model, data)
-    seconds = time.perf_counter() - start
-    points = [{"epoch": int(p["epoch"]), "seconds": p["seconds"], "val_acc": p["val_acc"]} for p in timeline.points]
+    seconds, points = timed_points(trainer, model, data, timeline)
     record: dict[str, Any] = {"task": task.name, "variant": variant, "factor": factor, "lr": lr, "seed": seed}
     record["timeline"] = points
     record |= {"peak_val_acc": peak_acc(points), "final_val_acc": points[-1]["val_acc"] if points else None}

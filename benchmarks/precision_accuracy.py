@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,8 @@ from lightning_speedkit.demo.run import Timeline
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import QUIET, print_and_write, quick_args, rotated
-from lr_tasks import QUICK_SIZES, TASKS, Task, _machine, _prepare, time_to_target
-from preset_defaults import StepTimes
+from _harness import QUIET, StepTimes, print_and_write, quick_args, rotated
+from lr_tasks import QUICK_SIZES, TASKS, Task, _machine, _prepare, epoch_to_target, time_to_target, timed_points
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "precision_accuracy.json"
 TARGETS = {"mlp": 0.871, "conv": 0.92, "transformer": 0.943, "demo": 0.833}
@@ -53,17 +51,13 @@ def fit(task: Task, seed: int, root: Path, precision: str) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, precision=precision, callbacks=[timeline, steps], **QUIET, **options
     )
-    timeline.start()
-    start = time.perf_counter()
-    trainer.fit(model, data)
-    seconds = time.perf_counter() - start
-    points = [{"epoch": int(p["epoch"]), "seconds": p["seconds"], "val_acc": p["val_acc"]} for p in timeline.points]
+    seconds, points = timed_points(trainer, model, data, timeline)
     target = TARGETS[task.name]
     accs = [p["val_acc"] for p in points]
     return {
         "fit_s": round(seconds, 3),
         "median_step_ms": steps.median_ms(),
-        "epoch_to_target": next((p["epoch"] for p in points if p["val_acc"] >= target), None),
+        "epoch_to_target": epoch_to_target(points, target),
         "time_to_target_s": time_to_target(points, target),
         "best_val_acc": max(accs) if accs else None,
         "final_val_acc": accs[-1] if accs else None,

@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +45,19 @@ from lightning_speedkit.report import collect_reports
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import QUIET, fresh_decisions, print_and_write, quick_args, rotated
-from lr_tasks import QUICK_SIZES, TASKS, Classifier, Task, TensorData, _machine, _prepare, time_to_target
+from _harness import QUIET, StepTimes, fresh_decisions, print_and_write, quick_args, rotated
+from lr_tasks import (
+    QUICK_SIZES,
+    TASKS,
+    Classifier,
+    Task,
+    TensorData,
+    _machine,
+    _prepare,
+    epoch_to_target,
+    time_to_target,
+    timed_points,
+)
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "preset_defaults.json"
 TARGETS = {"mlp": 0.871, "conv": 0.92}
@@ -95,22 +105,6 @@ FROZEN = Task(
 """Its snapshot (the whole state dict: 128 MB) is dear next to its step (a lookup and a small head's update)."""
 
 
-class StepTimes(L.Callback):
-    """The seconds between consecutive training batch ends."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        """Note the time."""
-        self.ends.append(time.perf_counter())
-
-    def median_ms(self) -> float | None:
-        """The median step in milliseconds (None before two batches ended)."""
-        gaps = [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
-        return round(1000 * statistics.median(gaps), 3) if gaps else None
-
-
 def fit(task: Task, factor: float, seed: int, root: Path, options: dict[str, Any]) -> dict[str, Any]:
     """One whole-budget fit of ``task`` under ``preset(**options)``, timed from ``trainer.fit``; its record."""
     data = task.make_data(task, seed, root)
@@ -120,11 +114,7 @@ def fit(task: Task, factor: float, seed: int, root: Path, options: dict[str, Any
     fresh_decisions()
     budget = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
     trainer = speedkit.preset(verbose=False, **QUIET, **budget, callbacks=[timeline, steps], **options)
-    timeline.start()
-    start = time.perf_counter()
-    trainer.fit(model, data)
-    seconds = time.perf_counter() - start
-    points = [{"epoch": int(p["epoch"]), "seconds": p["seconds"], "val_acc": p["val_acc"]} for p in timeline.points]
+    seconds, points = timed_points(trainer, model, data, timeline)
     reports, _ = collect_reports(trainer.callbacks)  # type: ignore[arg-type]
     warmup, guard = reports.get("WarmupScheduler") or {}, reports.get("TrainingGuard") or {}
     accs = [p["val_acc"] for p in points]
@@ -133,7 +123,7 @@ def fit(task: Task, factor: float, seed: int, root: Path, options: dict[str, Any
         "steps": trainer.global_step,
         "median_step_ms": steps.median_ms(),
         "time_to_target_s": time_to_target(points, TARGETS[task.name]) if task.name in TARGETS else None,
-        "epoch_to_target": next((p["epoch"] for p in points if p["val_acc"] >= TARGETS.get(task.name, 2.0)), None),
+        "epoch_to_target": epoch_to_target(points, TARGETS[task.name]) if task.name in TARGETS else None,
         "best_val_acc": max(accs) if accs else None,
         "final_val_acc": accs[-1] if accs else None,
         "cooldown": warmup.get("cooldown_check"),

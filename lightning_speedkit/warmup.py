@@ -315,8 +315,8 @@ class WarmupScheduler(LeanCallback):
             return None
         if self.decay != "wsd" or self._time_fraction is not None:
             return None
-        begin = cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
         if trial:  # `trial_plan` says why a trial does not run, however short the cool-down
+            begin = cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
             return (s.warmup_steps, begin) if begin < s.total_steps else None
         return check_window(s.warmup_steps, s.total_steps, self.cooldown)
 
