@@ -78,8 +78,8 @@ def _directory(value: Any) -> dict[str, Any] | None:
 
 
 SLOTS: tuple[Slot, ...] = (
-    Slot("channels_last", lambda: ChannelsLast, True, lever=True),
     Slot("tune_precision", lambda: PrecisionTuner, True, lever=True),
+    Slot("channels_last", lambda: ChannelsLast, True, lever=True),
     Slot("fused_optimizer", lambda: FusedOptimizer, True, lever=True),
     Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
@@ -91,7 +91,8 @@ SLOTS: tuple[Slot, ...] = (
     Slot("prune", lambda: StructuredPruning, False, shorthand=("a channel amount in (0, 1)", _amount)),
     Slot("export", _int8_export, False, shorthand=("a directory for the INT8 model", _directory)),
 )
-"""speedkit's callbacks in acting order. The compute levers are decided first, so the loader is tuned against the
+"""speedkit's callbacks in acting order. The compute levers are decided first (the precision before the layout, whose
+gain depends on it; counted probes run one after another in this order), so the loader is tuned against the
 step the run will really take (workers compete with it for cores); the LR is found for the batch size the run will
 use; the warmup ramps to the LR found; pruning and the export act last."""
 
@@ -158,7 +159,7 @@ def default_callbacks(
 
     Example:
         >>> [type(c).__name__ for c in default_callbacks()]  # doctest: +NORMALIZE_WHITESPACE
-        ['ChannelsLast', 'PrecisionTuner', 'FusedOptimizer', 'DataLoaderTuner', 'WarmupScheduler',
+        ['PrecisionTuner', 'ChannelsLast', 'FusedOptimizer', 'DataLoaderTuner', 'WarmupScheduler',
          'TrainingGuard', 'UtilizationMonitor']
         >>> mine = WarmupScheduler(warmup=10)
         >>> default_callbacks(callbacks=[mine], tune_precision=False)[3] is mine

@@ -181,11 +181,15 @@ def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup
     }
 
 
-def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | None], tolerance: float = 0.1) -> str:
+def loss_is_sound(
+    losses: Sequence[float | None], reference: Sequence[float | None], tolerance: float = 0.1, noise_z: float = 0.0
+) -> str:
     """An empty string when a trial's losses are finite and not clearly worse than the reference's; else why not.
 
-    Both trials start from the same weights and see the same batches, so their mean losses should agree closely;
-    "clearly worse" is a mean more than ``tolerance`` (relative) above the reference's.
+    Restored trials start from the same weights and see the same batches, so their mean losses should agree closely;
+    "clearly worse" is a mean more than ``tolerance`` (relative) above the reference's. Blocks of counted steps see
+    other batches, whose losses differ by themselves: with ``noise_z`` the excess must also be more than that many
+    standard errors of the difference of the two means.
 
     Example:
         >>> loss_is_sound([2.30, 2.25], [2.30, 2.24])
@@ -194,6 +198,8 @@ def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | No
         'non-finite loss'
         >>> loss_is_sound([3.0, 3.1], [2.30, 2.24])
         'mean loss 3.05 vs 2.27 (more than 10% worse)'
+        >>> loss_is_sound([1.2, 1.8], [1.1, 1.5], noise_z=3.0)  # 1.5 vs 1.3: within the batches' noise
+        ''
     """
     values = [v for v in losses if v is not None]
     if any(not math.isfinite(v) for v in values):
@@ -202,9 +208,13 @@ def loss_is_sound(losses: Sequence[float | None], reference: Sequence[float | No
     if not values or not ref:
         return ""
     mean, ref_mean = statistics.fmean(values), statistics.fmean(ref)
-    if mean > ref_mean + tolerance * abs(ref_mean):
-        return f"mean loss {mean:.3g} vs {ref_mean:.3g} (more than {100 * tolerance:.0f}% worse)"
-    return ""
+    if mean <= ref_mean + tolerance * abs(ref_mean):
+        return ""
+    if noise_z > 0 and len(values) > 1 and len(ref) > 1:
+        error = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(ref) / len(ref))
+        if mean - ref_mean <= noise_z * error:
+            return ""
+    return f"mean loss {mean:.3g} vs {ref_mean:.3g} (more than {100 * tolerance:.0f}% worse)"
 
 
 def outside_band(live: float, remembered: float, band: float) -> bool:

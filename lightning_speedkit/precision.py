@@ -3,14 +3,21 @@
 Whether bf16 autocast beats fp32 depends on the chip, not on a rule: on an AMD EPYC with avx512_bf16 it trained the
 demo ResNet about 1.5x faster per step, on an AVX2-only CPU about 10x slower (``benchmarks/results/precision.json``
 records the CPU it was measured on). Switching between autocast precisions needs no change to the model (Lightning's
-``MixedPrecision`` plugin only wraps the forward and, for fp16, scales the loss), so the plugin can be swapped at fit
-start, tried through `lightning_speedkit.trials.measure`, and the winner installed. True-half precisions, which
+``MixedPrecision`` plugin only wraps the forward and, for fp16, scales the loss), so the plugin can be swapped between
+steps. Autocast changes the rounding of a step, not what it computes (the weights, the optimizer and the LR stay), so
+the precisions are tried on the fit's first steps, which count (`lightning_speedkit.trials.counted`), and the winner
+installed: a restored trial threw away every step of both precisions (on the 2-core AVX-512 EPYC, 0.2 s of a conv
+net's 2 s to its target, 0.6-1.5 s of the demo's fit). Each block of a candidate is checked as its steps end: before
+it the weights and optimizer state are copied to host memory, and a non-finite or clearly worse loss than the block
+of the Trainer's precision just before it puts them back and rejects the candidate. True-half precisions, which
 convert the weights, are never tried.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -19,7 +26,11 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_margin, check_number, check_probe_steps
+from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.trials.counted import CountedTrials
+from lightning_speedkit.trials.settings import loss_of
+from lightning_speedkit.trials.snapshot import cpu_copy
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -28,6 +39,10 @@ AUTOCAST_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 
 _MAX_GAIN = 0.5
 """The most a precision is taken to save of a step when deciding whether a probe can pay back (bf16 measured 1.5x)."""
+
+
+_NOISE_Z = 3.0
+"""A counted candidate block's loss is clearly worse only this many standard errors above the reference block's."""
 
 
 def precision_candidates(device_type: str, cpu_bf16: bool = False, cuda_bf16: bool = False) -> list[str]:
@@ -57,17 +72,25 @@ def _plugin(precision: str, device_type: str) -> Precision:
 
 
 class _Autocast(trials.Setting):
-    """A precision for a trial: the strategy's precision plugin swapped (the session restores the original)."""
+    """A precision for a block of counted steps: the strategy's precision plugin swapped, and put back after.
+
+    One plugin per setting serves all its blocks, so an fp16 GradScaler keeps its scale from block to block.
+    """
+
+    changes_math = False  # the rounding only: each block's loss is checked (`_PrecisionTrials`)
 
     def __init__(self, precision: str) -> None:
         self.name = precision
         self._was: Precision | None = None
+        self._plugin: Precision | None = None
 
     @override
     def apply(self, trainer: pl.Trainer) -> None:
         self._was = trainer.strategy.precision_plugin
         if self._was.precision != self.name:
-            trainer.strategy.precision_plugin = _plugin(self.name, trainer.strategy.root_device.type)
+            if self._plugin is None:
+                self._plugin = _plugin(self.name, trainer.strategy.root_device.type)
+            trainer.strategy.precision_plugin = self._plugin
 
     @override
     def revert(self, trainer: pl.Trainer) -> None:
@@ -75,15 +98,98 @@ class _Autocast(trials.Setting):
             trainer.strategy.precision_plugin = self._was
 
 
+class _PrecisionTrials(CountedTrials):
+    """Counted blocks of precisions, each candidate block checked by its loss (`decisions.loss_is_sound`).
+
+    Before a candidate's block the weights and optimizer state are copied to host memory; after it, its mean loss is
+    compared with the block of the Trainer's precision just before it (other batches, and the weights a few steps
+    younger, so only a clearly worse loss counts: more than the tolerance, and `_NOISE_Z` standard errors). A
+    non-finite or clearly worse loss on any rank puts the copy back and rejects the candidate: it gets no more blocks
+    and is not chosen, and the decision says why.
+    """
+
+    def __init__(self, current: trials.Setting, candidates: Sequence[trials.Setting], steps: int, margin: float,
+                 warmup: int, tolerance: float) -> None:  # fmt: skip
+        super().__init__(current, candidates, steps, margin, warmup=warmup)
+        self.tolerance = tolerance
+        self.losses: list[list[float | None]] = []  # per block, each step's training loss
+        self.rejected: dict[str, str] = {}
+        self.snapshot_s = 0.0
+        self._saved: dict[str, Any] | None = None
+
+    @override
+    def step_started(self, trainer: pl.Trainer) -> None:
+        starts = self._left == 0 and not self._waiting(trainer) and bool(self._queue)
+        if starts and self._queue[0] is not self.current:
+            began = time.perf_counter()
+            module = trainer.lightning_module
+            self._saved = {
+                "model": cpu_copy(module.state_dict()),
+                "optimizers": [cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers],
+            }
+            self.snapshot_s += time.perf_counter() - began
+        blocks = len(self.blocks)
+        super().step_started(trainer)
+        if len(self.blocks) > blocks:
+            self.losses.append([])
+
+    @override
+    def step_ended(self, trainer: pl.Trainer, outputs: Any = None) -> trials.Decision | None:
+        if self._active is not None and not self._waiting(trainer) and self.losses:
+            self.losses[-1].append(loss_of(outputs))
+        return super().step_ended(trainer, outputs)
+
+    @override
+    def block_ended(self, trainer: pl.Trainer) -> trials.Decision | None:
+        name = self.blocks[-1][0]
+        if name == self.current.name:
+            return None
+        reference = next(
+            (losses for (block, _), losses in zip(self.blocks[-2::-1], self.losses[-2::-1], strict=False)
+             if block == self.current.name), [],
+        )  # fmt: skip
+        why = loss_is_sound(self.losses[-1], reference, self.tolerance, noise_z=_NOISE_Z)
+        if not trainer.strategy.reduce_boolean_decision(bool(why), all=False):
+            self._saved = None
+            return None
+        why = trainer.strategy.broadcast(why or "an unsound loss on another rank", src=0)
+        began = time.perf_counter()
+        if self._saved is not None:  # every rank puts its own copy back (the same weights under DDP)
+            trainer.lightning_module.load_state_dict(self._saved["model"])
+            for optimizer, state in zip(trainer.optimizers, self._saved["optimizers"], strict=True):
+                optimizer.load_state_dict(state)
+            self._saved = None
+        self.snapshot_s += time.perf_counter() - began
+        self.rejected[name] = why
+        self.drop([name], f"{why}; its block was undone", note="rejected")
+        return None
+
+    @override
+    def _medians(self) -> dict[str, float | None]:
+        return {name: None if name in self.rejected else m for name, m in super()._medians().items()}
+
+    @override
+    def _decide(self, trainer: pl.Trainer) -> trials.Decision:
+        decision = super()._decide(trainer)
+        decision.rejected.update(self.rejected)
+        return decision
+
+    @override
+    def extra_s(self, trainer: pl.Trainer, kept_step_s: float | None) -> float:
+        return super().extra_s(trainer, kept_step_s) + float(trainer.strategy.broadcast(self.snapshot_s, src=0))
+
+
 class PrecisionTuner(trials.Lever):
     """Choose the training precision by timing real steps in each autocast precision the hardware supports.
 
-    At fit start, ``probe_steps`` real training steps run in the precision the Trainer was built with and in each
-    other candidate (`precision_candidates`: on CPU ``32-true`` and, with bf16 instructions, ``bf16-mixed``; on CUDA
-    ``16-mixed`` and ``bf16-mixed``), from the same weights on the same batches with everything restored afterwards.
-    The fastest candidate is installed if it beats the Trainer's precision by ``margin``; one whose loss is
-    non-finite, or more than ``loss_tolerance`` worse than the Trainer's precision's on those batches, is rejected.
-    A run too short for the probe to pay back keeps the Trainer's precision, and `report` says why. Only plain fp32
+    The fit's first training steps are the probe (counted trials, `lightning_speedkit.trials.counted`): blocks of
+    ``probe_steps`` steps alternate the precision the Trainer was built with and each other candidate
+    (`precision_candidates`: on CPU ``32-true`` and, with bf16 instructions, ``bf16-mixed``; on CUDA ``16-mixed`` and
+    ``bf16-mixed``), three rounds, and every step trains the run. The fastest candidate is installed if it beats the
+    Trainer's precision by ``margin``. A candidate block whose loss is non-finite, or more than ``loss_tolerance``
+    worse than the Trainer's precision's block just before it, is undone (the weights and optimizer state copied
+    before it are put back) and the candidate rejected. A run too short for the probe to pay back keeps the Trainer's
+    precision, and `report` says why. Only plain fp32
     and autocast plugins are swapped: a Trainer built with a true-half, DeepSpeed, FSDP or other plugin is left
     alone. The life cycle (checkpointed decision, resume, report) is `lightning_speedkit.trials.Lever`'s.
 
@@ -95,7 +201,7 @@ class PrecisionTuner(trials.Lever):
         probe_steps: Training steps per precision and round (the first two are warm-up: oneDNN and cuDNN build
             their kernels for a new precision in its first steps).
         margin: How much faster (relative step time, in [0, 1)) a candidate must be to replace the Trainer's.
-        loss_tolerance: How much higher (relative, >= 0) a candidate's mean trial loss may be than the reference's.
+        loss_tolerance: How much higher (relative, >= 0) a candidate block's mean loss may be than the reference's.
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
             fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
@@ -114,6 +220,7 @@ class PrecisionTuner(trials.Lever):
     AREA = "precision"
     MAX_GAIN = _MAX_GAIN
     WARMUP = 2  # oneDNN builds its bf16 kernels in the first steps
+    COUNTED = True
 
     def __init__(
         self,
@@ -166,6 +273,13 @@ class PrecisionTuner(trials.Lever):
             reason = f"no other autocast precision to try on this {device.upper()} (candidates: {', '.join(wanted)})"
             return trials.Decision.skipped(current, reason)
         return _Autocast(current), others
+
+    @override
+    def counted_trials(
+        self, current: trials.Setting, others: Sequence[trials.Setting], steps: int, warmup: int
+    ) -> CountedTrials:
+        """Blocks whose losses are checked, each candidate block undone when unsound (`_PrecisionTrials`)."""
+        return _PrecisionTrials(current, others, steps, self.margin, warmup, float(self.loss_tolerance or 0.0))
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:

@@ -20,11 +20,11 @@ BOTH = ["32-true", "bf16-mixed"]
 
 
 class _Handicapped(TinyClassifier):
-    """Slower (a real sleep) or non-finite in one precision, to show what the tuner does with such a candidate."""
+    """Slower (a real sleep), non-finite or worse in one precision: what the tuner does with such a candidate."""
 
-    def __init__(self, slow_in: str | None = None, nan_in: str | None = None) -> None:
+    def __init__(self, slow_in: str | None = None, nan_in: str | None = None, worse_in: str | None = None) -> None:
         super().__init__(num_samples=256, batch_size=4)
-        self.slow_in, self.nan_in = slow_in, nan_in
+        self.slow_in, self.nan_in, self.worse_in = slow_in, nan_in, worse_in
         self.autocast_seen: list[bool] = []
 
     @override
@@ -34,6 +34,8 @@ class _Handicapped(TinyClassifier):
         if precision == self.slow_in:
             time.sleep(0.05)
         loss = super().training_step(batch, batch_idx)
+        if precision == self.worse_in:
+            return loss * 3.0
         return loss * float("nan") if precision == self.nan_in else loss
 
 
@@ -84,6 +86,31 @@ def test_a_candidate_with_a_non_finite_loss_is_rejected(tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_the_probe_steps_train_the_run(tmp_path: Path) -> None:
+    """The probe is the fit's first steps in blocks of each precision: no step is thrown away or run twice."""
+    model = _Handicapped(slow_in="32-true")
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=2)
+    report = tuner.report()
+    assert report["counted"], report
+    assert report["reason"].endswith("counted trials")
+    assert len(model.autocast_seen) == trainer.global_step == 2 * 64  # every step ran once, in one precision
+    blocks = report["blocks"]
+    assert [b["setting"] for b in blocks[:4]] == ["32-true", "bf16-mixed", "32-true", "bf16-mixed"]
+    assert model.autocast_seen[:8] == [False] * 4 + [True] * 4  # each block in its precision, in order
+
+
+def test_a_candidate_with_a_clearly_worse_loss_is_undone_and_rejected(tmp_path: Path) -> None:
+    """A faster candidate whose block's loss is far above the reference block's is rejected, its block undone."""
+    model = _Handicapped(slow_in="32-true", worse_in="bf16-mixed")
+    trainer = _fit(tmp_path, model, tuner := PrecisionTuner(candidates=BOTH, probe_steps=4), max_epochs=2)
+    report = tuner.report()
+    assert report["decision"] == "32-true"
+    assert "more than 10% worse" in report["rejected"]["bf16-mixed"]
+    assert "bf16-mixed rejected" in report["reason"]
+    assert [b["setting"] for b in report["blocks"]] == ["32-true", "bf16-mixed"]  # no block after the rejection
+    assert trainer.precision == "32-true"
+
+
 def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> None:
     """Tens of steps cannot repay a probe: no trial runs, the Trainer's precision stays and the reason says why."""
     model = _Handicapped(slow_in="32-true")
@@ -91,7 +118,7 @@ def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> 
     report = tuner.report()
     assert report["decision"] == "32-true"
     assert not report["probed"]
-    assert report["reason"].startswith("skipped: the probe (16 steps) cannot pay back in 20 steps left")
+    assert report["reason"].startswith("skipped: the probe (12 steps) cannot pay back in 20 steps left")
     assert len(model.autocast_seen) == 20  # only the real steps ran
 
 
@@ -108,9 +135,12 @@ def test_resume_installs_the_decision_without_probing(tmp_path: Path, monkeypatc
     monkeypatch.setattr(trials, "measure", lambda *args, **kwargs: pytest.fail("probed again on resume"))
     resumed_tuner = PrecisionTuner(candidates=BOTH, probe_steps=4)
     resumed = tiny_trainer(tmp_path, callbacks=[resumed_tuner], limit_val_batches=0, max_epochs=2)
-    resumed.fit(_Handicapped(slow_in="32-true"), ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
+    model = _Handicapped(slow_in="32-true")
+    resumed.fit(model, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
     assert resumed_tuner.report()["decision"] == saved["decision"]
+    assert resumed_tuner.report()["source"] == "resumed"
     assert resumed.precision == saved["decision"]
+    assert set(model.autocast_seen) == {saved["decision"] == "bf16-mixed"}  # no block in the other precision
 
 
 def test_a_non_autocast_plugin_is_left_alone(tmp_path: Path) -> None:

@@ -148,8 +148,8 @@ def test_default_callbacks_order_and_optional_parts(tmp_path: Path) -> None:
     everything = {"batch_size": True, "prune": 0.5, "export": tmp_path, "lr": True, "compile": True}
     names = [type(c).__name__ for c in default_callbacks(**everything)]
     assert names == [
-        "ChannelsLast",
         "PrecisionTuner",
+        "ChannelsLast",
         "FusedOptimizer",
         "DataLoaderTuner",
         "BatchSizeFinder",

@@ -207,8 +207,8 @@ class CountedTrials:
             self._began = self._began or time.perf_counter()
         self._clock.start()
 
-    def step_ended(self, trainer: pl.Trainer) -> Decision | None:
-        """After a training step: record its time; after the last block, the decision (every rank the same)."""
+    def step_ended(self, trainer: pl.Trainer, outputs: Any = None) -> Decision | None:
+        """After a training step (``outputs``: what it returned): its time; after the last block, the decision."""
         if self._active is None or self._waiting(trainer):
             return None
         self.blocks[-1][1].append(self._clock.stop())
@@ -236,7 +236,7 @@ class CountedTrials:
         """
         return None
 
-    def drop(self, names: Sequence[str], why: str) -> None:
+    def drop(self, names: Sequence[str], why: str, note: str = "not tried") -> None:
         """Leave the settings ``names`` out of every block still to come (called on every rank alike), noting ``why``.
 
         The seam for a lever that learns from one block that other settings cannot win
@@ -247,7 +247,7 @@ class CountedTrials:
             return
         self._dropped.extend(names)
         self._queue = [s for s in self._queue if s.name not in names]
-        self.notes.append(f"{', '.join(names)} not tried: {why}")
+        self.notes.append(f"{', '.join(names)} {note}: {why}")
 
     def _next_round(self, trainer: pl.Trainer) -> None:
         """Queue the next round's blocks, or none when the probe is over.

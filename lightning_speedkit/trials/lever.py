@@ -255,7 +255,7 @@ class Lever(LeanCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._counted is not None:
-            decision = self._counted.step_ended(trainer)
+            decision = self._counted.step_ended(trainer, outputs)
             if decision is not None:
                 self._counted = None
                 self._settle(trainer, pl_module, decision, store=True)

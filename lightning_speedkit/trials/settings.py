@@ -30,8 +30,9 @@ class Setting:
     name = "as is"
 
     changes_math = True
-    """Whether the setting changes what a training step computes (a batch size, an LR, a precision). A setting that
-    does not (a memory layout, loader workers, compile) can be tried on steps that count
+    """Whether the setting changes what a training step computes (a batch size, an LR). A setting that does not, or
+    changes only its rounding (a memory layout, loader workers, compile, a fused update, an autocast precision, whose
+    blocks `lightning_speedkit.precision` checks by their loss), can be tried on steps that count
     (`lightning_speedkit.trials.counted`); one that does is tried on restored steps."""
 
     def apply(self, trainer: pl.Trainer) -> None:
