@@ -165,6 +165,11 @@ class _PrecisionTrials(CountedTrials):
         return None
 
     @override
+    def _extension_room(self, trainer: pl.Trainer) -> str | None:
+        """An added round runs at once, before the probes queued behind: they are timed in the precision it decides."""
+        return "now" if trials.steps_left(trainer) >= 2 * self.steps else None
+
+    @override
     def _medians(self) -> dict[str, float | None]:
         return {name: None if name in self.rejected else m for name, m in super()._medians().items()}
 
@@ -198,8 +203,8 @@ class PrecisionTuner(trials.Lever):
     Args:
         candidates: Precisions to try, from ``"32-true"``, ``"16-mixed"`` (CUDA only) and ``"bf16-mixed"``; default:
             `precision_candidates` for the device.
-        probe_steps: Training steps per precision and round (the first two are warm-up: oneDNN and cuDNN build
-            their kernels for a new precision in its first steps).
+        probe_steps: Training steps per block (fewer, down to 6, when the run is too short to repay such blocks; the
+            first two are warm-up: oneDNN and cuDNN build their kernels for a new precision in its first steps).
         margin: How much faster (relative step time, in [0, 1)) a candidate must be to replace the Trainer's.
         loss_tolerance: How much higher (relative, >= 0) a candidate block's mean loss may be than the reference's.
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
@@ -221,11 +226,12 @@ class PrecisionTuner(trials.Lever):
     MAX_GAIN = _MAX_GAIN
     WARMUP = 2  # oneDNN builds its bf16 kernels in the first steps
     COUNTED = True
+    MIN_BLOCK = 6  # the restored trials' length; longer blocks when the run repays them (their steps count)
 
     def __init__(
         self,
         candidates: Sequence[str] | None = None,
-        probe_steps: int = 6,
+        probe_steps: int = 10,
         margin: float = 0.05,
         loss_tolerance: float = 0.1,
         remember: bool = True,

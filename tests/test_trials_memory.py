@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,27 @@ def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(
     trainer.fit(DemoClassifier(width=16, crop_size=16), rebuilt)
     assert lever.report()["source"] == "remembered"
     assert len(DecisionMemory().entries()) == 1
+
+
+class _SlowFp32(L.Callback):
+    """Steps in fp32 take 20 ms more (a real sleep), so the precision probe keeps bf16 on any CPU."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.precision == "32-true":
+            time.sleep(0.02)
+
+
+def test_a_remembered_precision_put_in_place_first_leaves_the_next_levers_remembered(tmp_path: Path) -> None:
+    """The precision is decided first; remembered, it is in place before the layout fingerprints the run, which is
+    still the job as built (fp32), so the layout's remembered decision is found too."""
+    first = [speedkit.PrecisionTuner(candidates=["32-true", "bf16-mixed"], probe_steps=3), speedkit.ChannelsLast(probe_steps=3)]
+    _fit(tmp_path / "a", first, extra=[_SlowFp32()])
+    assert first[0].report()["decision"] == "bf16-mixed", first[0].report()
+    second = [speedkit.PrecisionTuner(candidates=["32-true", "bf16-mixed"], probe_steps=3), speedkit.ChannelsLast(probe_steps=3)]
+    trainer = _fit(tmp_path / "b", second, extra=[_SlowFp32()])
+    assert [lever.report()["source"] for lever in second] == ["remembered", "remembered"]
+    assert trainer.precision == "bf16-mixed"
+    assert len(DecisionMemory().entries()) == 2
 
 
 @pytest.mark.parametrize(

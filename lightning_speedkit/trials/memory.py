@@ -6,7 +6,7 @@ device and configuration; this does the same for speedkit's decisions. A decisio
 
 - the model's structure (module types, parameter names, shapes and dtypes);
 - the batch (the shapes and dtypes of one training sample, and the batch size);
-- the loader's settings, the number of devices and nodes, the precision and gradient accumulation;
+- the loader's settings, the number of devices and nodes, the precision (as built) and gradient accumulation;
 - the device: the CPU model and its ISA as torch dispatches it (a forced ISA included), the GPU name and compute
   capability;
 - the torch, Lightning and speedkit versions;
@@ -113,6 +113,9 @@ def _shapes(value: Any) -> Any:
 
 
 _SAMPLES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+_BUILT_PRECISION: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""Per Trainer, its precision when first fingerprinted: a remembered precision put in place at fit start, before other
+levers fingerprint the run, is a decision, not the job (as `BUILT_FROM` is for the loader)."""
 
 
 def _sample(trainer: pl.Trainer, dataset: Any) -> Any:
@@ -173,7 +176,7 @@ def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
         "model": _model(trainer.lightning_module),
         "data": _loader(trainer),
         "devices": {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes},
-        "precision": str(trainer.precision),
+        "precision": _BUILT_PRECISION.setdefault(trainer, str(trainer.precision)),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "device": _device(trainer),
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "speedkit": __version__},
@@ -212,9 +215,8 @@ class DecisionMemory:
             if not isinstance(entry, dict) or entry.get("format") != FORMAT:
                 return Recalled(None, f"{path} is not a speedkit decision file (format {FORMAT}): probed again")
             if entry.get("speedkit") != __version__:
-                return Recalled(
-                    None, f"{path} is from speedkit {entry.get('speedkit')}, not {__version__}: probed again"
-                )
+                why = f"{path} is from speedkit {entry.get('speedkit')}, not {__version__}: probed again"
+                return Recalled(None, why)
             if entry.get("fingerprint") != json.loads(json.dumps(print_, default=str)):
                 return Recalled(None, f"{path} belongs to another run's fingerprint: probed again")
             decision = Decision.from_dict(entry["decision"])
