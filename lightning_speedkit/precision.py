@@ -29,7 +29,7 @@ from lightning_speedkit.checks import check_bool, check_margin, check_number, ch
 from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.trials.counted import CountedTrials
-from lightning_speedkit.trials.settings import loss_of
+from lightning_speedkit.trials.settings import loss_of, loss_tensor
 from lightning_speedkit.trials.snapshot import cpu_copy
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
@@ -112,31 +112,26 @@ class _PrecisionTrials(CountedTrials):
                  warmup: int, tolerance: float) -> None:  # fmt: skip
         super().__init__(current, candidates, steps, margin, warmup=warmup)
         self.tolerance = tolerance
-        self.losses: list[list[float | None]] = []  # per block, each step's training loss
+        self.losses: list[list[torch.Tensor | None]] = []  # per block, each step's loss, read at the block's end
         self.rejected: dict[str, str] = {}
         self.snapshot_s = 0.0
         self._saved: dict[str, Any] | None = None
 
     @override
-    def step_started(self, trainer: pl.Trainer) -> None:
-        starts = self._left == 0 and not self._waiting(trainer) and bool(self._queue)
-        if starts and self._queue[0] is not self.current:
+    def block_starting(self, trainer: pl.Trainer, setting: trials.Setting) -> None:
+        self.losses.append([])
+        if setting is not self.current:
             began = time.perf_counter()
-            module = trainer.lightning_module
             self._saved = {
-                "model": cpu_copy(module.state_dict()),
+                "model": cpu_copy(trainer.lightning_module.state_dict()),
                 "optimizers": [cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers],
             }
             self.snapshot_s += time.perf_counter() - began
-        blocks = len(self.blocks)
-        super().step_started(trainer)
-        if len(self.blocks) > blocks:
-            self.losses.append([])
 
     @override
     def step_ended(self, trainer: pl.Trainer, outputs: Any = None) -> trials.Decision | None:
         if self._active is not None and not self._waiting(trainer) and self.losses:
-            self.losses[-1].append(loss_of(outputs))
+            self.losses[-1].append(loss_tensor(outputs))  # no device sync inside the timed steps
         return super().step_ended(trainer, outputs)
 
     @override
@@ -144,11 +139,12 @@ class _PrecisionTrials(CountedTrials):
         name = self.blocks[-1][0]
         if name == self.current.name:
             return None
-        reference = next(
+        before = next(
             (losses for (block, _), losses in zip(self.blocks[-2::-1], self.losses[-2::-1], strict=False)
              if block == self.current.name), [],
         )  # fmt: skip
-        why = loss_is_sound(self.losses[-1], reference, self.tolerance, noise_z=_NOISE_Z)
+        values, reference = ([loss_of(loss) for loss in losses] for losses in (self.losses[-1], before))
+        why = loss_is_sound(values, reference, self.tolerance, noise_z=_NOISE_Z)
         if not trainer.strategy.reduce_boolean_decision(bool(why), all=False):
             self._saved = None
             return None

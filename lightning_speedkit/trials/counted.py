@@ -200,6 +200,7 @@ class CountedTrials:
             if self._active is not None:
                 self._active.revert(trainer)
             self._active = self._queue.pop(0)
+            self.block_starting(trainer, self._active)
             self._active.apply(trainer)
             self._left = self.steps
             self.blocks.append((self._active.name, []))
@@ -227,6 +228,9 @@ class CountedTrials:
         if self._queue:
             return None
         return self._decide(trainer)
+
+    def block_starting(self, trainer: pl.Trainer, setting: Setting) -> None:
+        """Before a block's first step, ``setting`` not yet applied: the seam for what a lever keeps per block."""
 
     def block_ended(self, trainer: pl.Trainer) -> Decision | None:
         """After each block, on every rank at the same step: a decision that ends the probe early, or None to go on.
@@ -311,7 +315,7 @@ class CountedTrials:
 
     def _medians(self) -> dict[str, float | None]:
         """Each setting's median timed step over all its blocks (None before it has one): what the decision reports."""
-        return {name: _median(times) for name, times in self.times.items()}
+        return {name: statistics.median(times) if times else None for name, times in self.times.items()}
 
     def _estimates(self) -> dict[str, float | None]:
         """Each setting's step time as the decision weighs it, round by round (`decisions.weigh_by_rounds`)."""
@@ -394,7 +398,3 @@ def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidat
     """
     ratios = round_ratios(blocks, current, warmup).get(candidate, [])
     return sum(1 for ratio in ratios if ratio < 1.0), len(ratios)
-
-
-def _median(times: list[float]) -> float | None:
-    return statistics.median(times) if times else None

@@ -17,7 +17,7 @@ from lightning_speedkit.batch import batch_size_of
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["AsIs", "BatchSize", "Setting", "TrialResult", "loss_of"]
+__all__ = ["AsIs", "BatchSize", "Setting", "TrialResult", "loss_of", "loss_tensor"]
 
 
 class Setting:
@@ -148,5 +148,17 @@ def loss_of(outputs: Any) -> float | None:
         >>> loss_of({"loss": torch.tensor(0.5)}), loss_of(None)
         (0.5, None)
     """
+    loss = loss_tensor(outputs)
+    return None if loss is None else float(loss.float())
+
+
+def loss_tensor(outputs: Any) -> Tensor | None:
+    """`loss_of` without reading the value (no device sync): the detached scalar loss tensor, else None.
+
+    Example:
+        >>> import torch
+        >>> loss_tensor({"loss": torch.tensor(0.5, requires_grad=True)}).requires_grad, loss_tensor("no")
+        (False, None)
+    """
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    return float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
+    return loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
