@@ -26,16 +26,19 @@ from collections.abc import Mapping, Sequence
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
 __all__ = [
+    "GROSSLY",
     "PAYBACK",
     "block_medians",
     "check_margin",
     "check_probe_steps",
     "choose_setting",
+    "grossly_slower",
     "loss_is_sound",
     "outside_band",
     "paired_ratios",
     "probe_pays_back",
     "round_ratios",
+    "round_wins",
     "weigh_by_rounds",
 ]
 
@@ -179,6 +182,58 @@ def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup
         for name, medians in own.items()
         if name != current and reference and medians
     }
+
+
+GROSSLY = 1.5
+"""A candidate whose every step of its first block took over this many times the slowest step of the setting in
+place's first two blocks is not timed again (`grossly_slower`)."""
+
+
+def grossly_slower(
+    blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int, ratio: float = GROSSLY
+) -> list[str]:
+    """The candidates whose first block's fastest step took over ``ratio`` times the slowest of ``current``'s first two.
+
+    A counted probe runs ``current``'s second block right after the candidates' first ones. A load change on a shared
+    machine that hits one block (`trials.counted.DROP_AFTER` rounds are the rule for that) slows some of its steps,
+    or the blocks beside it too; every step of a candidate's block far behind every step on both sides of it is the
+    setting's own slowness, and a second block would only repeat it (bf16 autocast steps of the LR benchmark's small
+    transformer take 2.1-2.8x fp32's on an AVX-512 CPU). Each block's first ``warmup`` steps are left out; before
+    ``current`` has two blocks, none.
+
+    Example:
+        >>> blocks = [("a", [1.0, 1.1]), ("b", [2.0, 1.9]), ("c", [1.2, 3.0]), ("a", [1.0, 1.2])]
+        >>> grossly_slower(blocks, "a", warmup=0)
+        ['b']
+        >>> grossly_slower(blocks[:3], "a", warmup=0)
+        []
+    """
+    timed: dict[str, list[list[float]]] = {}
+    for name, times in blocks:
+        if times[warmup:]:
+            timed.setdefault(name, []).append(times[warmup:])
+    reference = timed.get(current, [])
+    if len(reference) < 2:
+        return []
+    bound = ratio * max(max(times) for times in reference[:2])
+    return [name for name, own in timed.items() if name != current and min(own[0]) > bound]
+
+
+def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidate: str, warmup: int) -> tuple[int, int]:
+    """In how many rounds ``candidate``'s block median beat the block of ``current`` in the same round; and of how many.
+
+    Blocks of one round run back to back, so a change of load on a shared machine slows both alike: a candidate that
+    is faster on the pooled median because one round of ``current`` ran under load loses a round here. The k-th
+    block of each setting is its k-th round; each block's first ``warmup`` steps are left out.
+
+    Example:
+        >>> ms = lambda *t: [x / 1000 for x in t]
+        >>> blocks = [("a", ms(10, 10)), ("b", ms(5, 5)), ("a", ms(10, 10)), ("b", ms(12, 12))]
+        >>> round_wins(blocks, "a", "b", warmup=0)
+        (1, 2)
+    """
+    ratios = round_ratios(blocks, current, warmup).get(candidate, [])
+    return sum(1 for ratio in ratios if ratio < 1.0), len(ratios)
 
 
 def loss_is_sound(

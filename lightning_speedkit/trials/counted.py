@@ -8,10 +8,11 @@ block timed step by step; then the fastest setting is kept when it beats the set
 gain is under `CONSISTENT` margins must also have won the paired blocks of every round it ran (`round_wins`: a load
 change on a shared machine hits one block, not a round); one that lost a single round gets up to `EXTRA_ROUNDS` more
 rounds to show it, when the steps are free. A candidate gets no more blocks only once it lost `DROP_AFTER` rounds
-clearly. Nothing is restored and nothing is thrown away: the number
-of optimizer steps, the epochs, the LR schedule and the sample order are those of the run without the probe. The
-probe's cost is only the extra seconds of the blocks that ran slower than the setting kept (``probe_s``), so blocks
-can be longer than a restored trial's, which makes the decision steadier on a noisy machine.
+clearly, or once every step of its first block took over `GROSSLY` times any of the setting in place's around it
+(`grossly_slower`). Nothing is restored and nothing is thrown away: the number of optimizer steps, the epochs, the
+LR schedule and the sample order are those of the run without the probe. The probe's cost is only the extra seconds
+of the blocks that ran slower than the setting kept (``probe_s``), so blocks can be longer than a restored trial's,
+which makes the decision steadier on a noisy machine.
 
 Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
 
@@ -30,11 +31,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import (
+    GROSSLY,
     PAYBACK,
     block_medians,
     choose_setting,
     clearly_slower,
-    round_ratios,
+    grossly_slower,
+    round_wins,
     weigh_by_rounds,
 )
 from lightning_speedkit.timing import StepClock
@@ -55,7 +58,6 @@ __all__ = [
     "counted_cost",
     "fitted_block",
     "queued_steps",
-    "round_wins",
 ]
 
 COUNTED_ROUNDS = 3
@@ -223,6 +225,9 @@ class CountedTrials:
         if ended is not None:
             self.stop(trainer)
             return ended
+        if name == self.current.name and sum(1 for n, _ in self.blocks if n == name) == 2:
+            slow = trainer.strategy.broadcast(grossly_slower(self.blocks, name, self.warmup), src=0)
+            self.drop(slow, f"every step of its first block over {GROSSLY:g}x {name}'s around it", note="dropped")
         if not self._queue:
             self._next_round(trainer)
         if self._queue:
@@ -381,20 +386,3 @@ class CountedTrials:
         kept = kept_step_s or 0.0
         extra = sum(max(0.0, sum(times) - kept * len(times)) for _, times in self.blocks)
         return float(trainer.strategy.broadcast(extra, src=0))
-
-
-def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidate: str, warmup: int) -> tuple[int, int]:
-    """In how many rounds ``candidate``'s block median beat the block of ``current`` in the same round; and of how many.
-
-    Blocks of one round run back to back, so a change of load on a shared machine slows both alike: a candidate that
-    is faster on the pooled median because one round of ``current`` ran under load loses a round here. The k-th
-    block of each setting is its k-th round; each block's first ``warmup`` steps are left out.
-
-    Example:
-        >>> ms = lambda *t: [x / 1000 for x in t]
-        >>> blocks = [("a", ms(10, 10)), ("b", ms(5, 5)), ("a", ms(10, 10)), ("b", ms(12, 12))]
-        >>> round_wins(blocks, "a", "b", warmup=0)
-        (1, 2)
-    """
-    ratios = round_ratios(blocks, current, warmup).get(candidate, [])
-    return sum(1 for ratio in ratios if ratio < 1.0), len(ratios)
