@@ -6,7 +6,6 @@ over a window of recent losses) and PaLM's manual restarts from a checkpoint bef
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import statistics
@@ -26,7 +25,7 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
-from lightning_speedkit.trials.snapshot import cpu_copy
+from lightning_speedkit.trials.snapshot import put_back, take_state
 
 __all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "snapshot_bytes", "snapshot_interval"]
 
@@ -336,9 +335,7 @@ class TrainingGuard(LeanCallback):
             self._watch_only = f"a snapshot takes {size / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
             rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
             return
-        snapshot = cpu_copy(states)
-        snapshot["schedulers"] = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-        snapshot["precision"] = cpu_copy(trainer.precision_plugin.state_dict())
+        snapshot = take_state(trainer)
         snapshot["step"], snapshot["lr_scale"] = trainer.global_step, self._lr_scale
         self._snapshot, self._snapshot_size = snapshot, size
         if first:
@@ -386,11 +383,7 @@ class TrainingGuard(LeanCallback):
 
     @staticmethod
     def _restore(trainer: pl.Trainer, snapshot: dict[str, Any]) -> None:
-        """Put a snapshot's weights, optimizer, scheduler and precision-plugin states back."""
-        trainer.lightning_module.load_state_dict(snapshot["model"])
-        for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
+        """Put a snapshot's weights, optimizer, scheduler and precision-plugin states back (copies: it may be again)."""
+        put_back(trainer, snapshot)
+        for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"], strict=True):
-            config.scheduler.load_state_dict(state)
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot["precision"]))

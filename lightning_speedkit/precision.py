@@ -30,7 +30,7 @@ from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.trials.counted import CountedTrials
 from lightning_speedkit.trials.settings import loss_of, loss_tensor
-from lightning_speedkit.trials.snapshot import cpu_copy
+from lightning_speedkit.trials.snapshot import put_back, take_state
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -122,10 +122,7 @@ class _PrecisionTrials(CountedTrials):
         self.losses.append([])
         if setting is not self.current:
             began = time.perf_counter()
-            self._saved = {
-                "model": cpu_copy(trainer.lightning_module.state_dict()),
-                "optimizers": [cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers],
-            }
+            self._saved = take_state(trainer, schedulers=False, precision=False)  # the LR schedule counts the steps
             self.snapshot_s += time.perf_counter() - began
 
     @override
@@ -151,9 +148,7 @@ class _PrecisionTrials(CountedTrials):
         why = trainer.strategy.broadcast(why or "an unsound loss on another rank", src=0)
         began = time.perf_counter()
         if self._saved is not None:  # every rank puts its own copy back (the same weights under DDP)
-            trainer.lightning_module.load_state_dict(self._saved["model"])
-            for optimizer, state in zip(trainer.optimizers, self._saved["optimizers"], strict=True):
-                optimizer.load_state_dict(state)
+            put_back(trainer, self._saved)
             self._saved = None
         self.snapshot_s += time.perf_counter() - began
         self.rejected[name] = why

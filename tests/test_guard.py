@@ -79,6 +79,22 @@ def test_a_nan_rolls_back_once_and_training_ends_finite(tmp_path: Path) -> None:
     assert trainer.global_step == 64  # the run went on to its end
 
 
+def test_two_rollbacks_to_one_snapshot_put_back_its_momentum_both_times(tmp_path: Path) -> None:
+    """NaN losses at two steps in a row both restore the snapshot of step 20, and the run ends finite.
+
+    SGD with momentum: the first restore must not hand the snapshot's momentum buffers to the optimizer, or the NaN
+    step after it fills them, in the snapshot too, with NaN.
+    """
+    model = _Faulty(nan_at=(20, 21))
+    guard = TrainingGuard(every_n_steps=5, window=10, max_rollbacks=3)
+    trainer = _fit(tmp_path, model, guard)
+    events = [(e["trigger"], e["step"], e["restored_step"]) for e in guard.report()["events"]]
+    assert events == [("non-finite loss", 21, 20), ("non-finite loss", 22, 20)]
+    assert _finite(model)
+    momentum = [trainer.optimizers[0].state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(bool(torch.isfinite(m).all()) for m in momentum)
+
+
 def test_a_loss_spike_rolls_back_once(tmp_path: Path) -> None:
     """A loss 1000x the window's typical value two steps in a row is a spike: one rollback, then training goes on."""
     model = _Faulty(spike_at=(30, 31))

@@ -24,7 +24,7 @@ from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
-from lightning_speedkit.trials.snapshot import cpu_copy, loop_flags, reset_grad_scaler, restore_loop_flags
+from lightning_speedkit.trials.snapshot import loop_flags, put_back, restore_loop_flags, take_state
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,10 +147,7 @@ class TrialSession:
         self._started = time.perf_counter()
         self._quiet.enter_context(quiet_logger(LIGHTNING_INFO, logging.WARNING))
         self._saved = {
-            "model": cpu_copy(module.state_dict()),
-            "optimizers": [cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
-            "schedulers": [copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
-            "precision": cpu_copy(trainer.precision_plugin.state_dict()),
+            **take_state(trainer),
             "precision_plugin": trainer.strategy.precision_plugin,
             "loop": copy.deepcopy(fit_loop.state_dict()),
             "loop_flags": loop_flags(fit_loop),
@@ -334,17 +331,9 @@ class TrialSession:
 
     def _restore_state(self) -> None:
         """Weights, optimizers, schedulers, precision plugin, loop progress and RNG as on entry."""
-        trainer, module, saved = self.trainer, self.trainer.lightning_module, self._saved
-        module.load_state_dict(saved["model"])
-        # Copies: torch's `load_state_dict` keeps the tensors it is given (an optimizer's momentum buffers) and a
-        # scheduler its lists, which the next trial would then change in place, and the snapshot with them.
-        for optimizer, state in zip(trainer.optimizers, saved["optimizers"], strict=True):
-            optimizer.load_state_dict(copy.deepcopy(state))
-        for config, state in zip(trainer.lr_scheduler_configs, saved["schedulers"], strict=True):
-            config.scheduler.load_state_dict(copy.deepcopy(state))
+        trainer, saved = self.trainer, self._saved
         trainer.strategy.precision_plugin = saved["precision_plugin"]
-        reset_grad_scaler(trainer.precision_plugin)
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(saved["precision"]))
+        put_back(trainer, saved)  # copies: the next trial puts the same state back
         trainer.fit_loop.load_state_dict(copy.deepcopy(saved["loop"]))
         trainer.fit_loop.restarting = False
         self._restore_rng()

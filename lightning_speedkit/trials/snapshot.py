@@ -1,17 +1,23 @@
-"""What `TrialSession` copies and puts back beside the state dicts: host copies, loop flags, a GradScaler's state."""
+"""What a trial or a rollback copies and puts back: host copies of the training state, loop flags, a GradScaler's state.
+
+`take_state` and `put_back` serve `TrialSession`, `TrainingGuard` and `PrecisionTuner`'s counted blocks alike.
+"""
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loops.loop import _Loop
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-__all__ = ["cpu_copy", "loop_flags", "reset_grad_scaler", "restore_loop_flags"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["cpu_copy", "loop_flags", "put_back", "reset_grad_scaler", "restore_loop_flags", "take_state"]
 
 
 def cpu_copy(value: Any) -> Any:
@@ -32,6 +38,56 @@ def cpu_copy(value: Any) -> Any:
         return copied
 
     return copy.deepcopy(apply_to_collection(value, Tensor, host), memo=copies)  # the host copies are not copied again
+
+
+def take_state(trainer: pl.Trainer, schedulers: bool = True, precision: bool = True) -> dict[str, Any]:
+    """Host copies of what training steps change, for `put_back`.
+
+    The weights and every optimizer's state; unless told not to, every LR scheduler's state and the precision
+    plugin's (a GradScaler's scale).
+
+    Example:
+        >>> import lightning as L, torch
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        >>> trainer = L.Trainer(max_steps=1, enable_model_summary=False, **quiet)
+        >>> trainer.fit(BoringModel())
+        >>> state = take_state(trainer)
+        >>> sorted(state), state["model"]["layer.weight"].device.type
+        (['model', 'optimizers', 'precision', 'schedulers'], 'cpu')
+        >>> with torch.no_grad():
+        ...     _ = trainer.lightning_module.layer.weight.add_(1.0)
+        >>> put_back(trainer, state)
+        >>> torch.equal(trainer.lightning_module.layer.weight, state["model"]["layer.weight"])
+        True
+    """
+    state = {
+        "model": cpu_copy(trainer.lightning_module.state_dict()),
+        "optimizers": [cpu_copy(optimizer.state_dict()) for optimizer in trainer.optimizers],
+    }
+    if schedulers:
+        state["schedulers"] = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+    if precision:
+        state["precision"] = cpu_copy(trainer.precision_plugin.state_dict())
+    return state
+
+
+def put_back(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Load what `take_state` copied (schedulers and precision plugin only when it copied them).
+
+    Loads copies: torch's ``Optimizer.load_state_dict`` keeps the host tensors it is given on a CPU run (an SGD
+    momentum buffer, Adam's moments) and the next steps would change them in place, and the state with them; a
+    rollback or a trial that puts the same state back twice would then load those steps' moments (after a NaN
+    step, NaN ones).
+    """
+    trainer.lightning_module.load_state_dict(state["model"])
+    for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(copy.deepcopy(saved))
+    for config, saved in zip(trainer.lr_scheduler_configs, state.get("schedulers", []), strict="schedulers" in state):
+        config.scheduler.load_state_dict(copy.deepcopy(saved))
+    if "precision" in state:
+        reset_grad_scaler(trainer.precision_plugin)
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
 
 
 def _loops(loop: _Loop) -> list[_Loop]:
