@@ -185,24 +185,27 @@ def round_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmup
 
 
 GROSSLY = 1.5
-"""A candidate whose every step of its first block took over this many times the slowest step of the setting in
-place's first two blocks is not timed again (`grossly_slower`)."""
+"""A candidate whose first block's steps mostly took over this many times most of the setting in place's steps in
+its first two blocks is not timed again (`grossly_slower`)."""
 
 
 def grossly_slower(
     blocks: Sequence[tuple[str, list[float]]], current: str, warmup: int, ratio: float = GROSSLY
 ) -> list[str]:
-    """The candidates whose first block's fastest step took over ``ratio`` times the slowest of ``current``'s first two.
+    """The candidates whose first block's steps mostly took over ``ratio`` times most of ``current``'s first two.
+
+    "Mostly": the candidate block's lower quartile step against the upper quartile of ``current``'s steps.
 
     A counted probe runs ``current``'s second block right after the candidates' first ones. A load change on a shared
     machine that hits one block (`trials.counted.DROP_AFTER` rounds are the rule for that) slows some of its steps,
-    or the blocks beside it too; every step of a candidate's block far behind every step on both sides of it is the
-    setting's own slowness, and a second block would only repeat it (bf16 autocast steps of the LR benchmark's small
-    transformer take 2.1-2.8x fp32's on an AVX-512 CPU). Each block's first ``warmup`` steps are left out; before
+    or the blocks beside it too; three in four of a candidate's steps far behind three in four of the steps on both
+    sides of it is the setting's own slowness, and a second block would only repeat it (bf16 autocast steps of the LR
+    benchmark's small transformer take 2.1-2.8x fp32's on an AVX-512 CPU). The quartiles leave out the odd slow
+    step of a block (a collection, a page fault). Each block's first ``warmup`` steps are left out; before
     ``current`` has two blocks, none.
 
     Example:
-        >>> blocks = [("a", [1.0, 1.1]), ("b", [2.0, 1.9]), ("c", [1.2, 3.0]), ("a", [1.0, 1.2])]
+        >>> blocks = [("a", [1.0, 1.1, 1.0]), ("b", [2.5, 2.4, 2.6]), ("c", [1.2, 3.0, 3.1]), ("a", [1.0, 3.0, 1.0])]
         >>> grossly_slower(blocks, "a", warmup=0)
         ['b']
         >>> grossly_slower(blocks[:3], "a", warmup=0)
@@ -215,8 +218,16 @@ def grossly_slower(
     reference = timed.get(current, [])
     if len(reference) < 2:
         return []
-    bound = ratio * max(max(times) for times in reference[:2])
-    return [name for name, own in timed.items() if name != current and min(own[0]) > bound]
+    bound = ratio * _quartiles(reference[0] + reference[1])[1]
+    return [name for name, own in timed.items() if name != current and _quartiles(own[0])[0] > bound]
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The lower and upper quartiles of ``values`` (the value itself for one)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    lower, _, upper = statistics.quantiles(values, n=4)
+    return lower, upper
 
 
 def round_wins(blocks: Sequence[tuple[str, list[float]]], current: str, candidate: str, warmup: int) -> tuple[int, int]:

@@ -8,11 +8,11 @@ block timed step by step; then the fastest setting is kept when it beats the set
 gain is under `CONSISTENT` margins must also have won the paired blocks of every round it ran (`round_wins`: a load
 change on a shared machine hits one block, not a round); one that lost a single round gets up to `EXTRA_ROUNDS` more
 rounds to show it, when the steps are free. A candidate gets no more blocks only once it lost `DROP_AFTER` rounds
-clearly, or once every step of its first block took over `GROSSLY` times any of the setting in place's around it
-(`grossly_slower`). Nothing is restored and nothing is thrown away: the number of optimizer steps, the epochs, the
-LR schedule and the sample order are those of the run without the probe. The probe's cost is only the extra seconds
-of the blocks that ran slower than the setting kept (``probe_s``), so blocks can be longer than a restored trial's,
-which makes the decision steadier on a noisy machine.
+clearly, or once three in four steps of its first block took over `GROSSLY` times three in four of the setting in
+place's around it (`grossly_slower`). Nothing is restored and nothing is thrown away: the number of optimizer steps,
+the epochs, the LR schedule and the sample order are those of the run without the probe. The probe's cost is only the
+extra seconds of the blocks that ran slower than the setting kept (``probe_s``), so blocks can be longer than a
+restored trial's, which makes the decision steadier on a noisy machine.
 
 Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
 
@@ -227,7 +227,7 @@ class CountedTrials:
             return ended
         if name == self.current.name and sum(1 for n, _ in self.blocks if n == name) == 2:
             slow = trainer.strategy.broadcast(grossly_slower(self.blocks, name, self.warmup), src=0)
-            self.drop(slow, f"every step of its first block over {GROSSLY:g}x {name}'s around it", note="dropped")
+            self.drop(slow, f"its first block's steps mostly over {GROSSLY:g}x {name}'s around it", note="dropped")
         if not self._queue:
             self._next_round(trainer)
         if self._queue:
