@@ -126,10 +126,8 @@ class _PrecisionTrials(CountedTrials):
             self.snapshot_s += time.perf_counter() - began
 
     @override
-    def step_ended(self, trainer: pl.Trainer, outputs: Any = None) -> trials.Decision | None:
-        if self._active is not None and not self._waiting(trainer) and self.losses:
-            self.losses[-1].append(loss_tensor(outputs))  # no device sync inside the timed steps
-        return super().step_ended(trainer, outputs)
+    def step_recorded(self, trainer: pl.Trainer, outputs: Any) -> None:
+        self.losses[-1].append(loss_tensor(outputs))  # no device sync inside the timed steps
 
     @override
     def block_ended(self, trainer: pl.Trainer) -> trials.Decision | None:

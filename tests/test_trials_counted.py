@@ -35,28 +35,26 @@ class _Delayed(TinyClassifier):
 
 
 class _Slow(Setting):
-    """A setting that keeps the math and makes each step 30 ms slower."""
+    """A setting that keeps the math and makes each step 30 ms slower (``delay``; ``rest``: the delay reverted to)."""
 
     name = "slow"
     changes_math = False
+    delay, rest = 0.03, 0.0
 
     @override
     def apply(self, trainer: L.Trainer) -> None:
-        trainer.lightning_module.delay = 0.03  # type: ignore[assignment]
+        trainer.lightning_module.delay = self.delay  # type: ignore[assignment]
 
     @override
     def revert(self, trainer: L.Trainer) -> None:
-        trainer.lightning_module.delay = 0.0  # type: ignore[assignment]
+        trainer.lightning_module.delay = self.rest  # type: ignore[assignment]
 
 
 class _Fast(_Slow):
     """The same setting, with the step's own time: a candidate as fast as the setting in place."""
 
     name = "fast"
-
-    @override
-    def apply(self, trainer: L.Trainer) -> None:
-        trainer.lightning_module.delay = 0.0  # type: ignore[assignment]
+    delay = 0.0
 
 
 class _TestLever(Lever):
@@ -153,14 +151,7 @@ class _Slower(_Slow):
     """Steps of 35 ms against the setting in place's 25 ms: clearly slower (`clearly_slower`), not grossly."""
 
     name = "slower"
-
-    @override
-    def apply(self, trainer: L.Trainer) -> None:
-        trainer.lightning_module.delay = 0.035  # type: ignore[assignment]
-
-    @override
-    def revert(self, trainer: L.Trainer) -> None:
-        trainer.lightning_module.delay = 0.025  # type: ignore[assignment]
+    delay, rest = 0.035, 0.025
 
 
 class _SlowerLever(_TestLever):

@@ -216,6 +216,7 @@ class CountedTrials:
             return None
         self.blocks[-1][1].append(self._clock.stop())
         self.waits[-1].append(self._clock.last_wait)
+        self.step_recorded(trainer, outputs)
         self._left -= 1
         if self._left > 0:
             return None
@@ -236,6 +237,9 @@ class CountedTrials:
 
     def block_starting(self, trainer: pl.Trainer, setting: Setting) -> None:
         """Before a block's first step, ``setting`` not yet applied: the seam for what a lever keeps per block."""
+
+    def step_recorded(self, trainer: pl.Trainer, outputs: Any) -> None:
+        """After each timed step of a block, its time recorded: the seam for what a lever keeps per step."""
 
     def block_ended(self, trainer: pl.Trainer) -> Decision | None:
         """After each block, on every rank at the same step: a decision that ends the probe early, or None to go on.
