@@ -90,7 +90,7 @@ class ChannelsLast(trials.Lever):
     layers it shrinks. Values never change, so checkpoints load into a model in either layout.
 
     With ``measure=True``, the fit's first training steps are the probe (counted trials,
-    `lightning_speedkit.trials.counted`): blocks of ``probe_steps`` steps alternate the two layouts, three rounds,
+    `lightning_speedkit.trials.counted`): blocks of ``probe_steps`` steps alternate the two layouts, twelve rounds,
     every step timed and every step training the model as the run would (only strides differ), so the probe costs
     only the slower layout's extra seconds. NHWC is kept when it is at least ``margin`` faster; otherwise the model
     goes back to the default layout (under DDP the wrapper is rebuilt at each switch, so its gradient buckets match).
@@ -106,9 +106,11 @@ class ChannelsLast(trials.Lever):
         margin: How much faster (relative step time, in [0, 1)) NHWC must be to be kept.
         probe_steps: The longest block of each layout, in training steps (the first of each block is a warm-up);
             a run too short to repay blocks that long gets the longest it can, down to ``MIN_BLOCK``
-            (`lightning_speedkit.trials.counted.fitted_block`). 25: on the 2-core AVX-512 EPYC in bf16, where NHWC
-            was 13-14% faster over 250 steps, 10-step blocks kept NHWC in 2 of 10 fresh decisions and 25-step
-            blocks in 9 of 10 (`benchmarks/layout_stability.py --precision bf16-mixed`).
+            (`lightning_speedkit.trials.counted.fitted_block`). 6, in 12 rounds (``COUNTED_ROUNDS``): on the
+            2-core AVX-512 EPYC in bf16, where NHWC is 12-16% faster, three rounds of 25 steps kept it in 8 of 10
+            fresh decisions (`benchmarks/layout_stability.py --precision bf16-mixed`); a load burst of a second
+            covered one layout's block of 25 steps (0.5 s) and split its round, where it spans both blocks of a
+            short round (`benchmarks/probe_replay.py`).
         remember: Remember the decision across runs (`lightning_speedkit.trials.memory`): a later run with the same
             fingerprint (model, batch, loader, devices, hardware, versions, arguments) applies it without probing.
 
@@ -126,7 +128,8 @@ class ChannelsLast(trials.Lever):
     AREA = "layout"
     MAX_GAIN = _MAX_GAIN
     COUNTED = True
-    MIN_BLOCK = 10  # the default before blocks were fitted to the run
+    MIN_BLOCK = 4  # three timed steps after the warm-up
+    COUNTED_ROUNDS = 12  # a switch costs one warm-up step: many short rounds pair the blocks closely
 
     def __init__(
         self,
@@ -134,7 +137,7 @@ class ChannelsLast(trials.Lever):
         verify: bool = True,
         measure: bool = True,
         margin: float = 0.03,
-        probe_steps: int = 25,
+        probe_steps: int = 6,
         remember: bool = True,
     ) -> None:
         self.remember = check_bool("remember", remember)
@@ -201,7 +204,8 @@ class ChannelsLast(trials.Lever):
         self._verified = True
         if self.measure and stage == "fit" and self._decision is None:
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.block_steps(trainer, 2)), self.MAX_GAIN)
+            cost = counted_cost(2, self.block_steps(trainer, 2), self.COUNTED_ROUNDS)
+            pays, why, _ = trials.probe_cost(trainer, cost, self.MAX_GAIN)
             if not pays:
                 to_default_layout(pl_module)
                 self.converted -= converted

@@ -44,7 +44,7 @@ def _fit(
 ) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     model = DemoClassifier(width=width, crop_size=16)
-    trainer = tiny_trainer(tmp_path, max_epochs=6, callbacks=[*levers, *extra], limit_val_batches=0, **kwargs)
+    trainer = tiny_trainer(tmp_path, max_epochs=12, callbacks=[*levers, *extra], limit_val_batches=0, **kwargs)
     trainer.fit(model, _images())
     return trainer
 
@@ -102,7 +102,7 @@ def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(
     rebuilt = rebuild_dataloader(_images(), {"num_workers": 0, "pin_memory": True})
     lever = speedkit.ChannelsLast(probe_steps=3)
     L.seed_everything(0, verbose=False)
-    trainer = tiny_trainer(tmp_path / "b", max_epochs=6, callbacks=[lever], limit_val_batches=0)
+    trainer = tiny_trainer(tmp_path / "b", max_epochs=12, callbacks=[lever], limit_val_batches=0)
     trainer.fit(DemoClassifier(width=16, crop_size=16), rebuilt)
     assert lever.report()["source"] == "remembered"
     assert len(DecisionMemory().entries()) == 1
@@ -302,7 +302,7 @@ g = torch.Generator().manual_seed(0)
 x = torch.randn(512, 3, 16, 16, generator=g)
 data = DataLoader(TensorDataset(x, torch.randint(0, 10, (512,), generator=g)), batch_size=8)
 lever = speedkit.ChannelsLast(probe_steps=3)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=8, logger=False, callbacks=[lever],
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=12, logger=False, callbacks=[lever],
                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 L.seed_everything(0, verbose=False)
 trainer.fit(DemoClassifier(width=16, crop_size=16), data)

@@ -2,17 +2,17 @@
 
 A setting that does not change what a step computes (the memory layout, the loader's workers, compile) needs no
 restored trial: its steps train the model exactly as the run would, so they can simply be the run's first steps. The
-settings take turns in blocks of ``steps`` training steps, ``rounds`` times (the setting in place first), every
-block timed step by step; then the fastest setting is kept when it beats the setting in place by the margin
+settings take turns in blocks of ``steps`` training steps, ``rounds`` times (the setting in place first), every block
+timed step by step; then the fastest setting is kept when it beats the setting in place by the margin
 (`lightning_speedkit.decisions.choose_setting`), as `lightning_speedkit.trials.measure` would decide; a switch whose
-gain is under `CONSISTENT` margins must also have won the paired blocks of every round it ran (`round_wins`: a load
-change on a shared machine hits one block, not a round); one that lost a single round gets up to `EXTRA_ROUNDS` more
-rounds to show it, when the steps are free. A candidate gets no more blocks only once it lost `DROP_AFTER` rounds
-clearly, or once three in four steps of its first block took over `GROSSLY` times three in four of the setting in
-place's around it (`grossly_slower`). Nothing is restored and nothing is thrown away: the number of optimizer steps,
-the epochs, the LR schedule and the sample order are those of the run without the probe. The probe's cost is only the
-extra seconds of the blocks that ran slower than the setting kept (``probe_s``), so blocks can be longer than a
-restored trial's, which makes the decision steadier on a noisy machine.
+gain is under `CONSISTENT` margins must also have won the paired blocks of every round it ran, or of all but a
+quarter of many short rounds (`round_wins`: a load change on a shared machine hits one block, not a round); one that
+lost one round too many gets up to `EXTRA_ROUNDS` more rounds to show it, when the steps are free. A candidate gets
+no more blocks only once it lost `DROP_AFTER` rounds clearly, or once three in four steps of its first block took
+over `GROSSLY` times three in four of the setting in place's around it (`grossly_slower`). Nothing is restored and
+nothing is thrown away: the number of optimizer steps, the epochs, the LR schedule and the sample order are those of
+the run without the probe. The probe's cost is only the extra seconds of the blocks that ran slower than the setting
+kept (``probe_s``), so blocks can be longer, or more, than a restored trial's: steadier on a noisy machine.
 
 Every rank switches at the same step; rank zero's timings decide (broadcast), so every rank keeps the same setting.
 
@@ -37,6 +37,7 @@ from lightning_speedkit.decisions import (
     choose_setting,
     clearly_slower,
     grossly_slower,
+    may_lose,
     round_wins,
     weigh_by_rounds,
 )
@@ -61,7 +62,10 @@ __all__ = [
 ]
 
 COUNTED_ROUNDS = 3
-"""Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted."""
+"""Rounds of counted blocks: one more than a restored probe's (`PROBE_ROUNDS`), since their steps are not wasted.
+
+A lever whose switch is cheap runs more of shorter blocks (`lightning_speedkit.channels_last.ChannelsLast`: 12 of 6
+steps): a burst of load then spans both blocks of a round, and the many rounds outvote the few it splits."""
 
 
 CONSISTENT = 3.0
@@ -104,7 +108,9 @@ def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS) -> int
     return (settings - 1) * steps * rounds
 
 
-def fitted_block(longest: int, shortest: int, settings: int, steps_left: float, max_gain: float) -> int:
+def fitted_block(
+    longest: int, shortest: int, settings: int, steps_left: float, max_gain: float, rounds: int = COUNTED_ROUNDS
+) -> int:
     """The longest block in [``shortest``, ``longest``] steps whose counted probe (`counted_cost`) the run repays.
 
     Longer blocks give steadier medians on a shared machine; ``shortest`` when even those cannot pay back.
@@ -119,7 +125,7 @@ def fitted_block(longest: int, shortest: int, settings: int, steps_left: float, 
     """
     if math.isinf(steps_left):
         return longest
-    per_block_step = PAYBACK * counted_cost(settings, 1)  # the payback rule's need per step of block length
+    per_block_step = PAYBACK * counted_cost(settings, 1, rounds)  # the payback rule's need per step of block length
     return max(shortest, min(longest, int(max_gain * steps_left // per_block_step)))
 
 
@@ -331,7 +337,7 @@ class CountedTrials:
         return weigh_by_rounds(self._medians(), self.blocks, self.current.name, self.warmup)
 
     def _to_confirm(self) -> str | None:
-        """The candidate to give another round: a small gain that lost exactly one round (`EXTRA_ROUNDS`)."""
+        """The candidate to give another round: a small gain that lost one round too many (`EXTRA_ROUNDS`)."""
         if self._round >= self.rounds + self.extra_rounds:
             return None
         step_s = self._estimates()
@@ -341,7 +347,7 @@ class CountedTrials:
         if 1.0 - (step_s[leader] or 0.0) / (step_s[self.current.name] or 1.0) >= CONSISTENT * self.margin:
             return None
         wins, rounds = round_wins(self.blocks, self.current.name, leader, self.warmup)
-        return leader if rounds - wins == 1 else None
+        return leader if rounds - wins == may_lose(self.rounds) + 1 else None
 
     def stop(self, trainer: pl.Trainer) -> None:
         """Put the setting in place back (the caller then applies the decision, or keeps it); leave the queue."""
@@ -356,12 +362,13 @@ class CountedTrials:
         step_s, weighed = trainer.strategy.broadcast((self._medians(), self._estimates()), src=0)
         decision, reason = choose_setting(weighed, self.current.name, self.margin)
         gain = 1.0 - (weighed.get(decision) or 0.0) / (weighed.get(self.current.name) or 1.0)
-        if decision != self.current.name and gain < CONSISTENT * self.margin:  # a small gain must hold in every round
+        if decision != self.current.name and gain < CONSISTENT * self.margin:  # a small gain must hold round by round
             wins, rounds = trainer.strategy.broadcast(
                 round_wins(self.blocks, self.current.name, decision, self.warmup), 0
             )
             extended = self.extra_rounds > 0 and rounds >= self.rounds + self.extra_rounds
-            confirmed = wins == rounds or (wins == rounds - 1 and extended)
+            lost, allowed = rounds - wins, may_lose(self.rounds)
+            confirmed = lost <= allowed or (lost == allowed + 1 and extended)
             if not confirmed:
                 reason = f"{reason}, but faster in {wins} of {rounds} rounds only: kept {self.current.name}"
                 decision = self.current.name
@@ -369,7 +376,8 @@ class CountedTrials:
                 reason = f"{reason}, in {wins} of {rounds} rounds"
         added = self._round - self.rounds
         if added > 0:
-            reason += f" ({added} {'round' if added == 1 else 'rounds'} added: it had lost one)"
+            lost = may_lose(self.rounds) + 1
+            reason += f" ({added} round{'s' * (added > 1)} added: it had lost {lost if lost > 1 else 'one'})"
         reason = "; ".join([reason, *self.notes])
         probe_s = self.extra_s(trainer, step_s.get(decision))
         extra = self.counted_fields()

@@ -170,6 +170,8 @@ class Lever(LeanCallback):
     MIN_BLOCK: ClassVar[int | None] = None
     """With a value, counted blocks are fitted to the run (`~lightning_speedkit.trials.counted.fitted_block`): the
     longest it repays, from ``probe_steps`` down to this many steps."""
+    COUNTED_ROUNDS: ClassVar[int] = 3
+    """Rounds of counted blocks (`~lightning_speedkit.trials.counted.COUNTED_ROUNDS`); more for short blocks."""
 
     probe_steps: int
     margin: float
@@ -188,9 +190,7 @@ class Lever(LeanCallback):
         bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
         bound.apply_defaults()
         lever._arguments = dict(list(bound.arguments.items())[1:])
-        lever._decision = None
-        lever._memory = None
-        lever._counted = None
+        lever._decision = lever._memory = lever._counted = None
         return lever
 
     @property
@@ -296,8 +296,8 @@ class Lever(LeanCallback):
         if not others:
             return Decision.skipped(current.name, f"nothing to try: {current.name} is the only setting")
         if self.COUNTED and not any(s.changes_math for s in (current, *others)):
-            block = self.block_steps(trainer, 1 + len(others))
-            pays, why, left = probe_cost(trainer, counted_cost(1 + len(others), block), self.MAX_GAIN)
+            settings, block = 1 + len(others), self.block_steps(trainer, 1 + len(others))
+            pays, why, left = probe_cost(trainer, counted_cost(settings, block, self.COUNTED_ROUNDS), self.MAX_GAIN)
             if not pays:
                 return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
             self._counted = self.counted_trials(current, others, block, warmup=min(self.WARMUP, block - 1))
@@ -321,8 +321,8 @@ class Lever(LeanCallback):
 
         if self.MIN_BLOCK is None:
             return self.probe_steps
-        shortest = min(self.MIN_BLOCK, self.probe_steps)
-        return counted.fitted_block(self.probe_steps, shortest, settings, steps_left(trainer), self.MAX_GAIN)
+        shortest, left = min(self.MIN_BLOCK, self.probe_steps), steps_left(trainer)
+        return counted.fitted_block(self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS)
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
         """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
@@ -336,7 +336,7 @@ class Lever(LeanCallback):
         """The counted probe of ``current`` against ``others`` (a lever with its own rules between blocks overrides)."""
         from lightning_speedkit.trials.counted import CountedTrials
 
-        return CountedTrials(current, others, steps, self.margin, warmup=warmup)
+        return CountedTrials(current, others, steps, self.margin, warmup=warmup, rounds=self.COUNTED_ROUNDS)
 
     def finish(self, decision: Decision) -> Decision:
         """A new decision, completed with the lever's own fields before it is stored, logged and applied."""
