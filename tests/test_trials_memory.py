@@ -22,6 +22,7 @@ import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier
 from lightning_speedkit.trials import Lever, TrialSession
 from lightning_speedkit.trials.counted import queued_steps
+from lightning_speedkit.trials.measure import DETERMINISTIC
 from lightning_speedkit.trials.memory import DecisionMemory, Remembering, fingerprint_key, outside_band
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # a shared 2-core machine: one thread steps steadily
@@ -71,6 +72,41 @@ def test_the_same_job_again_applies_every_decision_without_probing(
         assert report["remembered_at"]
         assert report["remembered_in"].startswith(str(DecisionMemory().root))
         assert report["probe_s"] == old.report()["probe_s"]  # the figure of the run that measured it
+
+
+@pytest.fixture
+def deterministic_off_after(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`Trainer(deterministic=True)` turns torch's deterministic algorithms on for the process: off again after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # Lightning sets it too; restored at teardown
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.usefixtures("deterministic_off_after")
+def test_a_deterministic_run_times_nothing_and_recalls_nothing(tmp_path: Path) -> None:
+    """With `Trainer(deterministic=True)` no lever chooses by timing steps, nor applies a timed choice remembered.
+
+    A timed choice (layout, precision, fused update, loader workers) can differ from run to run with the machine's
+    load, and each changes the arithmetic; a deterministic run keeps the settings in place, so two of them train to
+    the same weights whatever the machine remembers.
+    """
+    _fit(tmp_path / "a", _levers())  # a run that measures, and remembers what it chose
+    assert len(DecisionMemory().entries()) == 2
+    runs = []
+    for name in ("b", "c"):
+        levers = [*_levers(), speedkit.FusedOptimizer(), speedkit.DataLoaderTuner()]
+        L.seed_everything(0, verbose=False)
+        data = L.LightningDataModule.from_datasets(_images().dataset, batch_size=8)  # a loader the tuner may tune
+        trainer = tiny_trainer(
+            tmp_path / name, max_epochs=12, callbacks=levers, limit_val_batches=0, deterministic=True
+        )
+        trainer.fit(DemoClassifier(width=16, crop_size=16), data)
+        for lever in levers:
+            report = lever.report()
+            assert (report["source"], report["reason"], report["probed"]) == ("skipped", DETERMINISTIC, False), report
+        runs.append({k: v.clone() for k, v in trainer.lightning_module.state_dict().items()})
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert len(DecisionMemory().entries()) == 2  # nothing new written, nothing recalled
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from lightning_speedkit.trials.settings import Setting, TrialResult
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PROBE_ROUNDS", "measure", "probe_cost", "steps_left"]
+__all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "measure", "probe_cost", "steps_left"]
 
 
 def steps_left(trainer: pl.Trainer) -> float:
@@ -54,13 +54,24 @@ PROBE_ROUNDS = 2
 """Rounds of one trial per setting that `measure` interleaves (a probe costs ``steps * rounds * settings`` steps)."""
 
 
+DETERMINISTIC = (
+    "skipped: deterministic algorithms are on (`Trainer(deterministic=True)`): a setting chosen by timing steps"
+    " could differ from run to run with the machine's load, so the setting in place is kept"
+)
+"""Why no timed probe runs in a deterministic run (nor is a remembered decision recalled: `trials.memory`)."""
+
+
 def probe_cost(trainer: pl.Trainer, probe_steps: float, max_gain: float) -> tuple[bool, str, float]:
     """Whether a probe of ``probe_steps`` training steps can pay back in this run: ``(pays, why, steps_left)``.
 
     The one place a lever weighs its probe: the steps left (`steps_left`) against the best case of ``max_gain``
-    (`lightning_speedkit.decisions.probe_pays_back`).
+    (`lightning_speedkit.decisions.probe_pays_back`). A run with deterministic algorithms on probes nothing
+    (`DETERMINISTIC`): a timed choice of layout, precision, loader or compile would make its result depend on the
+    machine's load, which is what ``Trainer(deterministic=True)`` asks to rule out.
     """
     left = steps_left(trainer)
+    if torch.are_deterministic_algorithms_enabled():
+        return False, DETERMINISTIC, left
     pays, why = probe_pays_back(probe_steps, left, max_gain)
     return pays, why, left
 

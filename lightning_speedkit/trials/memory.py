@@ -318,7 +318,7 @@ class Remembering:
 
     def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
         """Rank zero's remembered decision for this run, on every rank (None: probe), unless remembering is off."""
-        if not self.enabled:
+        if not self.enabled or torch.are_deterministic_algorithms_enabled():  # deterministic: the same on any machine
             return None
         try:
             self.print_ = fingerprint(trainer, lever_key)
