@@ -376,8 +376,8 @@ class CountedTrials:
                 reason = f"{reason}, in {wins} of {rounds} rounds"
         added = self._round - self.rounds
         if added > 0:
-            lost = may_lose(self.rounds) + 1
-            reason += f" ({added} round{'s' * (added > 1)} added: it had lost {lost if lost > 1 else 'one'})"
+            over = may_lose(self.rounds) + 1  # the lost rounds that asked for more
+            reason += f" ({added} round{'s' * (added > 1)} added: it had lost {over if over > 1 else 'one'})"
         reason = "; ".join([reason, *self.notes])
         probe_s = self.extra_s(trainer, step_s.get(decision))
         extra = self.counted_fields()
