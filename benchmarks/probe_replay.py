@@ -45,7 +45,7 @@ from lightning_speedkit.trials.settings import AsIs
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import print_and_write, quiet_trainer
+from _harness import StepTimes, print_and_write, quiet_trainer
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "probe_replay.json"
 SHAPES = ((25, 3), (10, 8), (6, 12))
@@ -68,34 +68,21 @@ while os.getppid() == parent:  # ends with the benchmark, even one killed before
 """
 
 
-class _Recorder(L.Callback):
-    """Times every training step as a counted probe does; stops the fit after ``steps``."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.clock, self.times = steps, StepClock(), []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.clock.start()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.times.append(self.clock.stop())
-        trainer.should_stop = len(self.times) >= self.steps
-
-    def on_validation_start(self, *args: Any) -> None:
-        self.clock.reset()
-
-
 def record(steps: int, seed: int, precision: str, cache_dir: str | None) -> list[float]:
-    """The seconds of each of ``steps`` training steps of a demo fit (the first five, warming up, left out)."""
+    """The seconds of each of ``steps`` training steps of a demo fit (the first five, warming up, left out).
+
+    A step's seconds run from the previous step's end to its own, as a counted probe's `StepClock` times it.
+    """
     L.seed_everything(seed, verbose=False)
     datamodule = DemoDataModule(num_images=5000, batch_size=32, seed=0, root=cache_dir, cache=True)
     datamodule.prepare_data()
-    recorder = _Recorder(steps + 5)
+    ends = StepTimes()
     trainer = quiet_trainer(
-        max_epochs=1000, callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0, precision=precision
+        max_steps=steps + 5, callbacks=[ends], num_sanity_val_steps=0, limit_val_batches=0, precision=precision
     )
     trainer.fit(DemoClassifier(crop_size=datamodule.crop_size), datamodule)
-    return recorder.times[5:]
+    gaps = [b - a for a, b in zip(ends.ends, ends.ends[1:], strict=False)]  # steps 2, 3, ...
+    return gaps[4:]
 
 
 class _Progress:
