@@ -7,7 +7,6 @@ over a window of recent losses) and PaLM's manual restarts from a checkpoint bef
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -15,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
@@ -25,31 +24,30 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
-from lightning_speedkit.trials.snapshot import put_back, take_state
+from lightning_speedkit.trials.snapshot import (
+    SNAPSHOT_EVERY,
+    SNAPSHOT_SHARE,
+    host_memory,
+    put_back,
+    snapshot_bytes,
+    snapshot_interval,
+    take_state,
+)
 
-__all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "snapshot_bytes", "snapshot_interval"]
+__all__ = [
+    "DEVICE_CHECK_EVERY",
+    "SNAPSHOT_EVERY",
+    "SNAPSHOT_SHARE",
+    "TrainingGuard",
+    "robust_z",
+    "snapshot_bytes",
+    "snapshot_interval",
+]
 
-SNAPSHOT_EVERY = 50
-"""The fewest optimizer steps between snapshots when the guard chooses (``every_n_steps=None``)."""
-SNAPSHOT_SHARE = 0.01
-"""The most of the training time the guard's snapshots may take when it chooses their interval."""
 _TIMED_STEPS = 10
 """Steps timed after the first snapshot to choose the interval."""
-
-
-def snapshot_interval(
-    snapshot_s: float, step_s: float, least: int = SNAPSHOT_EVERY, share: float = SNAPSHOT_SHARE
-) -> int:
-    """Steps between snapshots: ``least`` doubled until a snapshot takes at most ``share`` of the steps' time.
-
-    Example:
-        >>> snapshot_interval(0.0005, 0.002), snapshot_interval(0.5, 0.1), snapshot_interval(0.1, 0.0)
-        (50, 800, 50)
-    """
-    interval = least
-    while step_s > 0 and snapshot_s > share * interval * step_s:
-        interval *= 2
-    return interval
+DEVICE_CHECK_EVERY = 16
+"""Losses read at once on an accelerator (``check_every_n_steps=None``): one host sync (and all-reduce) per 16 steps."""
 
 
 def robust_z(value: float, window: Sequence[float]) -> float:
@@ -80,32 +78,6 @@ def _middle(ordered: Sequence[float]) -> float:
     return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
-def snapshot_bytes(*states: Any) -> int:
-    """The bytes the tensors in ``states`` take (what a host-memory snapshot of them costs).
-
-    Example:
-        >>> import torch
-        >>> snapshot_bytes({"w": torch.zeros(10)}, [{"m": torch.zeros(5, dtype=torch.float64)}])
-        80
-    """
-    total = 0
-
-    def count(tensor: Tensor) -> Tensor:
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    apply_to_collection(states, Tensor, count)
-    return total
-
-
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 16 * 2**30
-
-
 class TrainingGuard(LeanCallback):
     """Roll training back to the last good state, at a lower LR, when the loss goes wrong; then go on.
 
@@ -113,8 +85,9 @@ class TrainingGuard(LeanCallback):
     precision-plugin states are copied to host memory. By default the guard chooses the interval: `SNAPSHOT_EVERY`
     steps, doubled until a snapshot (timed at the first step) takes at most `SNAPSHOT_SHARE` of the time of the
     steps between two (the median of the first ten), so the insurance costs at most 1% of the run (a large model
-    whose copy to host takes longer gets rarer snapshots); rank zero's choice holds on every rank. After each step
-    the train loss, averaged over ranks (so every rank decides alike), is checked:
+    whose copy to host takes longer gets rarer snapshots); rank zero's choice holds on every rank. Each step's train
+    loss, averaged over ranks (so every rank decides alike), is checked (read after each step on a CPU, in batches of
+    ``check_every_n_steps`` on an accelerator):
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
@@ -142,10 +115,15 @@ class TrainingGuard(LeanCallback):
         backoff: LR multiplier after a rollback, in (0, 1).
         max_rollbacks: Rollbacks allowed before the guard stops the run (>= 0).
         max_snapshot_bytes: Largest snapshot kept in host memory; None: a quarter of the machine's memory.
+        check_every_n_steps: Steps whose losses are read and judged together (>= 1). Reading a loss on a GPU waits
+            for the step to finish, and stops the host from queueing the next one; None (default): 1 on a CPU,
+            `DEVICE_CHECK_EVERY` on an accelerator. The pending losses are also read before each snapshot (a snapshot
+            is only taken of checked steps), at each epoch's last batch and when training ends. A trigger is then
+            acted on up to ``check_every_n_steps - 1`` steps after the step that caused it (its event's ``step``).
 
     Raises:
-        ValueError: For a non-positive ``every_n_steps``, ``spike_z`` or ``stall_steps``, a ``window`` below 2,
-            ``backoff`` or ``stall_fraction`` outside (0, 1), or a negative ``max_rollbacks``.
+        ValueError: For a non-positive ``every_n_steps``, ``check_every_n_steps``, ``spike_z`` or ``stall_steps``, a
+            ``window`` below 2, ``backoff`` or ``stall_fraction`` outside (0, 1), or a negative ``max_rollbacks``.
 
     Logged metrics: ``speedkit/guard/rollbacks``, ``speedkit/guard/lr_scale`` and ``speedkit/guard/snapshot_mb``.
 
@@ -164,8 +142,10 @@ class TrainingGuard(LeanCallback):
         backoff: float = 0.5,
         max_rollbacks: int = 3,
         max_snapshot_bytes: int | None = None,
+        check_every_n_steps: int | None = None,
     ) -> None:
         check_int("every_n_steps", every_n_steps, optional=True)
+        check_int("check_every_n_steps", check_every_n_steps, optional=True)
         check_int("window", window, low=2)
         if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
             stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
@@ -186,7 +166,9 @@ class TrainingGuard(LeanCallback):
         self.every_n_steps, self.window, self.spike_z = every_n_steps, window, float(spike_z)
         self.stall_steps, self.stall_fraction = stall_steps, float(stall_fraction)
         self.backoff, self.max_rollbacks = float(backoff), max_rollbacks
-        self.max_snapshot_bytes = max_snapshot_bytes
+        self.max_snapshot_bytes, self.check_every_n_steps = max_snapshot_bytes, check_every_n_steps
+        self._check_every = check_every_n_steps or 1
+        self._pending: list[tuple[int, Tensor | float]] = []  # (step, its loss on this rank), not yet read
         self._losses: deque[float] = deque(maxlen=window)
         self._spiked = False  # the last step's loss was a spike: one more in a row rolls back
         self._start_losses: list[float] = []
@@ -212,12 +194,15 @@ class TrainingGuard(LeanCallback):
         "rollbacks": int,
         "lr_scale": float,
         "events": ListOf(dict),
+        "pending": ListOf(ListOf((int, float))),
     }
     """What a checkpoint may hold for the guard (checked before anything is restored: `lightning_speedkit.restore`)."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
+        cpu = trainer.strategy.root_device.type == "cpu"
+        self._check_every = self.check_every_n_steps or (1 if cpu else DEVICE_CHECK_EVERY)
         if stage == "fit" and self.every_n_steps is None:  # each fit chooses the interval again
             self._every, self._step_s, self._last_end = SNAPSHOT_EVERY, [], None
 
@@ -232,6 +217,8 @@ class TrainingGuard(LeanCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._snapshot is None and not self._watch_only:
+            if self._pending and not self._check(trainer):  # a resumed run's unread losses (a rollback raises)
+                return
             self._take(trainer, first=True)
 
     @override
@@ -247,18 +234,36 @@ class TrainingGuard(LeanCallback):
                 "TrainingGuard: `training_step` must return a scalar loss tensor (or a dict with one under 'loss'),"
                 f" got {got}; remove the guard for manual optimization without a returned loss."
             )
-        value = float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean"))
-        trigger = self._judge(value, trainer.global_step)
-        if trigger is not None:
-            self._roll_back(trainer, trigger, value)
+        self._pending.append((trainer.global_step, loss.detach().float().reshape(())))
+        if (len(self._pending) >= self._check_every or trainer.is_last_batch) and not self._check(trainer):
             return
-        self._losses.append(value)
-        if len(self._start_losses) < self.window:
-            self._start_losses.append(value)
         if self.every_n_steps is None and len(self._step_s) < _TIMED_STEPS and not self._watch_only:
             self._time_step(trainer)
         if trainer.global_step % self._every == 0 and not self._watch_only:
+            if self._pending and not self._check(trainer):  # a snapshot of checked steps only
+                return
             self._take(trainer, first=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending:  # the last steps' losses are judged too: a broken last step is rolled back
+            self._check(trainer)
+
+    def _check(self, trainer: pl.Trainer) -> bool:
+        """Read the pending losses (one sync, one reduction over ranks) and judge them in order; False: rolled back."""
+        pending, self._pending = self._pending, []
+        device = next((v.device for _, v in pending if isinstance(v, Tensor)), None)  # None: all read from a checkpoint
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for _, v in pending])
+        values = trainer.strategy.reduce(stacked, reduce_op="mean").tolist()
+        for (step, _), value in zip(pending, values, strict=True):
+            trigger = self._judge(value, step)
+            if trigger is not None:
+                self._roll_back(trainer, trigger, value)
+                return False
+            self._losses.append(value)
+            if len(self._start_losses) < self.window:
+                self._start_losses.append(value)
+        return True
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -270,6 +275,7 @@ class TrainingGuard(LeanCallback):
             "rollbacks": self._rollbacks,
             "lr_scale": self._lr_scale,
             "events": list(self._events),
+            "pending": [[step, float(v)] for step, v in self._pending],  # unread: this rank's, read after a resume
         }
 
     @override
@@ -281,13 +287,15 @@ class TrainingGuard(LeanCallback):
         self._rollbacks = int(state_dict.get("rollbacks", 0))
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
         self._events = list(state_dict.get("events", []))
+        self._pending = [(int(step), float(v)) for step, v in state_dict.get("pending", [])]
 
     def report(self) -> dict[str, Any]:
         """What the guard did, as a plain dict.
 
         Keys: ``rollbacks``, ``lr_scale`` (the product of the backoffs), ``events`` (step, trigger, loss (None when
         non-finite), restored step, LR scale), ``snapshot_bytes``, ``snapshot_s`` (the first snapshot's seconds),
-        ``every_n_steps`` (the interval in use) and ``watch_only`` (why no snapshot is kept, if so).
+        ``every_n_steps`` (the interval in use), ``check_every_n_steps`` (losses read at once) and ``watch_only`` (why
+        no snapshot is kept, if so).
         """
         return {
             "rollbacks": self._rollbacks,
@@ -297,6 +305,7 @@ class TrainingGuard(LeanCallback):
             "snapshot_s": self._snapshot_s,
             "every_n_steps": self._every,
             "watch_only": self._watch_only,
+            "check_every_n_steps": self._check_every,
         }
 
     def _judge(self, value: float, step: int) -> str | None:
@@ -330,7 +339,7 @@ class TrainingGuard(LeanCallback):
             "optimizers": [opt.state_dict() for opt in trainer.optimizers],
         }
         size = snapshot_bytes(states)
-        budget = self.max_snapshot_bytes if self.max_snapshot_bytes is not None else _host_memory() // 4
+        budget = self.max_snapshot_bytes if self.max_snapshot_bytes is not None else host_memory() // 4
         if size > budget:
             self._watch_only = f"a snapshot takes {size / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
             rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
@@ -361,6 +370,7 @@ class TrainingGuard(LeanCallback):
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
         self._lr_scale = new_scale
         self._losses.clear()
+        self._pending.clear()
         self._spiked = False
         if trigger == "stalled":
             self._start_losses, self._stall_from = [], step

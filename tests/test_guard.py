@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_speedkit import TrainingGuard
@@ -212,6 +212,51 @@ def test_a_skipped_batch_is_skipped_and_not_a_fault(tmp_path: Path) -> None:
     assert trainer.global_step == 64  # the fit ran to its end
 
 
+def test_losses_are_read_in_batches_of_check_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``check_every_n_steps=8`` the guard reduces and reads the losses once per 8 steps, not once a step."""
+    reductions: list[int] = []
+    reduce = SingleDeviceStrategy.reduce
+
+    def counted(self: SingleDeviceStrategy, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dim() == 1:  # the guard's stacked losses (Lightning reduces scalars of its own)
+            reductions.append(int(tensor.numel()))
+        return reduce(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(SingleDeviceStrategy, "reduce", counted)
+    guard = TrainingGuard(every_n_steps=64, window=10, check_every_n_steps=8)
+    _fit(tmp_path, _Faulty(), guard)  # 2 epochs of 32 steps
+    assert reductions == [8] * 8
+    assert guard.report()["check_every_n_steps"] == 8
+    assert TrainingGuard().report()["check_every_n_steps"] == 1  # a CPU run reads every step by default
+
+
+def test_a_nan_read_in_a_batch_rolls_back_to_the_snapshot_before_it(tmp_path: Path) -> None:
+    """A NaN at step 20, read with the next batch of 4 losses, restores the snapshot of step 20; the run goes on."""
+    model = _Faulty(nan_at=(20,))
+    guard = TrainingGuard(every_n_steps=5, window=10, check_every_n_steps=4)
+    trainer = _fit(tmp_path, model, guard)
+    [event] = guard.report()["events"]
+    assert (event["trigger"], event["restored_step"]) == ("non-finite loss", 20)
+    assert 21 <= event["step"] <= 24  # acted on when the batch holding step 21's loss was read
+    assert _finite(model)
+    assert trainer.global_step == 64
+
+
+def test_unread_losses_survive_a_resume(tmp_path: Path) -> None:
+    """A checkpoint between two reads keeps the unread losses; the resumed fit reads them: none is lost."""
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    kwargs: dict[str, Any] = {"every_n_steps": 50, "window": 100, "check_every_n_steps": 4}
+    first = TrainingGuard(**kwargs)
+    _fit(tmp_path, _Faulty(), first, callbacks=[ckpt], enable_checkpointing=True, max_steps=20)
+    saved = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)["callbacks"]
+    [state] = [v for k, v in saved.items() if k.startswith("TrainingGuard")]
+    assert [step for step, _ in state["pending"]] == [9, 10]  # read at 4 and 8; 9 and 10 not yet
+    resumed = TrainingGuard(**kwargs)
+    _fit(tmp_path, _Faulty(), resumed, max_steps=20, ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
+    assert len(resumed.state_dict()["losses"]) == len(first.state_dict()["losses"]) == 20
+    assert resumed.state_dict()["losses"][:10] == first.state_dict()["losses"][:10]
+
+
 def _rank_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's rollbacks and weights at the end of training (written by `RankWriter`)."""
     weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
@@ -317,6 +362,7 @@ def test_ddp_ranks_keep_rank_zeros_snapshot_interval(tmp_path: Path) -> None:
         ({"stall_steps": 0}, "`stall_steps`"),
         ({"stall_fraction": 1.5}, "`stall_fraction`"),
         ({"max_snapshot_bytes": -1}, "`max_snapshot_bytes`"),
+        ({"check_every_n_steps": 0}, "`check_every_n_steps`"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:

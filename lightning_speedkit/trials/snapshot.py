@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,25 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["cpu_copy", "loop_flags", "put_back", "reset_grad_scaler", "restore_loop_flags", "take_state"]
+__all__ = [
+    "SNAPSHOT_EVERY",
+    "SNAPSHOT_SHARE",
+    "cpu_copy",
+    "host_memory",
+    "loop_flags",
+    "put_back",
+    "reset_grad_scaler",
+    "restore_loop_flags",
+    "snapshot_bytes",
+    "snapshot_interval",
+    "take_state",
+]
+
+
+SNAPSHOT_EVERY = 50
+"""The fewest optimizer steps between snapshots when the guard chooses (``every_n_steps=None``)."""
+SNAPSHOT_SHARE = 0.01
+"""The most of the training time the guard's snapshots may take when it chooses their interval."""
 
 
 def cpu_copy(value: Any) -> Any:
@@ -124,3 +143,45 @@ def reset_grad_scaler(plugin: Any) -> None:
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
         scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def snapshot_bytes(*states: Any) -> int:
+    """The bytes the tensors in ``states`` take (what a host-memory snapshot of them costs).
+
+    Example:
+        >>> import torch
+        >>> snapshot_bytes({"w": torch.zeros(10)}, [{"m": torch.zeros(5, dtype=torch.float64)}])
+        80
+    """
+    total = 0
+
+    def count(tensor: Tensor) -> Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    apply_to_collection(states, Tensor, count)
+    return total
+
+
+def host_memory() -> int:
+    """Bytes of the machine's memory (16 GiB when the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 16 * 2**30
+
+
+def snapshot_interval(
+    snapshot_s: float, step_s: float, least: int = SNAPSHOT_EVERY, share: float = SNAPSHOT_SHARE
+) -> int:
+    """Steps between snapshots: ``least`` doubled until a snapshot takes at most ``share`` of the steps' time.
+
+    Example:
+        >>> snapshot_interval(0.0005, 0.002), snapshot_interval(0.5, 0.1), snapshot_interval(0.1, 0.0)
+        (50, 800, 50)
+    """
+    interval = least
+    while step_s > 0 and snapshot_s > share * interval * step_s:
+        interval *= 2
+    return interval
