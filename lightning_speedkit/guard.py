@@ -35,7 +35,6 @@ from lightning_speedkit.trials.snapshot import (
 )
 
 __all__ = [
-    "DEVICE_CHECK_EVERY",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_SHARE",
     "TrainingGuard",
@@ -46,8 +45,6 @@ __all__ = [
 
 _TIMED_STEPS = 10
 """Steps timed after the first snapshot to choose the interval."""
-DEVICE_CHECK_EVERY = 16
-"""Losses read at once on an accelerator (``check_every_n_steps=None``): one host sync (and all-reduce) per 16 steps."""
 
 
 def robust_z(value: float, window: Sequence[float]) -> float:
@@ -86,8 +83,8 @@ class TrainingGuard(LeanCallback):
     steps, doubled until a snapshot (timed at the first step) takes at most `SNAPSHOT_SHARE` of the time of the
     steps between two (the median of the first ten), so the insurance costs at most 1% of the run (a large model
     whose copy to host takes longer gets rarer snapshots); rank zero's choice holds on every rank. Each step's train
-    loss, averaged over ranks (so every rank decides alike), is checked (read after each step on a CPU, in batches of
-    ``check_every_n_steps`` on an accelerator):
+    loss, averaged over ranks (so every rank decides alike), is checked (read after each step, or in batches of
+    ``check_every_n_steps``):
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
@@ -115,11 +112,11 @@ class TrainingGuard(LeanCallback):
         backoff: LR multiplier after a rollback, in (0, 1).
         max_rollbacks: Rollbacks allowed before the guard stops the run (>= 0).
         max_snapshot_bytes: Largest snapshot kept in host memory; None: a quarter of the machine's memory.
-        check_every_n_steps: Steps whose losses are read and judged together (>= 1). Reading a loss on a GPU waits
-            for the step to finish, and stops the host from queueing the next one; None (default): 1 on a CPU,
-            `DEVICE_CHECK_EVERY` on an accelerator. The pending losses are also read before each snapshot (a snapshot
-            is only taken of checked steps), at each epoch's last batch and when training ends. A trigger is then
-            acted on up to ``check_every_n_steps - 1`` steps after the step that caused it (its event's ``step``).
+        check_every_n_steps: Steps whose losses are read and judged together (>= 1; default 1, each step). Reading a
+            loss on a GPU waits for its step, and under DDP each read is an all-reduce; on one H200 reading every 16
+            steps was not measurably faster (`benchmarks/guard_overhead.py`). Pending losses are also read before each
+            snapshot (a snapshot is only taken of checked steps), at an epoch's last batch and when training ends; a
+            trigger is acted on up to ``check_every_n_steps - 1`` steps after its step (the event's ``step``).
 
     Raises:
         ValueError: For a non-positive ``every_n_steps``, ``check_every_n_steps``, ``spike_z`` or ``stall_steps``, a
@@ -142,10 +139,10 @@ class TrainingGuard(LeanCallback):
         backoff: float = 0.5,
         max_rollbacks: int = 3,
         max_snapshot_bytes: int | None = None,
-        check_every_n_steps: int | None = None,
+        check_every_n_steps: int = 1,
     ) -> None:
         check_int("every_n_steps", every_n_steps, optional=True)
-        check_int("check_every_n_steps", check_every_n_steps, optional=True)
+        check_int("check_every_n_steps", check_every_n_steps)
         check_int("window", window, low=2)
         if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
             stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
@@ -167,7 +164,6 @@ class TrainingGuard(LeanCallback):
         self.stall_steps, self.stall_fraction = stall_steps, float(stall_fraction)
         self.backoff, self.max_rollbacks = float(backoff), max_rollbacks
         self.max_snapshot_bytes, self.check_every_n_steps = max_snapshot_bytes, check_every_n_steps
-        self._check_every = check_every_n_steps or 1
         self._pending: list[tuple[int, Tensor | float]] = []  # (step, its loss on this rank), not yet read
         self._losses: deque[float] = deque(maxlen=window)
         self._spiked = False  # the last step's loss was a spike: one more in a row rolls back
@@ -201,8 +197,6 @@ class TrainingGuard(LeanCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
-        cpu = trainer.strategy.root_device.type == "cpu"
-        self._check_every = self.check_every_n_steps or (1 if cpu else DEVICE_CHECK_EVERY)
         if stage == "fit" and self.every_n_steps is None:  # each fit chooses the interval again
             self._every, self._step_s, self._last_end = SNAPSHOT_EVERY, [], None
 
@@ -235,7 +229,7 @@ class TrainingGuard(LeanCallback):
                 f" got {got}; remove the guard for manual optimization without a returned loss."
             )
         self._pending.append((trainer.global_step, loss.detach().float().reshape(())))
-        if (len(self._pending) >= self._check_every or trainer.is_last_batch) and not self._check(trainer):
+        if (len(self._pending) >= self.check_every_n_steps or trainer.is_last_batch) and not self._check(trainer):
             return
         if self.every_n_steps is None and len(self._step_s) < _TIMED_STEPS and not self._watch_only:
             self._time_step(trainer)
@@ -305,7 +299,7 @@ class TrainingGuard(LeanCallback):
             "snapshot_s": self._snapshot_s,
             "every_n_steps": self._every,
             "watch_only": self._watch_only,
-            "check_every_n_steps": self._check_every,
+            "check_every_n_steps": self.check_every_n_steps,
         }
 
     def _judge(self, value: float, step: int) -> str | None:

@@ -227,7 +227,7 @@ def test_losses_are_read_in_batches_of_check_every_n_steps(tmp_path: Path, monke
     _fit(tmp_path, _Faulty(), guard)  # 2 epochs of 32 steps
     assert reductions == [8] * 8
     assert guard.report()["check_every_n_steps"] == 8
-    assert TrainingGuard().report()["check_every_n_steps"] == 1  # a CPU run reads every step by default
+    assert TrainingGuard().report()["check_every_n_steps"] == 1  # by default each step's loss is read
 
 
 def test_a_nan_read_in_a_batch_rolls_back_to_the_snapshot_before_it(tmp_path: Path) -> None:
