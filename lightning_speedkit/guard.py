@@ -246,7 +246,7 @@ class TrainingGuard(LeanCallback):
     def _check(self, trainer: pl.Trainer) -> bool:
         """Read the pending losses (one sync, one reduction over ranks) and judge them in order; False: rolled back."""
         pending, self._pending = self._pending, []
-        device = next((v.device for _, v in pending if isinstance(v, Tensor)), None)  # None: all read from a checkpoint
+        device = trainer.strategy.root_device  # where the reduction runs; a checkpoint's unread losses are floats
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for _, v in pending])
         values = trainer.strategy.reduce(stacked, reduce_op="mean").tolist()
         for (step, _), value in zip(pending, values, strict=True):

@@ -265,10 +265,14 @@ def _rank_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str,
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_ranks_roll_back_together(tmp_path: Path) -> None:
-    """2-process DDP: a NaN on rank 1 only rolls both ranks back, and they end with the same finite weights."""
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_ddp_ranks_roll_back_together(tmp_path: Path, check_every: int) -> None:
+    """2-process DDP: a NaN on rank 1 only rolls both ranks back, and they end with the same finite weights.
+
+    Also when the losses are read 4 at a time: one all-reduce of the 4 losses, the same verdict on both ranks.
+    """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
-    guard = TrainingGuard(every_n_steps=5, window=10)
+    guard = TrainingGuard(every_n_steps=5, window=10, check_every_n_steps=check_every)
     _fit(
         tmp_path,
         _Faulty(nan_at=(12,), ranks=(1,)),
