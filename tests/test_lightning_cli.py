@@ -138,6 +138,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "backoff": 0.25,
         "max_rollbacks": 2,
         "max_snapshot_bytes": 1000000,
+        "check_every_n_steps": 4,
     },
     "UtilizationMonitor": {
         "window": 5,
