@@ -269,7 +269,9 @@ class TrainingGuard(LeanCallback):
             "rollbacks": self._rollbacks,
             "lr_scale": self._lr_scale,
             "events": list(self._events),
-            "pending": [[step, float(v)] for step, v in self._pending],  # unread: this rank's, read after a resume
+            # Unread losses, this rank's, read after a resume. Under DDP a checkpoint holds rank 0's state, so those
+            # steps (< check_every_n_steps) are then judged by rank 0's losses on every rank; none with the default 1.
+            "pending": [[step, float(v)] for step, v in self._pending],
         }
 
     @override

@@ -110,12 +110,18 @@ class SpawnedRank(L.Callback):
     loader workers. A C++ thread still working then (a worker's queue feeder pickling a batch under
     ``THPStorage_shareFd``; a gloo or autograd thread holding Python objects) is killed in ``PyThread_exit_thread``
     and ``std::terminate`` aborts the process, after the fit itself went well: seen in core dumps of CI and local
-    runs, one run in three to six. So the rank forks its loader workers (a forked worker leaves by ``os._exit``), and
-    at the end waits for the other ranks and tears the gloo group down while Python is alive.
+    runs, one run in three to six. A forked worker leaves by ``os._exit``; but forking the rank itself, which runs
+    threads (gloo's, the loaders' queue feeders), hangs on this Python (3.11.7) when a thread holds the interpreter's
+    HEAD_LOCK at the fork: the child waits for it forever in ``PyOS_AfterFork_Child`` (CPython gh-112275, fixed in
+    3.11.8), seen twice in a row in ``test_ddp_ranks_agree`` under a full CI run. So the rank's loader workers are
+    forked from a forkserver, a single-threaded process with torch and lightning already imported (they too leave by
+    ``os._exit``), and at the end the rank waits for the other ranks and tears the gloo group down while Python is
+    alive.
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        multiprocessing.set_start_method("fork", force=True)
+        multiprocessing.set_forkserver_preload(["torch", "lightning", "lightning_speedkit"])
+        multiprocessing.set_start_method("forkserver", force=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
