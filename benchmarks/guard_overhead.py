@@ -52,7 +52,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rounds, warmup, steps, crop = (2, 3, 12, 24) if quick else (3, 30, 300, 56)
     precision = "16-mixed" if device.type == "cuda" else "32-true"
-    result: dict[str, Any] = {"device": describe(device), "precision": precision, "rounds": rounds, "sizes": {}}
+    result: dict[str, Any] = {"device": describe(device), "precision": precision, "rounds": rounds}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for size, shape in SIZES.items():
@@ -68,7 +68,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
             for index in range(rounds):
                 for row in rotated(ROWS, index):
                     callbacks = guard_of(row)
-                    figures, _ = resident_fit(s, device, Path(tmp), crop, train, precision, list(callbacks))
+                    figures, _ = resident_fit(s, device, Path(tmp), crop, train, precision, callbacks)
                     times[row].append(figures["step_ms"])
                     if callbacks:
                         checks[row] = callbacks[0].report()["check_every_n_steps"]
