@@ -204,7 +204,7 @@ class ChannelsLast(trials.Lever):
         self._verified = True
         if self.measure and stage == "fit" and self._decision is None:
             # Decide before DDP wraps the model, so a short run never pays for re-wrapping it.
-            cost = counted_cost(2, self.block_steps(trainer, 2), self.COUNTED_ROUNDS)
+            cost = counted_cost(2, self.block_steps(trainer, 2), self.COUNTED_ROUNDS, self.margin)
             pays, why, _ = trials.probe_cost(trainer, cost, self.MAX_GAIN)
             if not pays:
                 to_default_layout(pl_module)

@@ -32,6 +32,8 @@ __all__ = [
     "check_margin",
     "check_probe_steps",
     "choose_setting",
+    "clearly_slower",
+    "clearly_slower_bound",
     "grossly_slower",
     "loss_is_sound",
     "may_lose",
@@ -98,6 +100,16 @@ def choose_setting(step_s: Mapping[str, float | None], current: str, margin: flo
     return current, f"{best} only {100 * gain:.1f}% faster than {current} (margin {100 * margin:.0f}%): kept {current}"
 
 
+def clearly_slower_bound(margin: float, factor: float = 3.0) -> float:
+    """How much slower than the setting in place a candidate must be to be `clearly_slower` (at least 10%).
+
+    Example:
+        >>> clearly_slower_bound(0.03), clearly_slower_bound(0.05), clearly_slower_bound(0.1)
+        (0.1, 0.15000000000000002, 0.30000000000000004)
+    """
+    return max(factor * margin, 0.1)
+
+
 def clearly_slower(step_s: Mapping[str, float | None], current: str, margin: float, factor: float = 3.0) -> list[str]:
     """The candidates so much slower than ``current`` after one round that they are not timed again.
 
@@ -112,7 +124,7 @@ def clearly_slower(step_s: Mapping[str, float | None], current: str, margin: flo
     base = step_s.get(current)
     if base is None:
         return []
-    bound = base * (1.0 + max(factor * margin, 0.1))
+    bound = base * (1.0 + clearly_slower_bound(margin, factor))
     return [name for name, s in step_s.items() if name != current and s is not None and s > bound]
 
 

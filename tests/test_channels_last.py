@@ -283,12 +283,12 @@ def test_the_decision_follows_the_measurement(tmp_path: Path) -> None:
 
 
 def test_blocks_shrink_to_what_the_run_can_repay(tmp_path: Path) -> None:
-    """A 600-step run cannot repay 12 rounds of 6-step blocks (`probe_steps`): it gets the longest it can, 5."""
-    _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=600)
+    """A 160-step run cannot repay 12 rounds of 6-step blocks (`probe_steps`): it gets the longest it can, 5."""
+    _measured_fit(tmp_path, "resnet", callback := ChannelsLast(), steps=160)
     report = callback.report()
     assert report["probed"], report
     assert report["blocks"]
-    assert {len(block["step_s"]) for block in report["blocks"]} == {5}  # fitted_block(6, 4, 2, 600, 0.4, rounds=12)
+    assert {len(block["step_s"]) for block in report["blocks"]} == {5}  # fitted_block(6, 4, 2, 160, 0.4, 12, 0.03)
 
 
 def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_a_short_run_skips_the_probe_and_keeps_the_users_layout(tmp_path: Path) 
     report = callback.report()
     assert not report["probed"]
     assert report["decision"] == "default"
-    assert report["reason"].startswith("skipped: the probe (48 steps) cannot pay back in 40 steps left")
+    assert report["reason"].startswith("skipped: the probe (12 steps) cannot pay back in 40 steps left")
     assert not is_channels_last(model)
 
 

@@ -186,14 +186,14 @@ def test_a_short_budget_stays_eager_and_a_long_one_compiles(
 
 
 def test_a_run_too_short_for_the_probe_skips_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """20 steps cannot repay a counted probe's 12 steps at worst: nothing is tried, the module stays eager."""
+    """20 steps cannot repay a counted probe's 10 steps at worst: nothing is tried, the module stays eager."""
     monkeypatch.setattr(trials, "TrialSession", lambda *a, **k: pytest.fail("probed a run too short for it"))
     callback = Compile()
     tiny_trainer(tmp_path, max_epochs=-1, max_steps=20, callbacks=[callback]).fit(model := TinyClassifier())
     report = callback.report()
     assert report["decision"] == "eager"
     assert not report["probed"]
-    assert report["reason"].startswith("skipped: the probe (12 steps) cannot pay back in 20 steps left")
+    assert report["reason"].startswith("skipped: the probe (10 steps) cannot pay back in 20 steps left")
     assert model._compiled_call_impl is None
 
 

@@ -135,7 +135,7 @@ def test_a_short_run_skips_the_probe(tmp_path: Path) -> None:
     report = lever.report()
     assert not report["probed"]
     assert report["decision"] == "default"
-    assert report["reason"].startswith("skipped: the probe (15 steps) cannot pay back in 8 steps left")
+    assert report["reason"].startswith("skipped: the probe (11 steps) cannot pay back in 8 steps left")
 
 
 class _LoadsOldState(L.Callback):

@@ -118,7 +118,7 @@ def test_a_short_job_skips_the_probe_and_keeps_the_precision(tmp_path: Path) -> 
     report = tuner.report()
     assert report["decision"] == "32-true"
     assert not report["probed"]
-    assert report["reason"].startswith("skipped: the probe (12 steps) cannot pay back in 20 steps left")
+    assert report["reason"].startswith("skipped: the probe (9 steps) cannot pay back in 20 steps left")
     assert len(model.autocast_seen) == 20  # only the real steps ran
 
 

@@ -266,7 +266,7 @@ class Compile(trials.Lever):
         report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
         self._failure = None
         if self.measure:
-            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.probe_steps), MAX_GAIN)
+            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.probe_steps, margin=self.margin), MAX_GAIN)
             if not pays:
                 report["reason"] = why
                 return report

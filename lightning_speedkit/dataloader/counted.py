@@ -221,7 +221,7 @@ class LoaderTrials(CountedTrials):
         candidates = [s for s in self.settings[1:] if isinstance(s, CountedBlock)]
         start_ups = sum(1 for s in candidates if s.settings["num_workers"] > 0)
         left = steps_left(trainer)
-        counted = counted_cost(len(self.settings), self.steps, self.rounds)
+        counted = counted_cost(len(self.settings), self.steps, self.rounds, self.margin)
         step_s, wait_s = trainer.strategy.broadcast((step_s, wait_s), src=0)
         reason = wait_too_short(self.current.name, step_s, wait_s, left, counted, start_ups)
         if not reason:

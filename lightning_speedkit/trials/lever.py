@@ -297,7 +297,8 @@ class Lever(LeanCallback):
             return Decision.skipped(current.name, f"nothing to try: {current.name} is the only setting")
         if self.COUNTED and not any(s.changes_math for s in (current, *others)):
             settings, block = 1 + len(others), self.block_steps(trainer, 1 + len(others))
-            pays, why, left = probe_cost(trainer, counted_cost(settings, block, self.COUNTED_ROUNDS), self.MAX_GAIN)
+            cost = counted_cost(settings, block, self.COUNTED_ROUNDS, self.margin)
+            pays, why, left = probe_cost(trainer, cost, self.MAX_GAIN)
             if not pays:
                 return Decision(current.name, why, source="skipped", extra={"steps_left": left, "counted": True})
             self._counted = self.counted_trials(current, others, block, warmup=min(self.WARMUP, block - 1))
@@ -322,7 +323,9 @@ class Lever(LeanCallback):
         if self.MIN_BLOCK is None:
             return self.probe_steps
         shortest, left = min(self.MIN_BLOCK, self.probe_steps), steps_left(trainer)
-        return counted.fitted_block(self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS)
+        return counted.fitted_block(
+            self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS, self.margin
+        )
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
         """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
