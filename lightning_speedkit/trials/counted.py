@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import (
     GROSSLY,
-    PAYBACK,
     block_medians,
     choose_setting,
     clearly_slower,
     clearly_slower_bound,
     grossly_slower,
     may_lose,
+    probe_pays_back,
     round_wins,
     weigh_by_rounds,
 )
@@ -115,12 +115,8 @@ def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS, margin
         >>> counted_cost(settings=2, steps=10, rounds=1)
         10
     """
-    return math.ceil(round(steps * _worst_case(settings, rounds, margin), 6))
-
-
-def _worst_case(settings: int, rounds: int, margin: float) -> float:
-    """`counted_cost` per step of block length."""
-    return (settings - 1) * (min(rounds, DROP_AFTER) + max(0, rounds - DROP_AFTER) * clearly_slower_bound(margin))
+    blocks = min(rounds, DROP_AFTER) + max(0, rounds - DROP_AFTER) * clearly_slower_bound(margin)
+    return math.ceil(round((settings - 1) * steps * blocks, 6))
 
 
 def fitted_block(
@@ -143,11 +139,19 @@ def fitted_block(
         18
         >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4)
         10
+
+        The block is checked against the rule itself, its cost rounded up as the rule sees it: 12 steps here, where
+        13 would cost 28 steps, 112 needed of the 110 the run can save.
+
+        >>> fitted_block(20, 5, settings=2, steps_left=441, max_gain=0.25, margin=0.03)
+        12
     """
     if math.isinf(steps_left):
         return longest
-    per_block_step = PAYBACK * _worst_case(settings, rounds, margin)  # the payback rule's need per step of block length
-    return max(shortest, min(longest, int(max_gain * steps_left // per_block_step)))
+    for block in range(longest, shortest, -1):
+        if probe_pays_back(counted_cost(settings, block, rounds, margin), steps_left, max_gain)[0]:
+            return block
+    return shortest
 
 
 _QUEUES: weakref.WeakKeyDictionary[Any, list[CountedTrials]] = weakref.WeakKeyDictionary()
