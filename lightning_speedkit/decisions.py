@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
 __all__ = [
+    "DROP_AFTER",
     "GROSSLY",
     "PAYBACK",
     "block_medians",
@@ -34,6 +35,8 @@ __all__ = [
     "choose_setting",
     "clearly_slower",
     "clearly_slower_bound",
+    "counted_cost",
+    "fitted_block",
     "grossly_slower",
     "loss_is_sound",
     "may_lose",
@@ -320,3 +323,65 @@ def outside_band(live: float, remembered: float, band: float) -> bool:
     """
     ratio = live / remembered
     return not 1 / band <= ratio <= band
+
+
+DROP_AFTER = 2
+"""Rounds in each of which a candidate must be clearly slower (`clearly_slower`) before it gets no more blocks.
+
+One block of ten steps on a shared machine can be hit by a load spike: in the AVX-512 layout stability run
+(`benchmarks/results/avx512/layout_stability.json`) channels_last lost its first block by 18.5% and was dropped after
+it, in a probe whose long timing has it 12% faster. A block of a candidate that is really slower costs only its extra
+seconds, so a second round to confirm is cheap."""
+
+
+def counted_cost(settings: int, steps: int, rounds: int, margin: float = 0.05) -> int:
+    """The steps a counted probe can cost at worst, for the payback rule, priced by the rules that drop a candidate.
+
+    A restored probe costs every trial step (`trials.measure.PROBE_ROUNDS` rounds of every setting); a counted one
+    (`trials.counted`) only the extra time of the slower blocks. A candidate block twice as slow as the setting in
+    place costs its length; such a candidate is dropped after its first block (`grossly_slower`), one
+    `clearly_slower` in each of its first `DROP_AFTER` rounds after those. A candidate that is not dropped is at most
+    that bound (`clearly_slower_bound` of ``margin``) slower in most of its rounds. So the worst case is `DROP_AFTER`
+    blocks at full length, and the bound's fraction of each later round's block. Pricing every round at full length
+    (as before) made a probe of many short rounds (`ChannelsLast`: 12) cost four times what it can: a 420-step run
+    could not afford the layout probe that made it 15-30% faster.
+
+    Example:
+        >>> counted_cost(settings=2, steps=10, rounds=3), counted_cost(settings=3, steps=8, rounds=3)
+        (22, 35)
+        >>> counted_cost(settings=2, steps=4, rounds=12, margin=0.03)  # ChannelsLast's short rounds
+        12
+        >>> counted_cost(settings=2, steps=10, rounds=1)
+        10
+    """
+    blocks = min(rounds, DROP_AFTER) + max(0, rounds - DROP_AFTER) * clearly_slower_bound(margin)
+    return math.ceil(round((settings - 1) * steps * blocks, 6))
+
+
+def fitted_block(
+    longest: int, shortest: int, settings: int, steps_left: float, max_gain: float, rounds: int, margin: float = 0.05
+) -> int:
+    """The longest block in [``shortest``, ``longest``] steps whose counted probe (`counted_cost`) the run repays.
+
+    Longer blocks give steadier medians on a shared machine; ``shortest`` when even those cannot pay back.
+
+    Example:
+        >>> fitted_block(25, 10, settings=2, steps_left=1000, max_gain=0.4, rounds=3)
+        25
+        >>> fitted_block(25, 10, settings=2, steps_left=400, max_gain=0.4, rounds=3)
+        18
+        >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4, rounds=3)
+        10
+
+        The block is checked against the rule itself, its cost rounded up as the rule sees it: 12 steps here, where
+        13 would cost 28 steps, 112 needed of the 110 the run can save.
+
+        >>> fitted_block(20, 5, settings=2, steps_left=441, max_gain=0.25, rounds=3, margin=0.03)
+        12
+    """
+    if math.isinf(steps_left):
+        return longest
+    for block in range(longest, shortest, -1):
+        if probe_pays_back(counted_cost(settings, block, rounds, margin), steps_left, max_gain)[0]:
+            return block
+    return shortest

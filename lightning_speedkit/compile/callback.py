@@ -21,7 +21,7 @@ from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back
 from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec
-from lightning_speedkit.trials.counted import counted_cost
+from lightning_speedkit.trials.counted import COUNTED_ROUNDS, counted_cost
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,8 @@ class Compile(trials.Lever):
         report.update(steps_left=None if math.isinf(left) else left, step_s={}, compile_s=None, rejected={})
         self._failure = None
         if self.measure:
-            pays, why, _ = trials.probe_cost(trainer, counted_cost(2, self.probe_steps, margin=self.margin), MAX_GAIN)
+            cost = counted_cost(2, self.probe_steps, COUNTED_ROUNDS, self.margin)
+            pays, why, _ = trials.probe_cost(trainer, cost, MAX_GAIN)
             if not pays:
                 report["reason"] = why
                 return report

@@ -23,7 +23,6 @@ step after the one before it has decided; `queued_steps` tells a lever how many 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import weakref
@@ -31,14 +30,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import (
+    DROP_AFTER,
     GROSSLY,
     block_medians,
     choose_setting,
     clearly_slower,
-    clearly_slower_bound,
+    counted_cost,
+    fitted_block,
     grossly_slower,
     may_lose,
-    probe_pays_back,
     round_wins,
     weigh_by_rounds,
 )
@@ -78,14 +78,6 @@ while the demo's channels-last gain (12-30%, 17.5% over 250 steps a layout) lost
 four. A large gain is kept on the pooled median; a small one must be consistent."""
 
 
-DROP_AFTER = 2
-"""Rounds in each of which a candidate must be clearly slower (`clearly_slower`) before it gets no more blocks.
-
-One block of ten steps on a shared machine can be hit by a load spike: in the AVX-512 layout stability run
-(`benchmarks/results/avx512/layout_stability.json`) channels_last lost its first block by 18.5% and was dropped after
-it, in a probe whose long timing has it 12% faster. A block of a candidate that is really slower costs only its extra
-seconds, so a second round to confirm is cheap."""
-
 EXTRA_ROUNDS = 2
 """Rounds a probe may add when a small gain (under `CONSISTENT` margins) lost exactly one round.
 
@@ -93,65 +85,6 @@ Such a probe used to keep the setting in place (the same run: "channels_last 6.2
 rounds only"). Up to this many more rounds of the setting in place and the leading candidate run instead, while no
 probe queued behind needs the steps; the switch is then made when the candidate lost no other round. A second lost
 round ends the extension and keeps the setting in place."""
-
-
-def counted_cost(settings: int, steps: int, rounds: int = COUNTED_ROUNDS, margin: float = 0.05) -> int:
-    """The steps a counted probe can cost at worst, for the payback rule, priced by the rules that drop a candidate.
-
-    A restored probe costs every trial step (`PROBE_ROUNDS` rounds of every setting); a counted one only the extra
-    time of the slower blocks. A candidate block twice as slow as the setting in place costs its length; such a
-    candidate is dropped after its first block (`grossly_slower`), one `clearly_slower` in each of its first
-    `DROP_AFTER` rounds after those. A candidate that is not dropped is at most that bound
-    (`clearly_slower_bound` of ``margin``) slower in most of its rounds. So the worst case is `DROP_AFTER` blocks at
-    full length, and the bound's fraction of each later round's block. Pricing every round at full length (as
-    before) made a probe of many short rounds (`lightning_speedkit.channels_last.ChannelsLast`: 12) cost four times
-    what it can: a 420-step run could not afford the layout probe that made it 15-30% faster.
-
-    Example:
-        >>> counted_cost(settings=2, steps=10), counted_cost(settings=3, steps=8)
-        (22, 35)
-        >>> counted_cost(settings=2, steps=4, rounds=12, margin=0.03)  # ChannelsLast's short rounds
-        12
-        >>> counted_cost(settings=2, steps=10, rounds=1)
-        10
-    """
-    blocks = min(rounds, DROP_AFTER) + max(0, rounds - DROP_AFTER) * clearly_slower_bound(margin)
-    return math.ceil(round((settings - 1) * steps * blocks, 6))
-
-
-def fitted_block(
-    longest: int,
-    shortest: int,
-    settings: int,
-    steps_left: float,
-    max_gain: float,
-    rounds: int = COUNTED_ROUNDS,
-    margin: float = 0.05,
-) -> int:
-    """The longest block in [``shortest``, ``longest``] steps whose counted probe (`counted_cost`) the run repays.
-
-    Longer blocks give steadier medians on a shared machine; ``shortest`` when even those cannot pay back.
-
-    Example:
-        >>> fitted_block(25, 10, settings=2, steps_left=1000, max_gain=0.4)
-        25
-        >>> fitted_block(25, 10, settings=2, steps_left=400, max_gain=0.4)
-        18
-        >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4)
-        10
-
-        The block is checked against the rule itself, its cost rounded up as the rule sees it: 12 steps here, where
-        13 would cost 28 steps, 112 needed of the 110 the run can save.
-
-        >>> fitted_block(20, 5, settings=2, steps_left=441, max_gain=0.25, margin=0.03)
-        12
-    """
-    if math.isinf(steps_left):
-        return longest
-    for block in range(longest, shortest, -1):
-        if probe_pays_back(counted_cost(settings, block, rounds, margin), steps_left, max_gain)[0]:
-            return block
-    return shortest
 
 
 _QUEUES: weakref.WeakKeyDictionary[Any, list[CountedTrials]] = weakref.WeakKeyDictionary()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import Self, override
 
+from lightning_speedkit.decisions import counted_cost, fitted_block
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
@@ -279,11 +280,9 @@ class Lever(LeanCallback):
     def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
         """Measure the candidates of `plan` against the setting in place.
 
-        On counted trials when the lever takes them (`COUNTED`) and no setting changes the math: the decision
-        then comes after the first training steps (this returns None); else on restored trials
-        (`lightning_speedkit.trials.measure`).
+        On counted trials when the lever takes them (`COUNTED`) and no setting changes the math: the decision then
+        comes after the first training steps (this returns None); else on restored trials (`trials.measure`).
         """
-        from lightning_speedkit.trials.counted import counted_cost
         from lightning_speedkit.trials.measure import measure, probe_cost
 
         plan = self.plan(trainer, pl_module)
@@ -318,14 +317,12 @@ class Lever(LeanCallback):
 
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
         """Steps per block of a counted probe of ``settings`` settings: ``probe_steps``, or fitted with `MIN_BLOCK`."""
-        from lightning_speedkit.trials import counted, steps_left
+        from lightning_speedkit.trials import steps_left
 
         if self.MIN_BLOCK is None:
             return self.probe_steps
         shortest, left = min(self.MIN_BLOCK, self.probe_steps), steps_left(trainer)
-        return counted.fitted_block(
-            self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS, self.margin
-        )
+        return fitted_block(self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS, self.margin)
 
     def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
         """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
