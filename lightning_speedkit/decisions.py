@@ -334,7 +334,7 @@ it, in a probe whose long timing has it 12% faster. A block of a candidate that 
 seconds, so a second round to confirm is cheap."""
 
 
-def counted_cost(settings: int, steps: int, rounds: int, margin: float = 0.05) -> int:
+def counted_cost(settings: int, steps: int, rounds: int, margin: float) -> int:
     """The steps a counted probe can cost at worst, for the payback rule, priced by the rules that drop a candidate.
 
     A restored probe costs every trial step (`trials.measure.PROBE_ROUNDS` rounds of every setting); a counted one
@@ -347,11 +347,13 @@ def counted_cost(settings: int, steps: int, rounds: int, margin: float = 0.05) -
     could not afford the layout probe that made it 15-30% faster.
 
     Example:
-        >>> counted_cost(settings=2, steps=10, rounds=3), counted_cost(settings=3, steps=8, rounds=3)
-        (22, 35)
+        >>> counted_cost(settings=2, steps=10, rounds=3, margin=0.05)
+        22
+        >>> counted_cost(settings=3, steps=8, rounds=3, margin=0.05)
+        35
         >>> counted_cost(settings=2, steps=4, rounds=12, margin=0.03)  # ChannelsLast's short rounds
         12
-        >>> counted_cost(settings=2, steps=10, rounds=1)
+        >>> counted_cost(settings=2, steps=10, rounds=1, margin=0.05)
         10
     """
     blocks = min(rounds, DROP_AFTER) + max(0, rounds - DROP_AFTER) * clearly_slower_bound(margin)
@@ -359,18 +361,18 @@ def counted_cost(settings: int, steps: int, rounds: int, margin: float = 0.05) -
 
 
 def fitted_block(
-    longest: int, shortest: int, settings: int, steps_left: float, max_gain: float, rounds: int, margin: float = 0.05
+    longest: int, shortest: int, settings: int, steps_left: float, max_gain: float, rounds: int, margin: float
 ) -> int:
     """The longest block in [``shortest``, ``longest``] steps whose counted probe (`counted_cost`) the run repays.
 
     Longer blocks give steadier medians on a shared machine; ``shortest`` when even those cannot pay back.
 
     Example:
-        >>> fitted_block(25, 10, settings=2, steps_left=1000, max_gain=0.4, rounds=3)
+        >>> fitted_block(25, 10, settings=2, steps_left=1000, max_gain=0.4, rounds=3, margin=0.05)
         25
-        >>> fitted_block(25, 10, settings=2, steps_left=400, max_gain=0.4, rounds=3)
+        >>> fitted_block(25, 10, settings=2, steps_left=400, max_gain=0.4, rounds=3, margin=0.05)
         18
-        >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4, rounds=3)
+        >>> fitted_block(25, 10, settings=2, steps_left=40, max_gain=0.4, rounds=3, margin=0.05)
         10
 
         The block is checked against the rule itself, its cost rounded up as the rule sees it: 12 steps here, where

@@ -500,7 +500,7 @@ def test_a_lever_with_min_block_fits_its_blocks_to_the_steps_left(
     trainer = tiny_trainer(tmp_path)
     monkeypatch.setattr(trials, "steps_left", lambda trainer: 400.0)
     assert _TestLever(probe_steps=25).block_steps(trainer, 2) == 25
-    assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 18  # fitted_block(25, 10, 2, 400, 0.4)
+    assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 18  # fitted_block(25, 10, 2, 400, 0.4, 3, 0.05)
     monkeypatch.setattr(trials, "steps_left", lambda trainer: 40.0)
     assert _FittedLever(probe_steps=25).block_steps(trainer, 2) == 10  # cannot repay even MIN_BLOCK: the shortest
     assert _FittedLever(probe_steps=6).block_steps(trainer, 2) == 6  # never longer than probe_steps
