@@ -663,3 +663,64 @@ def test_probing_a_loader_with_workers_does_not_change_training(
     assert reports[0]["rebuilt"] is False
     assert loaders == [(num_workers, persistent_workers)] * 2
     assert torch.equal(weights[0], weights[1])
+
+
+class _Tensors(L.LightningDataModule):
+    """In-memory tensors, shuffled, collated by default_collate: the loader a batched fetch serves the same batches."""
+
+    def __init__(self, n: int = 1024, batch_size: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 16, generator=g)
+        self.data, self.batch_size = torch.utils.data.TensorDataset(x, x[:, :4].argmax(dim=1)), batch_size
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=64)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tensor_data_is_tried_fetched_at_once_and_the_fit_is_the_fit_without_the_tuner(tmp_path: Path) -> None:
+    """A TensorDataset's loader gets one more candidate, each batch fetched at once, timed on real steps.
+
+    Whichever setting wins, the run trains on the same batches: its weights equal, bit for bit, those of the same fit
+    without the tuner.
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=128)
+
+    def fit(callbacks: list[L.Callback]) -> Model:
+        L.seed_everything(0, verbose=False)
+        model = Model()
+        trainer = tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=epochs, limit_val_batches=2)
+        trainer.fit(model, _Tensors())
+        return model
+
+    tuner = DataLoaderTuner(max_workers=0, probe_steps=4, remember=False)
+    tuned, plain = fit([tuner]), fit([])
+    report = tuner.report()
+    assert [c["name"] for c in report["candidates"]] == [
+        "num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False, batched_fetch=True"
+    ]
+    assert report["probed"]
+    if report["rebuilt"]:
+        assert report["chosen"]["batched_fetch"] is True
+    for a, b in zip(tuned.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_batched_fetch_asked_for_a_dataset_of_other_samples_is_left_out(tmp_path: Path) -> None:
+    """A candidate with ``batched_fetch`` for a dataset that computes its samples: a warning, the others tried."""
+    tuner = DataLoaderTuner(candidates=[{"num_workers": 0, "batched_fetch": True}, {"num_workers": 1}], probe_steps=4)
+    epochs = epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=16)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=epochs, limit_val_batches=0)
+    with pytest.warns(UserWarning, match=r"`batched_fetch` left out: the train loader's dataset is not a Tensor"):
+        trainer.fit(Model(), SlowData(n=64))
+    assert all("batched_fetch" not in c["name"] for c in tuner.report()["candidates"])
+
+
+def test_a_candidate_with_a_bad_batched_fetch_is_refused() -> None:
+    """``batched_fetch`` takes a bool; the error lists every key a candidate takes."""
+    with pytest.raises(ValueError, match=r"keys num_workers, .*, pin_memory, batched_fetch .* got \{"):
+        DataLoaderTuner(candidates=[{"num_workers": 0, "batched_fetch": "yes"}])

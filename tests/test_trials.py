@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_speedkit.trials import AsIs, BatchSize, Setting, TrialSession, measure
+from lightning_speedkit.trials import AsIs, BatchSize, LeaveOut, Setting, TrialSession, measure
 from lightning_speedkit.trials import session as session_module
 from lightning_speedkit.trials.session import LIGHTNING_INFO
 
@@ -288,6 +288,27 @@ def test_a_candidate_clearly_slower_in_the_first_round_is_not_timed_again(tmp_pa
         assert (len(names) > 5) == (lever.report["added_rounds"] == 1)
     assert lever.report["decision"] != "slow"  # "as is" or its twin "again": two equal settings, a coin toss
     assert lever.report["step_s"]["slow"] > lever.report["step_s"]["as is"]
+
+
+def test_candidates_left_out_after_the_reference_run_no_trial(tmp_path: Path) -> None:
+    """``after_reference`` may leave some candidates out: they run no trial; the reason and ``left_out`` name them."""
+
+    class Lever(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            leave = LeaveOut(("slow",), "its start-up cannot pay back")
+            decision = measure(
+                trainer, AsIs(), [_SlowSteps(), AsIs("again")], 3, 0.05, 0.5, after_reference=lambda *_: leave
+            )
+            self.report = decision.as_dict()
+
+    lever = Lever()
+    tiny_trainer(tmp_path, max_epochs=40, callbacks=[lever]).fit(_Dropout())
+    names = [t["setting"] for t in lever.report["trials"]]
+    assert "slow" not in names
+    assert names[:2] == ["as is", "again"]
+    assert lever.report["left_out"] == ["slow"]
+    assert lever.report["reason"].endswith("; slow not tried: its start-up cannot pay back")
+    assert "slow" not in lever.report["step_s"]
 
 
 class _Nap(L.Callback):

@@ -15,15 +15,17 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
+from lightning_speedkit.data.batched import batched_view
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.dataloader.counted import (
     CountedBlock,
     CountedLoader,
     LiveSettings,
     LoaderTrials,
-    wait_too_short,
+    worth_trying,
 )
 from lightning_speedkit.dataloader.rebuild import (
+    BATCHED,
     SETTINGS,
     LoaderSettings,
     NotRebuildableError,
@@ -33,11 +35,12 @@ from lightning_speedkit.dataloader.rebuild import (
     loader_settings,
     rebuild_dataloader,
     settings_name,
+    valid_candidate,
 )
 from lightning_speedkit.dataloader.streaming import streaming_candidates, streaming_settings, untuned_settings
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
-from lightning_speedkit.trials import PROBE_ROUNDS, AsIs, Decision, Lever, Setting, TrialResult
+from lightning_speedkit.trials import PROBE_ROUNDS, AsIs, Decision, LeaveOut, Lever, Setting, TrialResult
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, CountedTrials, queued_steps
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DataLoaderTuner"]
 
 _HOOKS = ("train_dataloader", "val_dataloader")
+_NOT_BATCHED = "the train loader's dataset is not a TensorDataset (or a Subset of one) collated by default_collate"
 _AS_IS = "as is"
 
 
@@ -70,9 +74,12 @@ class DataLoaderTuner(Lever):
 
     Args:
         candidates: Settings to try (dicts with ``num_workers`` and optionally ``persistent_workers``,
-            ``prefetch_factor``, ``pin_memory``; with workers, missing ones are persistent workers and
-            ``prefetch_factor=2``; ``pin_memory`` defaults to the loader's); default: `default_candidates` up to
-            ``max_workers``. A candidate equal to the loader's own settings is not tried twice.
+            ``prefetch_factor``, ``pin_memory``, ``batched_fetch``; with workers, missing ones are persistent workers
+            and ``prefetch_factor=2``; ``pin_memory`` defaults to the loader's); default: `default_candidates` up to
+            ``max_workers``, with ``batched_fetch=True`` (each batch one indexing call a tensor,
+            `lightning_speedkit.data.batched`) for a ``TensorDataset`` collated by ``default_collate``. A candidate
+            equal to the loader's own settings is not tried twice. When the loader's wait for data cannot repay the
+            start-up of worker candidates but can repay the others, only those others are tried.
         probe_steps: Training steps per setting; the first ``min(2, probe_steps - 1)`` are not timed (worker
             start-up).
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
@@ -135,9 +142,9 @@ class DataLoaderTuner(Lever):
         if candidates is not None and (not isinstance(candidates, (list, tuple)) or not candidates):
             raise ValueError(f"`candidates` must be a non-empty list of settings dicts or None, got {candidates!r}.")
         for candidate in candidates or ():
-            if not _valid_candidate(candidate):
+            if not valid_candidate(candidate):
                 raise ValueError(
-                    f"`candidates` entries take keys {', '.join(SETTINGS)} (num_workers an int >= 0,"
+                    f"`candidates` entries take keys {', '.join((*SETTINGS, BATCHED))} (num_workers an int >= 0,"
                     f" prefetch_factor an int >= 1 or None, the others bools), got {candidate!r}."
                 )
         self.candidates = [dict(c) for c in candidates] if candidates is not None else None
@@ -181,19 +188,27 @@ class DataLoaderTuner(Lever):
         return LoaderTrials(current, others, steps, self.margin, warmup=warmup)
 
     @override
-    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
+    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str | LeaveOut:
         """Restored trials: keep the loader as built when its steps' wait for data cannot repay trying the others.
 
-        The same rule as counted trials' (`lightning_speedkit.dataloader.counted.wait_too_short`).
+        The same rule as counted trials' (`lightning_speedkit.dataloader.counted.worth_trying`): worker candidates are
+        left out when only their start-up is what the wait cannot repay.
         """
         step_s, timed = result.median_step_s, waits[result.warmup :]
         candidates = self._planned.get("candidates", [])
         if not step_s or not timed or not candidates:
             return ""
-        cost = self.probe_steps * (PROBE_ROUNDS * (1 + len(candidates)) - 1)  # the trials still to run, at worst
-        start_ups = sum(1 for c in candidates if c["num_workers"] > 0)
-        wait_s = statistics.median(timed)
-        return wait_too_short(result.setting, step_s, wait_s, steps_left, cost, start_ups)
+        named = [(settings_name(c), c) for c in candidates]
+        steps = self.probe_steps
+        keep, out = worth_trying(
+            result.setting,
+            step_s,
+            statistics.median(timed),
+            steps_left,
+            named,
+            lambda n: steps * (PROBE_ROUNDS * (1 + n) - 1),
+        )  # the trials still to run, at worst
+        return out if out is not None else keep
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -335,19 +350,23 @@ class DataLoaderTuner(Lever):
         if max_workers is None:
             max_workers = max(0, cpu_info().available_cores // max(1, trainer.num_devices))
         pin = bool(loader.pin_memory)
+        batched = batched_view(loader.dataset, loader.collate_fn) is not None  # a batch fetched at once
+        asked = [c for c in self.candidates or () if batched or not c.get(BATCHED)]
+        if len(asked) < len(self.candidates or ()):
+            rank_zero_warn(f"DataLoaderTuner: `{BATCHED}` left out: {_NOT_BATCHED}.")
         if streaming:  # litdata's own loader: workers and prefetch, its pre-download when remote (not persistent)
             wanted = (
                 streaming_candidates(max_workers, baseline)
                 if self.candidates is None
                 else [
                     {**baseline, **complete_settings(**{"pin_memory": pin, "persistent_workers": False, **c})}
-                    for c in self.candidates
+                    for c in asked
                 ]
             )
         elif self.candidates is None:
-            wanted = default_candidates(max_workers, pin_memory=trainer.strategy.root_device.type == "cuda")
+            wanted = default_candidates(max_workers, trainer.strategy.root_device.type == "cuda", batched)
         else:
-            wanted = [complete_settings(**{"pin_memory": pin, **c}) for c in self.candidates]
+            wanted = [complete_settings(**{"pin_memory": pin, **c}) for c in asked]
         candidates: list[dict[str, Any]] = []
         for settings in wanted:
             if settings != baseline and settings not in candidates:
@@ -373,16 +392,3 @@ class DataLoaderTuner(Lever):
         if reason not in self._left:
             self._left.append(reason)
             rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason}.")
-
-
-def _valid_candidate(candidate: object) -> bool:
-    if not isinstance(candidate, dict) or set(candidate) - set(SETTINGS) or "num_workers" not in candidate:
-        return False
-    workers, prefetch = candidate["num_workers"], candidate.get("prefetch_factor")
-    return (
-        isinstance(workers, int)
-        and not isinstance(workers, bool)
-        and workers >= 0
-        and (prefetch is None or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 1))
-        and all(isinstance(candidate.get(key, False), bool) for key in ("persistent_workers", "pin_memory"))
-    )

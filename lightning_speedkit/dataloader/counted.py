@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_speedkit.data.build import WORKER_START_S
 from lightning_speedkit.dataloader.rebuild import rebuild_dataloader, settings_name
 from lightning_speedkit.decisions import probe_pays_back
-from lightning_speedkit.trials import Decision, Setting, steps_left
+from lightning_speedkit.trials import Decision, LeaveOut, Setting, steps_left
 from lightning_speedkit.trials.counted import CountedTrials, counted_cost
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ __all__ = [
     "more_workers_cannot_win",
     "wait_can_repay",
     "wait_too_short",
+    "worth_trying",
 ]
 
 
@@ -176,6 +177,46 @@ def wait_too_short(
     )
 
 
+def worth_trying(
+    name: str,
+    step_s: float,
+    wait_s: float,
+    steps_left: float,
+    candidates: Sequence[tuple[str, dict[str, Any]]],
+    price: Callable[[int], float],
+) -> tuple[str, LeaveOut | None]:
+    """After the loader in place's block: which of ``candidates`` (name, settings) are worth trying.
+
+    ``price(n)`` is the probe's cost in steps with ``n`` candidates, without their workers' start-up. Returns why
+    the loader ``name`` is kept with none tried (`wait_too_short`), or "" and the candidates to leave out: those
+    with workers, when their start-up is what the wait cannot repay and the candidates without workers (a batch
+    fetched at once) can repay their own probe; or none left out.
+
+    Example:
+        >>> tried = [("fetched at once", {"num_workers": 0}), ("num_workers=1", {"num_workers": 1})]
+        >>> keep, out = worth_trying("as built", 0.0017, 0.0006, 900, tried, price=lambda n: 18 * n)
+        >>> keep, out.names
+        ('', ('num_workers=1',))
+        >>> worth_trying("as built", 0.0017, 0.0006, 900_000, tried, price=lambda n: 18 * n)
+        ('', None)
+        >>> worth_trying("as built", 0.0017, 0.00001, 900, tried, price=lambda n: 18 * n)[0][:41]
+        'kept as built: its steps wait 0.0 ms of 1'
+    """
+    start_ups = sum(1 for _, settings in candidates if settings["num_workers"] > 0)
+    keep = wait_too_short(name, step_s, wait_s, steps_left, price(len(candidates)), start_ups)
+    if not keep:
+        return "", None
+    cheap = [n for n, settings in candidates if settings["num_workers"] == 0]
+    if (
+        not cheap
+        or len(cheap) == len(candidates)
+        or wait_too_short(name, step_s, wait_s, steps_left, price(len(cheap)), 0)
+    ):
+        return keep, None
+    out = tuple(n for n, settings in candidates if settings["num_workers"] > 0)
+    return "", LeaveOut(out, f"their workers' start-up cannot pay back in {steps_left:.0f} steps left")
+
+
 class LoaderTrials(CountedTrials):
     """The loader tuner's counted trials (`lightning_speedkit.trials.counted.CountedTrials`), with two rules more.
 
@@ -217,13 +258,20 @@ class LoaderTrials(CountedTrials):
         return None
 
     def _worth_trying(self, trainer: pl.Trainer, step_s: float, wait_s: float) -> Decision | None:
-        """After the block of the loader in place: None to go on, or the decision to keep it (nothing to repay)."""
-        candidates = [s for s in self.settings[1:] if isinstance(s, CountedBlock)]
-        start_ups = sum(1 for s in candidates if s.settings["num_workers"] > 0)
+        """After the loader in place's block: None to go on (maybe fewer candidates), or the decision to keep it."""
+        candidates = [(s.name, s.settings) for s in self.settings[1:] if isinstance(s, CountedBlock)]
         left = steps_left(trainer)
-        counted = counted_cost(len(self.settings), self.steps, self.rounds, self.margin)
         step_s, wait_s = trainer.strategy.broadcast((step_s, wait_s), src=0)
-        reason = wait_too_short(self.current.name, step_s, wait_s, left, counted, start_ups)
+        reason, out = worth_trying(
+            self.current.name,
+            step_s,
+            wait_s,
+            left,
+            candidates,
+            lambda n: counted_cost(1 + n, self.steps, self.rounds, self.margin),
+        )
+        if out is not None:
+            self.drop(list(out.names), out.why)
         if not reason:
             return None
         reason += "; counted trials"

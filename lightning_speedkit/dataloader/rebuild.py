@@ -7,14 +7,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, default_collate
 from typing_extensions import override
 
+from lightning_speedkit.data.batched import BatchedTensors, batched_view, collated
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.trials import Setting
 from lightning_speedkit.trials.memory import BUILT_FROM
 
 __all__ = [
+    "BATCHED",
     "SETTINGS",
     "LoaderSettings",
     "NotRebuildableError",
@@ -24,10 +26,14 @@ __all__ = [
     "loader_settings",
     "rebuild_dataloader",
     "settings_name",
+    "valid_candidate",
 ]
 
 SETTINGS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")
 """The loader settings a candidate may set, in the order reports name them."""
+BATCHED = "batched_fetch"
+"""One more setting, named after the four when set: each batch fetched by one indexing call a tensor
+(`lightning_speedkit.data.batched`), for a ``TensorDataset`` collated by ``default_collate`` only."""
 Owner = pl.LightningModule | pl.LightningDataModule
 """What builds the loaders: a LightningDataModule or LightningModule."""
 _MISSING = object()
@@ -42,14 +48,19 @@ def complete_settings(
     persistent_workers: bool | None = None,
     prefetch_factor: int | None = None,
     pin_memory: bool = False,
+    batched_fetch: bool = False,
 ) -> dict[str, Any]:
     """All four loader settings; with workers, persistent ones and ``prefetch_factor=2`` unless given.
+
+    ``batched_fetch`` adds `BATCHED` (only when true, so the four alone name a loader as built).
 
     Example:
         >>> complete_settings(2)
         {'num_workers': 2, 'persistent_workers': True, 'prefetch_factor': 2, 'pin_memory': False}
         >>> complete_settings(0, persistent_workers=True, prefetch_factor=4)
         {'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}
+        >>> complete_settings(0, batched_fetch=True)[BATCHED]
+        True
     """
     workers = num_workers > 0
     return {
@@ -57,17 +68,22 @@ def complete_settings(
         "persistent_workers": workers and (persistent_workers is None or bool(persistent_workers)),
         "prefetch_factor": (prefetch_factor or 2) if workers else None,
         "pin_memory": bool(pin_memory),
-    }
+    } | ({BATCHED: True} if batched_fetch else {})
 
 
 def loader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
     """The four settings ``loader`` was built with.
 
+    A loader rebuilt to fetch its batches at once (`BATCHED`) says so too.
+
     Example:
         >>> loader_settings(DataLoader(list(range(8)), num_workers=1))
         {'num_workers': 1, 'persistent_workers': False, 'prefetch_factor': 2, 'pin_memory': False}
     """
-    return complete_settings(loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory)
+    batched = isinstance(loader.dataset, BatchedTensors)
+    return complete_settings(
+        loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory, batched
+    )
 
 
 def settings_name(settings: dict[str, Any]) -> str:
@@ -81,21 +97,28 @@ def settings_name(settings: dict[str, Any]) -> str:
     return ", ".join(f"{name}={settings[name]}" for name in names)
 
 
-def default_candidates(max_workers: int, pin_memory: bool = False) -> list[dict[str, Any]]:
+def default_candidates(max_workers: int, pin_memory: bool = False, batched: bool = False) -> list[dict[str, Any]]:
     """Candidate settings: ``num_workers`` 0, 1, 2, 4, ... up to ``max_workers`` (always included).
 
-    Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``.
+    Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``. With ``batched`` (the dataset
+    can be fetched a batch at once: `lightning_speedkit.data.batched.batched_view`), no workers with `BATCHED`
+    too, second: it needs no worker process to start, and takes the per-sample work away instead of hiding it.
 
     Example:
         >>> [c["num_workers"] for c in default_candidates(6)]
         [0, 1, 2, 4, 6]
         >>> default_candidates(0)
         [{'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}]
+        >>> [(c["num_workers"], c.get(BATCHED, False)) for c in default_candidates(1, batched=True)]
+        [(0, False), (0, True), (1, False)]
     """
     if max_workers < 0:
         raise ValueError(f"`max_workers` must be >= 0, got {max_workers}.")
     counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers] + [max_workers]
-    return [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
+    candidates = [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
+    if batched:
+        candidates.insert(1, complete_settings(0, pin_memory=pin_memory, batched_fetch=True))
+    return candidates
 
 
 def rebuild_dataloader(
@@ -104,15 +127,17 @@ def rebuild_dataloader(
     """A new DataLoader like ``loader`` (dataset, sampler, batch size, collate_fn, ...) with other worker settings.
 
     With ``batch_sampler``, it serves those batches of indices instead of drawing its own (counted trials serve
-    an epoch's batches, drawn once, through several loaders: `lightning_speedkit.dataloader.counted`).
+    an epoch's batches, drawn once, through several loaders: `lightning_speedkit.dataloader.counted`). With
+    ``settings[BATCHED]``, its dataset is served by `lightning_speedkit.data.batched.BatchedTensors` (the same
+    batches, each fetched at once); a loader rebuilt so is rebuilt from the user's dataset and ``collate_fn``.
 
     A litdata ``StreamingDataLoader`` is rebuilt as one, its state kept
     (`lightning_speedkit.dataloader.streaming.rebuild_streaming`).
 
     Raises:
         NotRebuildableError: For a DataLoader subclass (its extra behaviour would be lost), an IterableDataset
-            with workers (each worker would yield the whole dataset unless it shards itself), or a StreamingDataLoader
-            whose state cannot move to the new settings.
+            with workers (each worker would yield the whole dataset unless it shards itself), a StreamingDataLoader
+            whose state cannot move to the new settings, or `BATCHED` for a dataset `batched_view` refuses.
 
     Example:
         >>> loader = DataLoader(list(range(10)), batch_size=4, shuffle=True, drop_last=True)
@@ -136,14 +161,25 @@ def _rebuilt(
         return rebuild_streaming(loader, settings)
     if type(loader) is not DataLoader:
         raise NotRebuildableError(f"{type(loader).__name__} is a DataLoader subclass; rebuilding it would lose it.")
+    dataset, collate_fn = loader.dataset, loader.collate_fn
+    if isinstance(dataset, BatchedTensors) and collate_fn is collated:  # rebuilt before: from the user's own again
+        dataset, collate_fn = dataset.source, default_collate
+    if settings.get(BATCHED):
+        view = batched_view(dataset, collate_fn)
+        if view is None:
+            raise NotRebuildableError(
+                f"`{BATCHED}` needs a TensorDataset (or a Subset of one) collated by default_collate, got a"
+                f" {type(dataset).__name__}{'' if collate_fn is default_collate else ' with its own collate_fn'}."
+            )
+        dataset, collate_fn = view, collated
     workers = int(settings.get("num_workers", loader.num_workers))
-    if isinstance(loader.dataset, IterableDataset) and workers > 0:
+    if isinstance(dataset, IterableDataset) and workers > 0:
         raise NotRebuildableError(
-            f"{type(loader.dataset).__name__} is an IterableDataset: with workers each one would yield every sample"
+            f"{type(dataset).__name__} is an IterableDataset: with workers each one would yield every sample"
             " unless the dataset shards itself by worker."
         )
     kwargs: dict[str, Any] = {
-        "collate_fn": loader.collate_fn,
+        "collate_fn": collate_fn,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
@@ -158,14 +194,14 @@ def _rebuilt(
         kwargs["persistent_workers"] = bool(settings.get("persistent_workers", loader.persistent_workers))
         kwargs["prefetch_factor"] = settings.get("prefetch_factor") or 2
     if batch_sampler is not None:
-        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
-    if isinstance(loader.dataset, IterableDataset):
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+        return DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
     if loader.batch_size is not None and type(loader.batch_sampler) is BatchSampler:
         return DataLoader(
-            loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **kwargs
+            dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **kwargs
         )
-    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
+    return DataLoader(dataset, batch_sampler=loader.batch_sampler, **kwargs)
 
 
 class LoaderSettings(Setting):
@@ -221,3 +257,22 @@ class LoaderSettings(Setting):
                 return loader
 
         return rebuilt
+
+
+def valid_candidate(candidate: object) -> bool:
+    """Whether ``candidate`` is a settings dict a `lightning_speedkit.DataLoaderTuner` takes.
+
+    Example:
+        >>> valid_candidate({"num_workers": 2, BATCHED: False}), valid_candidate({"num_workers": -1})
+        (True, False)
+    """
+    if not isinstance(candidate, dict) or set(candidate) - {*SETTINGS, BATCHED} or "num_workers" not in candidate:
+        return False
+    workers, prefetch = candidate["num_workers"], candidate.get("prefetch_factor")
+    return (
+        isinstance(workers, int)
+        and not isinstance(workers, bool)
+        and workers >= 0
+        and (prefetch is None or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 1))
+        and all(isinstance(candidate.get(key, False), bool) for key in ("persistent_workers", "pin_memory", BATCHED))
+    )

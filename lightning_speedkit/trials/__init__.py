@@ -15,7 +15,7 @@ cycle (its decision, checkpoint, resume rule, logging and report) is `Lever`, it
 from lightning_speedkit.trials.lever import SOURCES, Decision, Lever
 from lightning_speedkit.trials.measure import PROBE_ROUNDS, measure, probe_cost, steps_left
 from lightning_speedkit.trials.session import TrialSession
-from lightning_speedkit.trials.settings import AsIs, BatchSize, Setting, TrialResult, loss_of
+from lightning_speedkit.trials.settings import AsIs, BatchSize, LeaveOut, Setting, TrialResult, loss_of
 
 __all__ = [
     "PROBE_ROUNDS",
@@ -23,6 +23,7 @@ __all__ = [
     "AsIs",
     "BatchSize",
     "Decision",
+    "LeaveOut",
     "Lever",
     "Setting",
     "TrialResult",

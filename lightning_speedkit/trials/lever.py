@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from lightning_speedkit.trials.counted import CountedTrials
     from lightning_speedkit.trials.memory import Remembering
-    from lightning_speedkit.trials.settings import Setting, TrialResult
+    from lightning_speedkit.trials.settings import LeaveOut, Setting, TrialResult
 
 __all__ = ["DECISION_SPEC", "SOURCES", "Decision", "Lever"]
 
@@ -324,11 +324,10 @@ class Lever(LeanCallback):
         shortest, left = min(self.MIN_BLOCK, self.probe_steps), steps_left(trainer)
         return fitted_block(self.probe_steps, shortest, settings, left, self.MAX_GAIN, self.COUNTED_ROUNDS, self.margin)
 
-    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str:
-        """Why to keep the setting in place after its own restored trial, or "" to go on and try the others (default).
+    def after_reference(self, result: TrialResult, waits: list[float], steps_left: float) -> str | LeaveOut:
+        """After the setting in place's restored trial: why to keep it, "" to try the others, a `LeaveOut` for some.
 
-        ``waits`` are that trial's steps' waits for data (both rank zero's, the same on every rank); ``steps_left``
-        the run's steps left before the probe (inside it the Trainer counts the trial's steps).
+        ``waits``: that trial's steps' waits for data (rank zero's, the same on every rank); ``steps_left``: before it.
         """
         return ""
 

@@ -22,7 +22,7 @@ from lightning_speedkit.decisions import (
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.trials.lever import Decision
 from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
-from lightning_speedkit.trials.settings import Setting, TrialResult
+from lightning_speedkit.trials.settings import LeaveOut, Setting, TrialResult
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,7 +86,7 @@ def measure(
     warmup: int = 1,
     rounds: int = PROBE_ROUNDS,
     loss_tolerance: float | None = None,
-    after_reference: Callable[[TrialResult, list[float], float], str] | None = None,
+    after_reference: Callable[[TrialResult, list[float], float], str | LeaveOut] | None = None,
 ) -> Decision:
     """Decide between the setting in place and ``candidates`` by real training steps.
 
@@ -103,10 +103,12 @@ def measure(
     place's is rejected. Every rank returns the same decision; the caller applies it. ``after_reference`` (given the
     setting in place's first trial, each of its steps' wait for data, the same on every rank, and the steps left
     before the probe) can end the probe there with a reason: the setting in place is kept, no candidate tried
-    (`lightning_speedkit.dataloader.DataLoaderTuner`: a wait too short to repay the probe).
+    (`lightning_speedkit.dataloader.DataLoaderTuner`: a wait too short to repay the probe); or leave some candidates
+    out with a `LeaveOut` (the tuner: worker start-ups the wait cannot repay), which the reason then names.
 
     Returns:
-        The `Decision`; its ``extra`` holds ``steps_left``, ``dropped`` (candidates timed in the first round only),
+        The `Decision`; its ``extra`` holds ``steps_left``, ``left_out`` (candidates not tried, by `LeaveOut`),
+        ``dropped`` (candidates timed in the first round only),
         ``added_rounds`` (0 or 1) and ``trials`` (each `TrialResult` as a dict).
 
     Raises:
@@ -120,7 +122,11 @@ def measure(
     with TrialSession(trainer, steps, warmup) as session:
         session.require_steps("probe_steps")
         first = [session.run(current)]
-        stop = after_reference(first[0], session.waits.get(current.name, []), left) if after_reference else ""
+        verdict = after_reference(first[0], session.waits.get(current.name, []), left) if after_reference else ""
+        stop, left_out = (verdict, None) if isinstance(verdict, str) else ("", verdict)
+        if left_out is not None:
+            candidates = [c for c in candidates if c.name not in left_out.names]
+            settings = (current, *candidates)
         results, dropped, added = first, [], 0
         if not stop:
             first += [session.run(setting) for setting in candidates]
@@ -152,7 +158,14 @@ def measure(
     decision, reason = choose_setting(weighed, current.name, margin)
     if added:
         reason += " (a round added: the leading candidate's rounds disagreed)"
-    extra.update(dropped=dropped, added_rounds=added, trials=[result.as_dict() for result in results])
+    if left_out is not None:
+        reason += f"; {', '.join(left_out.names)} not tried: {left_out.why}"
+    extra.update(
+        left_out=list(left_out.names) if left_out else [],
+        dropped=dropped,
+        added_rounds=added,
+        trials=[result.as_dict() for result in results],
+    )
     return Decision(decision, reason, True, session.elapsed_s, step_s, rejected, "measured", extra)
 
 

@@ -17,7 +17,7 @@ from lightning_speedkit.batch import batch_size_of
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["AsIs", "BatchSize", "Setting", "TrialResult", "loss_of", "loss_tensor"]
+__all__ = ["AsIs", "BatchSize", "LeaveOut", "Setting", "TrialResult", "loss_of", "loss_tensor"]
 
 
 class Setting:
@@ -92,6 +92,19 @@ class _BatchCheck(Callback):
                 f" {self.size}; build the DataLoader in `train_dataloader()` from the batch-size attribute each time"
                 " it is called."
             )
+
+
+@dataclass(frozen=True)
+class LeaveOut:
+    """What a lever's ``after_reference`` gives to try only some candidates: those ``names`` are not tried, for ``why``.
+
+    Example:
+        >>> LeaveOut(("num_workers=2",), "its start-up cannot pay back")
+        LeaveOut(names=('num_workers=2',), why='its start-up cannot pay back')
+    """
+
+    names: tuple[str, ...]
+    why: str
 
 
 @dataclass
