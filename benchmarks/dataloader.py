@@ -8,11 +8,13 @@ For each setting, in one run:
 - ``load s/epoch``: seconds to iterate one full training epoch of the loader alone (decode + augment + collate).
 
 Workloads: the demo (a JPEG decoded per sample, one epoch of the demo ResNet; ``num_workers=0`` is the naive
-loader), and an I/O-slow dataset (random images, each ``__getitem__`` sleeping like a read from a network disk, the
-same model, several epochs), where worker processes win real training steps.
+loader), an I/O-slow dataset (random images, each ``__getitem__`` sleeping like a read from a network disk, the
+same model, several epochs), where worker processes win real training steps, and in-memory tensors (a
+``TensorDataset`` of 32 features a row, batches of 64, a small MLP, several epochs), where fetching each batch at
+once (``batched_fetch``) takes away the per-sample fetch and stack.
 
-    python benchmarks/dataloader.py            # 5,000 demo images; 400 I/O-slow steps, 2 ms asleep a sample
-    python benchmarks/dataloader.py --quick    # 600 demo images; a tiny I/O-slow run (the probe cannot pay back)
+    python benchmarks/dataloader.py            # 5,000 demo images; 400 I/O-slow steps (2 ms asleep a sample); 900 MLP
+    python benchmarks/dataloader.py --quick    # 600 demo images; tiny I/O-slow and tensor runs (no probe pays back)
     python benchmarks/dataloader.py --cache-only   # only the cache's random read and loader epochs (no JSON)
 
 Every run also reports the packed cache beside the decoding pipeline: the median microseconds of a random read of
@@ -33,7 +35,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_speedkit.data import CachedDataset
 from lightning_speedkit.dataloader import DataLoaderTuner
@@ -81,6 +84,38 @@ class SleepyData(L.LightningDataModule):
         return DataLoader(SleepyImages(self.n, self.delay), batch_size=self.batch_size, shuffle=True)
 
 
+class TensorRows(L.LightningDataModule):
+    """The naive loader over ``n`` in-memory rows of 32 features (a ``TensorDataset``), 4 classes: shuffled."""
+
+    def __init__(self, n: int, batch_size: int = 64) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 32, generator=g)
+        self.data = TensorDataset(x, (x[:, :4] + 0.5 * torch.randn(n, 4, generator=g)).argmax(dim=1))
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        """The naive loader: everything default but the batch size and shuffling."""
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+
+class RowsMLP(L.LightningModule):
+    """32 -> 128 -> 4, SGD: a step of little more than its loader's per-sample fetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Cross-entropy of the batch."""
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Plain SGD."""
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
 def _loader_epoch_seconds(loader: Any) -> float:
     """Seconds for the second of two full passes: the steady per-epoch cost (persistent workers already up)."""
     seconds = 0.0
@@ -93,7 +128,12 @@ def _loader_epoch_seconds(loader: Any) -> float:
 
 
 def fit_row(
-    name: str, workload: str, data: Callable[[], L.LightningDataModule], tune: bool, epochs: int = 1
+    name: str,
+    workload: str,
+    data: Callable[[], L.LightningDataModule],
+    tune: bool,
+    epochs: int = 1,
+    model: Callable[[], L.LightningModule] = lambda: DemoClassifier(crop_size=CROP),
 ) -> dict[str, Any]:
     """One setting: a fit with the monitor (and the tuner), then one loader-only epoch of the loader it trained on."""
     L.seed_everything(0, verbose=False)
@@ -104,7 +144,7 @@ def fit_row(
     if tuner is not None:
         callbacks.insert(0, tuner)
     trainer = quiet_trainer(max_epochs=epochs, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
-    fit = timed_fit(trainer, DemoClassifier(crop_size=CROP), datamodule)
+    fit = timed_fit(trainer, model(), datamodule)
     loader = trainer.train_dataloader
     load_s = _loader_epoch_seconds(loader)
     total = monitor.report()["total"]
@@ -238,11 +278,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # I/O-slow: 400 steps of batch 16 in the full run, long enough for the tuner's probe to pay back.
     io_slow = {"num_images": 320 if args.quick else 640, "delay_s": 0.002, "batch_size": 16}
     io_slow["epochs"] = 1 if args.quick else 10
-    rows = _fit_rows(num_images, root, io_slow)
+    tensors = {"rows": 640 if args.quick else 12_000, "batch_size": 64, "epochs": 1 if args.quick else 6}
+    rows = _fit_rows(num_images, root, io_slow, tensors)
     load_after = os.getloadavg()
     result = {
         "num_images": num_images,
         "io_slow": io_slow,
+        "tensors": tensors,
         "cores": cpu_info().available_cores,
         "torch_threads": torch.get_num_threads(),
         "load_average": {"before": load_before, "after": load_after},
@@ -255,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = [
         f"\ndata loading on {cpu_info().available_cores} cores: demo ({num_images} images, batch 32, 1 epoch);"
         f" I/O-slow ({io_slow['num_images']} images, {1e3 * io_slow['delay_s']:g} ms a sample, batch"
-        f" {io_slow['batch_size']}, {io_slow['epochs']} epochs); load average {load_before[0]:.1f} before,"
+        f" {io_slow['batch_size']}, {io_slow['epochs']} epochs); tensors ({tensors['rows']} rows, batch 64,"
+        f" {tensors['epochs']} epochs); load average {load_before[0]:.1f} before,"
         f" {load_after[0]:.1f} after",
         fits_table(rows),
         f"one-time CachedDataset build (decode every image once, pack): {cache_build_s:.2f} s",
@@ -265,8 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def _fit_rows(num_images: int, root: str, io_slow: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every setting's fit on both workloads, each against the naive loader of its workload."""
+def _fit_rows(num_images: int, root: str, io_slow: dict[str, Any], tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every setting's fit on the three workloads, each against the naive loader of its workload."""
 
     def demo(cache: bool = False) -> L.LightningDataModule:
         return DemoDataModule(num_images=num_images, root=root, cache=cache)
@@ -281,6 +324,11 @@ def _fit_rows(num_images: int, root: str, io_slow: dict[str, Any]) -> list[dict[
         fit_row("DataLoaderTuner + CachedDataset", "demo", lambda: demo(cache=True), tune=True),
         fit_row(f"I/O-slow naive (num_workers=0, {sleep_ms} a sample)", "io_slow", slow, False, slow_epochs),
         fit_row("I/O-slow DataLoaderTuner", "io_slow", slow, True, slow_epochs),
+    ]
+    rows_data, rows_epochs = (lambda: TensorRows(tensors["rows"], tensors["batch_size"])), tensors["epochs"]
+    rows += [
+        fit_row("tensors naive (num_workers=0, fetch per sample)", "tensors", rows_data, False, rows_epochs, RowsMLP),
+        fit_row("tensors DataLoaderTuner", "tensors", rows_data, True, rows_epochs, RowsMLP),
     ]
     naive = {row["workload"]: row for row in rows if row["tuner"] is None}
     for row in rows:

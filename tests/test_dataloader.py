@@ -607,10 +607,13 @@ def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
         "DataLoaderTuner + CachedDataset",
         "I/O-slow naive",
         "I/O-slow DataLoaderTuner",
+        "tensors naive",
+        "tensors DataLoaderTuner",
     ]
     assert all(row["load_s_per_epoch"] > 0 and row["fit_s"] > 0 for row in result["rows"])
     assert result["rows"][0]["fit_ratio"] == 1.0
     assert result["rows"][3]["fit_ratio"] == 1.0
+    assert result["rows"][5]["fit_ratio"] == 1.0
     saved = json.loads(out.read_text())
     assert saved["rows"][0]["num_workers"] == 0
     assert saved["rows"][4]["tuner"]["decision"]

@@ -15,10 +15,11 @@ from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from typing_extensions import override
 
 import lightning_speedkit.monitor as monitor_module
+from lightning_speedkit.dataloader import rebuild_dataloader
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.monitor import (
     DENSE_PEAK_FLOPS,
@@ -471,3 +472,14 @@ def test_a_sampler_that_returns_no_sampler_is_refused_at_fit_start(tmp_path: Pat
     with pytest.raises(ValueError, match=r"`sampler` must return a DeviceSampler .* got None"):
         tiny_trainer(tmp_path, callbacks=[monitor]).fit(model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_tensor_dataset_fetched_per_sample_is_told_to_fetch_batches_at_once() -> None:
+    """Read off a loader over in-memory tensors, the advice is the batched fetch; not once the loader fetches so."""
+    loader = DataLoader(TensorDataset(torch.zeros(8, 2), torch.zeros(8)), batch_size=4)
+    per_sample = LoaderSettings.from_loader(loader, cores=2)
+    assert per_sample.fetched_per_sample
+    assert "batched_fetch=True" in diagnose(0.4, loader=per_sample).advice
+    fetched = LoaderSettings.from_loader(rebuild_dataloader(loader, {"num_workers": 0, "batched_fetch": True}), cores=2)
+    assert not fetched.fetched_per_sample
+    assert "batched_fetch" not in diagnose(0.4, loader=fetched).advice

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from lightning_speedkit.data.batched import batched_view
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.monitor.flops import mfu
 from lightning_speedkit.timing import WindowStats
@@ -43,6 +44,8 @@ class LoaderSettings:
         remote: Whether that streaming dataset is read from a URL (chunks downloaded and cached) or a local directory.
         workers_measured_slower: What a loader tuner measured of more workers on real steps, when they all lost
             (``"num_workers=1 26% slower"``): the advice then does not suggest them.
+        fetched_per_sample: Whether the samples are rows of in-memory tensors fetched and stacked one by one, which
+            one indexing call a batch would serve (`lightning_speedkit.data.batched_view`): the advice says so first.
     """
 
     num_workers: int = 0
@@ -56,6 +59,7 @@ class LoaderSettings:
     streaming: bool = False
     remote: bool = False
     workers_measured_slower: str | None = None
+    fetched_per_sample: bool = False
 
     @classmethod
     def from_loader(cls, loader: Any, cores: int, ranks_per_node: int = 1, accelerator: str = "cpu") -> LoaderSettings:
@@ -74,6 +78,8 @@ class LoaderSettings:
             accelerator=accelerator,
             streaming=is_streaming_loader(loader),
             remote=getattr(getattr(getattr(loader, "dataset", None), "input_dir", None), "url", None) is not None,
+            fetched_per_sample=batched_view(getattr(loader, "dataset", None), getattr(loader, "collate_fn", None))
+            is not None,
         )
 
     @property
@@ -125,6 +131,11 @@ def diagnose(
         data_bound: 27% of each step waits for data
         num_workers=0 on a 2-core machine, and DataLoaderTuner measured num_workers=1 26% slower on real steps here
         make each sample cheaper (cache decoded data, augment on the device, a faster decoder).
+        >>> rows = LoaderSettings(num_workers=0, cores=2, fetched_per_sample=True)
+        >>> print(*diagnose(0.35, loader=rows).advice.split("; "), sep="\n")
+        data_bound: 35% of each step waits for data
+        num_workers=0 on a 2-core machine, each sample of a TensorDataset fetched and stacked one by one
+        fetch each batch with one indexing call (DataLoaderTuner tries batched_fetch=True on real steps).
         >>> diagnose(0.05, utilization=0.95).label
         'compute_bound'
     """
@@ -354,6 +365,11 @@ def _loader_advice(loader: LoaderSettings | None) -> str:
     if loader.streaming:
         return _streaming_advice(loader, have)
     cuda = loader.accelerator == "cuda"
+    if loader.fetched_per_sample:
+        return (
+            f"{have}, each sample of a TensorDataset fetched and stacked one by one; fetch each batch with one"
+            " indexing call (DataLoaderTuner tries batched_fetch=True on real steps)"
+        )
     if loader.workers_measured_slower:
         return (
             f"{have}, and DataLoaderTuner measured {loader.workers_measured_slower} on real steps here; make each"
