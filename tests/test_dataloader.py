@@ -26,6 +26,7 @@ from lightning_speedkit.dataloader import (
     complete_settings,
     default_candidates,
     rebuild_dataloader,
+    settings_name,
 )
 from lightning_speedkit.dataloader.counted import CountedBlock, LiveSettings, LoaderTrials
 from lightning_speedkit.decisions import probe_pays_back
@@ -434,6 +435,35 @@ def test_more_workers_are_not_tried_after_fewer_lost_without_waiting_for_data(
         assert all(len(b["wait_s"]) == len(b["step_s"]) for b in decision.extra["blocks"])
 
 
+def test_worker_candidates_the_wait_cannot_repay_are_left_out_and_the_batched_fetch_is_tried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 0.6 ms wait of 1.7 ms steps over 900 steps repays a batched fetch's blocks, not a worker's start-up.
+
+    After the loader in place's block the worker candidate is dropped (the reason says why), the batched fetch is
+    timed, and it wins.
+    """
+    from lightning_speedkit.dataloader import counted
+
+    monkeypatch.setattr(counted, "steps_left", lambda trainer: 900)
+    live = LiveSettings(complete_settings(0))
+    wanted = (complete_settings(0), complete_settings(0, batched_fetch=True), complete_settings(1))
+    settings = [CountedBlock(live, s) for s in wanted]
+    names = [s.name for s in settings]
+    ms = dict(zip(names, [(1.7, 0.6), (1.2, 0.05), (1.0, 0.05)], strict=True))
+    trials = LoaderTrials(settings[0], settings[1:], steps=3, margin=0.05, warmup=0)
+    trials._clock = clock = _ScriptedClock([])  # type: ignore[assignment]
+    trainer: Any = _OneProcess()
+    decision = None
+    while decision is None:
+        trials.step_started(trainer)
+        clock.steps = iter([tuple(v / 1000 for v in ms[settings_name(live.settings)])])
+        decision = trials.step_ended(trainer)
+    assert names[2] not in {name for name, _ in trials.blocks}
+    assert f"{names[2]} not tried: their workers' start-up cannot pay back in 900 steps left" in decision.reason
+    assert decision.decision == names[1]
+
+
 @pytest.mark.parametrize(("wait_ms", "left", "probed_on"), [(4.2, 600, False), (4.2, 50_000, True), (20.0, 600, True)])
 def test_the_probe_goes_on_only_when_the_loaders_wait_for_data_can_repay_it(
     monkeypatch: pytest.MonkeyPatch, wait_ms: float, left: float, probed_on: bool
@@ -686,7 +716,7 @@ class _Tensors(L.LightningDataModule):
 
 @pytest.mark.usefixtures("one_thread")
 def test_tensor_data_is_tried_fetched_at_once_and_the_fit_is_the_fit_without_the_tuner(tmp_path: Path) -> None:
-    """A TensorDataset's loader gets one more candidate, each batch fetched at once, timed on real steps.
+    """A TensorDataset's loader gets one candidate, each batch fetched at once, timed on real steps (no workers).
 
     Whichever setting wins, the run trains on the same batches: its weights equal, bit for bit, those of the same fit
     without the tuner.
@@ -700,7 +730,7 @@ def test_tensor_data_is_tried_fetched_at_once_and_the_fit_is_the_fit_without_the
         trainer.fit(model, _Tensors())
         return model
 
-    tuner = DataLoaderTuner(max_workers=0, probe_steps=4, remember=False)
+    tuner = DataLoaderTuner(max_workers=2, probe_steps=4, remember=False)  # no worker is tried for such data
     tuned, plain = fit([tuner]), fit([])
     report = tuner.report()
     assert [c["name"] for c in report["candidates"]] == [

@@ -35,6 +35,7 @@ from lightning_speedkit.dataloader.rebuild import (
     loader_settings,
     rebuild_dataloader,
     settings_name,
+    slower_workers,
     valid_candidate,
 )
 from lightning_speedkit.dataloader.streaming import streaming_candidates, streaming_settings, untuned_settings
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DataLoaderTuner"]
 
 _HOOKS = ("train_dataloader", "val_dataloader")
+_MIN_BLOCK = 4  # two untimed steps (workers start), two timed
 _NOT_BATCHED = "the train loader's dataset is not a TensorDataset (or a Subset of one) collated by default_collate"
 _AS_IS = "as is"
 
@@ -76,12 +78,13 @@ class DataLoaderTuner(Lever):
         candidates: Settings to try (dicts with ``num_workers`` and optionally ``persistent_workers``,
             ``prefetch_factor``, ``pin_memory``, ``batched_fetch``; with workers, missing ones are persistent workers
             and ``prefetch_factor=2``; ``pin_memory`` defaults to the loader's); default: `default_candidates` up to
-            ``max_workers``, with ``batched_fetch=True`` (each batch one indexing call a tensor,
-            `lightning_speedkit.data.batched`) for a ``TensorDataset`` collated by ``default_collate``. A candidate
-            equal to the loader's own settings is not tried twice. When the loader's wait for data cannot repay the
-            start-up of worker candidates but can repay the others, only those others are tried.
+            ``max_workers``; for a ``TensorDataset`` collated by ``default_collate``, ``batched_fetch=True`` instead
+            (each batch one indexing call a tensor, `lightning_speedkit.data.batched`). A candidate equal to the
+            loader's own settings is not tried twice. When the loader's wait for data cannot repay the start-up of
+            worker candidates but can repay the others, only those others are tried.
         probe_steps: Training steps per setting; the first ``min(2, probe_steps - 1)`` are not timed (worker
-            start-up).
+            start-up). Counted blocks are shorter, down to 4, when the first epoch holds no more after the counted
+            probes queued before this one; shorter than that, the trials are restored ones.
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
             this node (DDP local ranks).
         margin: How much faster (relative median step time) a candidate must be than the loader's own settings.
@@ -153,6 +156,7 @@ class DataLoaderTuner(Lever):
         self._applied: LoaderSettings | None = None
         self._left: list[str] = []
         self._planned: dict[str, Any] = {}
+        self._block = probe_steps
         self._live: LiveSettings | None = None
         self._serving: CountedLoader | None = None
 
@@ -171,17 +175,23 @@ class DataLoaderTuner(Lever):
         if plan["batches"] is not None and plan["batches"] < self.probe_steps and candidates:
             why = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
             return Decision.skipped(settings_name(baseline), why)
-        window = (1 + len(candidates)) * self.probe_steps * COUNTED_ROUNDS  # every setting's blocks, none dropped
         loaders = trainer.fit_loop._combined_loader
         single = loaders is None or len(loaders.flattened) == 1
         counted = plan["map_style"] and single and baseline["num_workers"] == 0  # a single-process loader to serve
-        window += queued_steps(trainer)  # the counted probes before this one run first, in the same epoch
-        if plan["batches"] is not None and plan["batches"] >= window and counted:
+        # every setting's blocks, none dropped, after the counted probes queued before this one, in the first epoch
+        room = (plan["batches"] or 0) - queued_steps(trainer)
+        self._block = min(self.probe_steps, room // ((1 + len(candidates)) * COUNTED_ROUNDS))
+        if plan["batches"] is not None and self._block >= _MIN_BLOCK and counted:
             self._live = live = LiveSettings(baseline)  # counted: the first epoch's steps are the probe
             return CountedBlock(live, baseline), [CountedBlock(live, s) for s in candidates]
         self._live = None  # restored trials: an epoch too short (or an iterable dataset) for the counted window
         current = AsIs(settings_name(baseline))
         return current, [LoaderSettings(owner, s, on_refused=self._left_alone) for s in candidates]
+
+    @override
+    def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
+        """Counted blocks of ``probe_steps``, or shorter (down to 4) as the first epoch holds them (`plan`)."""
+        return self._block
 
     @override
     def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
@@ -302,21 +312,11 @@ class DataLoaderTuner(Lever):
             self._applied = None
 
     def workers_measured_slower(self) -> str | None:
-        """What more workers measured, when each setting tried with more was slower: ``"num_workers=1 26% slower"``.
+        """What more workers measured, when each setting tried with more was slower (`slower_workers`).
 
-        The fastest of them is named, against the loader kept; None when none was tried or one was faster (read by
-        `UtilizationMonitor`, so its advice does not suggest workers this run measured slower).
+        Read by `UtilizationMonitor`, so its advice does not suggest workers this run measured slower.
         """
-        extra = self.decision.extra if self.decision is not None else {}
-        base_s, kept = extra.get("baseline_step_s"), extra.get("baseline")
-        if extra.get("rebuilt", True) or not base_s or not isinstance(kept, dict):
-            return None
-        more = [c for c in extra.get("candidates", []) if c.get("step_s") and c["num_workers"] > kept["num_workers"]]
-        if not more:
-            return None
-        best = min(more, key=lambda c: float(c["step_s"]))
-        slower = float(best["step_s"]) / float(base_s) - 1.0
-        return f"num_workers={best['num_workers']} {slower:.0%} slower" if slower > 0 else None
+        return slower_workers(self.decision.extra if self.decision is not None else {})
 
     @override
     def status(self) -> dict[str, Any]:

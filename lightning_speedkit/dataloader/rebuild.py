@@ -26,6 +26,7 @@ __all__ = [
     "loader_settings",
     "rebuild_dataloader",
     "settings_name",
+    "slower_workers",
     "valid_candidate",
 ]
 
@@ -101,24 +102,25 @@ def default_candidates(max_workers: int, pin_memory: bool = False, batched: bool
     """Candidate settings: ``num_workers`` 0, 1, 2, 4, ... up to ``max_workers`` (always included).
 
     Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``. With ``batched`` (the dataset
-    can be fetched a batch at once: `lightning_speedkit.data.batched.batched_view`), no workers with `BATCHED`
-    too, second: it needs no worker process to start, and takes the per-sample work away instead of hiding it.
+    is rows of in-memory tensors, fetched a batch at once: `lightning_speedkit.data.batched.batched_view`), the
+    candidates are no workers with and without `BATCHED` instead: a sample's whole cost is its fetch and stack, which
+    the batched fetch takes away in the training process, where a worker would only move it to another process (and
+    copy the batch back) at the price of its start-up and a core.
 
     Example:
         >>> [c["num_workers"] for c in default_candidates(6)]
         [0, 1, 2, 4, 6]
         >>> default_candidates(0)
         [{'num_workers': 0, 'persistent_workers': False, 'prefetch_factor': None, 'pin_memory': False}]
-        >>> [(c["num_workers"], c.get(BATCHED, False)) for c in default_candidates(1, batched=True)]
-        [(0, False), (0, True), (1, False)]
+        >>> [(c["num_workers"], c.get(BATCHED, False)) for c in default_candidates(2, batched=True)]
+        [(0, False), (0, True)]
     """
     if max_workers < 0:
         raise ValueError(f"`max_workers` must be >= 0, got {max_workers}.")
-    counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers] + [max_workers]
-    candidates = [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
     if batched:
-        candidates.insert(1, complete_settings(0, pin_memory=pin_memory, batched_fetch=True))
-    return candidates
+        return [complete_settings(0, pin_memory=pin_memory, batched_fetch=fetch) for fetch in (False, True)]
+    counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers] + [max_workers]
+    return [complete_settings(w, pin_memory=pin_memory) for w in sorted(set(counts))]
 
 
 def rebuild_dataloader(
@@ -276,3 +278,26 @@ def valid_candidate(candidate: object) -> bool:
         and (prefetch is None or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 1))
         and all(isinstance(candidate.get(key, False), bool) for key in ("persistent_workers", "pin_memory", BATCHED))
     )
+
+
+def slower_workers(extra: dict[str, Any]) -> str | None:
+    """What more workers measured, when each setting tried with more was slower: ``"num_workers=1 26% slower"``.
+
+    ``extra`` is a `lightning_speedkit.DataLoaderTuner` decision's; the fastest of those settings is named, against
+    the loader kept. None when none was tried, one was faster, or the loader was rebuilt.
+
+    Example:
+        >>> kept = complete_settings(0)
+        >>> tried = [{**complete_settings(1), "step_s": 0.026}, {**complete_settings(2), "step_s": 0.03}]
+        >>> slower_workers({"rebuilt": False, "baseline": kept, "baseline_step_s": 0.02, "candidates": tried})
+        'num_workers=1 30% slower'
+    """
+    base_s, kept = extra.get("baseline_step_s"), extra.get("baseline")
+    if extra.get("rebuilt", True) or not base_s or not isinstance(kept, dict):
+        return None
+    more = [c for c in extra.get("candidates", []) if c.get("step_s") and c["num_workers"] > kept["num_workers"]]
+    if not more:
+        return None
+    best = min(more, key=lambda c: float(c["step_s"]))
+    slower = float(best["step_s"]) / float(base_s) - 1.0
+    return f"num_workers={best['num_workers']} {slower:.0%} slower" if slower > 0 else None
