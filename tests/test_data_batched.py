@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
 
 from lightning_speedkit.data.batched import BatchedTensors, batched_view, collated
-from lightning_speedkit.dataloader import NotRebuildableError, loader_settings, rebuild_dataloader
+from lightning_speedkit.dataloader import (
+    LoaderSettings,
+    NotRebuildableError,
+    complete_settings,
+    loader_settings,
+    rebuild_dataloader,
+)
 from lightning_speedkit.dataloader.rebuild import BATCHED
 
 
@@ -96,3 +103,25 @@ def test_fetching_at_once_is_refused_for_a_dataset_it_could_change() -> None:
     own = DataLoader(_tensors(), batch_size=2, collate_fn=lambda samples: samples)
     with pytest.raises(NotRebuildableError, match=r"with its own collate_fn"):
         rebuild_dataloader(own, {"num_workers": 0, BATCHED: True})
+
+
+def test_loader_settings_fetch_at_once_only_the_loaders_of_tensor_rows() -> None:
+    """Applied to a module whose val loader is not rows of tensors, it rebuilds that one without the batched fetch."""
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(_tensors(), batch_size=4, shuffle=True)
+
+        def val_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(list(range(8)), batch_size=4)
+
+    refused: list[str] = []
+    owner = Data()
+    hooks = ("train_dataloader", "val_dataloader")
+    settings = LoaderSettings(owner, complete_settings(0, batched_fetch=True), hooks, refused.append)
+    settings.apply(None)  # type: ignore[arg-type]
+    assert isinstance(owner.train_dataloader().dataset, BatchedTensors)
+    assert owner.val_dataloader().dataset == list(range(8))
+    assert refused == []
+    settings.revert(None)  # type: ignore[arg-type]
+    assert isinstance(owner.train_dataloader().dataset, TensorDataset)

@@ -625,6 +625,38 @@ def test_ddp_ranks_agree(tmp_path: Path) -> None:
     assert records[0]["sampler"] == "DistributedSampler"
 
 
+def _weights_record(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's train loader (its dataset and sampler types) and its weights, exactly (written by `RankWriter`)."""
+    loader = trainer.train_dataloader
+    weights = [float(v) for p in pl_module.parameters() for v in p.detach().flatten()]
+    return {"dataset": type(loader.dataset).__name__, "sampler": type(loader.sampler).__name__, "weights": weights}
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_under_ddp_a_batched_fetch_trains_each_rank_on_its_own_shard_as_without_it(tmp_path: Path) -> None:
+    """Under 2-process DDP a loader rebuilt to fetch its batches at once keeps Lightning's distributed sampler.
+
+    Both ranks decide alike, and the weights are, bit for bit, those of the same DDP fit without the tuner.
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=40)  # 320 rows a rank, batches of 8
+
+    def fit(callbacks: list[L.Callback], prefix: str) -> list[dict[str, Any]]:
+        L.seed_everything(0, verbose=False)
+        writer = RankWriter(tmp_path, _weights_record, prefix=prefix)
+        trainer = tiny_trainer(
+            tmp_path, strategy="ddp_spawn", devices=2, max_epochs=epochs, callbacks=[*callbacks, writer]
+        )
+        trainer.fit(Model(), _Tensors(n=640))
+        return rank_records(tmp_path, prefix=prefix)
+
+    tuned = fit([DataLoaderTuner(probe_steps=4, remember=False)], "tuned")
+    plain = fit([], "plain")
+    assert tuned[0]["dataset"] == tuned[1]["dataset"] in ("BatchedTensors", "TensorDataset")
+    assert tuned[0]["sampler"] == tuned[1]["sampler"] == "DistributedSampler"
+    assert tuned[0]["weights"] == tuned[1]["weights"] == plain[0]["weights"]
+
+
 @pytest.mark.slow
 def test_benchmark_runs_in_quick_mode(tmp_path: Path, demo_cache: Path) -> None:
     """``benchmarks/dataloader.py --quick`` measures every setting, with a fit time for each, and writes its JSON."""

@@ -211,7 +211,9 @@ class LoaderSettings(Setting):
 
     `apply` patches the hooks of the LightningDataModule (or LightningModule) that builds the loaders, so each call
     returns the user's loader rebuilt with `rebuild_dataloader`; `revert` removes the patches. Only hooks the owner
-    overrides are patched. A loader that cannot be rebuilt is returned as it is, and ``on_refused`` gets the reason.
+    overrides are patched. A loader that cannot be rebuilt is returned as it is, and ``on_refused`` gets the reason;
+    one whose samples are not rows of tensors (a validation loader beside a ``TensorDataset``'s train loader) is
+    rebuilt with the settings but `BATCHED`.
 
     Args:
         owner: The LightningDataModule or LightningModule whose hooks build the loaders.
@@ -251,8 +253,13 @@ class LoaderSettings(Setting):
     def _rebuilding(self, hook: str, original: Callable[[], Any]) -> Callable[[], Any]:
         def rebuilt() -> Any:
             loader = original()
+            if not isinstance(loader, DataLoader):
+                return loader
+            settings = self.settings
+            if settings.get(BATCHED) and batched_view(loader.dataset, loader.collate_fn) is None:
+                settings = {k: v for k, v in settings.items() if k != BATCHED}  # not rows of tensors: the rest only
             try:
-                return rebuild_dataloader(loader, self.settings) if isinstance(loader, DataLoader) else loader
+                return rebuild_dataloader(loader, settings)
             except NotRebuildableError as error:
                 if self.on_refused is not None:
                     self.on_refused(f"{hook}: {error}")
