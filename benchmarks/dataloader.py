@@ -327,7 +327,7 @@ def _fit_rows(num_images: int, root: str, io_slow: dict[str, Any], tensors: dict
     ]
     rows_data, rows_epochs = (lambda: TensorRows(tensors["rows"], tensors["batch_size"])), tensors["epochs"]
     rows += [
-        fit_row("tensors naive (num_workers=0, fetch per sample)", "tensors", rows_data, False, rows_epochs, RowsMLP),
+        fit_row("tensors naive (fetch per sample)", "tensors", rows_data, False, rows_epochs, RowsMLP),
         fit_row("tensors DataLoaderTuner", "tensors", rows_data, True, rows_epochs, RowsMLP),
     ]
     naive = {row["workload"]: row for row in rows if row["tuner"] is None}
