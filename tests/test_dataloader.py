@@ -197,6 +197,24 @@ def test_a_loader_whose_steps_hardly_wait_is_kept_after_its_own_block(tmp_path: 
     assert trainer.train_dataloader.num_workers == 0
 
 
+@pytest.mark.parametrize(("probe_steps", "batches", "block"), [(6, 30, 5), (3, 20, 3)])
+def test_counted_blocks_shorten_to_what_the_first_epoch_holds(
+    tmp_path: Path, probe_steps: int, batches: int, block: int
+) -> None:
+    """Blocks of ``probe_steps``, or the longest that three rounds of both settings fit in the first epoch.
+
+    30 batches hold three rounds of two 5-step blocks, not of 6-step ones: the blocks are 5 steps, counted. Blocks
+    shorter than 4 steps are counted too when ``probe_steps`` asks for them.
+    """
+    tuner = DataLoaderTuner(max_workers=1, probe_steps=probe_steps, remember=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=6, limit_val_batches=0)
+    trainer.fit(Model(), SlowData(n=4 * batches))
+    report = tuner.report()
+    assert report["counted"]
+    assert report["reason"].endswith("counted trials")
+    assert {len(b["step_s"]) for b in report["blocks"]} == {block}
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_restored_trials_also_stop_after_the_loaders_own_trial_when_its_wait_cannot_repay(tmp_path: Path) -> None:
     """An epoch too short for counted trials probes on restored ones, and the same wait rule applies there.

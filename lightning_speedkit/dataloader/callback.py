@@ -83,8 +83,8 @@ class DataLoaderTuner(Lever):
             loader's own settings is not tried twice. When the loader's wait for data cannot repay the start-up of
             worker candidates but can repay the others, only those others are tried.
         probe_steps: Training steps per setting; the first ``min(2, probe_steps - 1)`` are not timed (worker
-            start-up). Counted blocks are shorter, down to 4, when the first epoch holds no more after the counted
-            probes queued before this one; shorter than that, the trials are restored ones.
+            start-up). Counted blocks are shorter, down to 4 (or ``probe_steps`` if fewer), when the first epoch
+            holds no more after the counted probes queued before this one; shorter than that, trials are restored.
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
             this node (DDP local ranks).
         margin: How much faster (relative median step time) a candidate must be than the loader's own settings.
@@ -181,7 +181,7 @@ class DataLoaderTuner(Lever):
         # every setting's blocks, none dropped, after the counted probes queued before this one, in the first epoch
         room = (plan["batches"] or 0) - queued_steps(trainer)
         self._block = min(self.probe_steps, room // ((1 + len(candidates)) * COUNTED_ROUNDS))
-        if plan["batches"] is not None and self._block >= _MIN_BLOCK and counted:
+        if plan["batches"] is not None and self._block >= min(_MIN_BLOCK, self.probe_steps) and counted:
             self._live = live = LiveSettings(baseline)  # counted: the first epoch's steps are the probe
             return CountedBlock(live, baseline), [CountedBlock(live, s) for s in candidates]
         self._live = None  # restored trials: an epoch too short (or an iterable dataset) for the counted window
