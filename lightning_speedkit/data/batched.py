@@ -18,21 +18,33 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
-__all__ = ["BatchedTensors", "batched_view", "collated"]
+__all__ = ["BatchedTensors", "batched_view", "collated", "fetches_at_once"]
 
 
-def _tensors_of(dataset: object) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
-    """The tensors ``dataset``'s samples are rows of, and which rows (None: all, in order); None when not such."""
-    if type(dataset) is TensorDataset:  # a subclass may change what a sample is
-        return tuple(dataset.tensors), None
-    if type(dataset) is Subset:
-        inner = _tensors_of(dataset.dataset)
-        if inner is None:
-            return None
-        tensors, rows = inner
+def fetches_at_once(dataset: object, collate_fn: object = default_collate) -> bool:
+    """Whether a batch of ``dataset`` fetched at once is the loader's own batch: `batched_view` would give a view.
+
+    Only a ``TensorDataset`` (or a ``Subset`` of one, nested) collated by `default_collate`: another dataset's samples
+    may be computed per sample, and another ``collate_fn`` may do more than stack them. Types only: nothing is built.
+
+    Example:
+        >>> data = TensorDataset(torch.zeros(4, 3))
+        >>> fetches_at_once(Subset(Subset(data, [0, 2, 3]), [1])), fetches_at_once(data, collate_fn=list)
+        (True, False)
+    """
+    while type(dataset) is Subset:
+        dataset = dataset.dataset
+    return collate_fn is default_collate and type(dataset) is TensorDataset  # a subclass may change what a sample is
+
+
+def _tensors_of(dataset: Dataset[Any]) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """The tensors the samples of ``dataset`` (`fetches_at_once`) are rows of, and which rows (None: all, in order)."""
+    if isinstance(dataset, Subset):
+        tensors, rows = _tensors_of(dataset.dataset)
         picked = torch.as_tensor(list(dataset.indices), dtype=torch.long)
         return tensors, picked if rows is None else rows[picked]
-    return None
+    assert isinstance(dataset, TensorDataset)  # checked by the caller (`fetches_at_once`)
+    return tuple(dataset.tensors), None
 
 
 class BatchedTensors(Dataset[Any]):
@@ -58,11 +70,10 @@ class BatchedTensors(Dataset[Any]):
     """
 
     def __init__(self, source: Dataset[Any]) -> None:
-        found = _tensors_of(source)
-        if found is None:
+        if not fetches_at_once(source):
             raise TypeError(f"`source` must be a TensorDataset or a Subset of one, got {type(source).__name__}.")
         self.source = source
-        self._tensors, self._rows = found
+        self._tensors, self._rows = _tensors_of(source)
 
     def __len__(self) -> int:
         return len(self.source)  # type: ignore[arg-type]
@@ -91,8 +102,7 @@ def collated(batch: Any) -> Any:
 def batched_view(dataset: object, collate_fn: object = default_collate) -> BatchedTensors | None:
     """``dataset`` as a `BatchedTensors`, or None when a batch fetched at once could differ from the loader's own.
 
-    Only a ``TensorDataset`` (or a ``Subset`` of one, nested) collated by `default_collate`: another dataset's samples
-    may be computed per sample, and another ``collate_fn`` may do more than stack them.
+    Only where `fetches_at_once` says so.
 
     Example:
         >>> data = TensorDataset(torch.zeros(4, 3))
@@ -101,6 +111,4 @@ def batched_view(dataset: object, collate_fn: object = default_collate) -> Batch
         >>> batched_view(data, collate_fn=lambda samples: samples), batched_view([1, 2, 3])
         (None, None)
     """
-    if collate_fn is not default_collate or _tensors_of(dataset) is None:
-        return None
-    return BatchedTensors(dataset)  # type: ignore[arg-type]
+    return BatchedTensors(dataset) if fetches_at_once(dataset, collate_fn) else None  # type: ignore[arg-type]

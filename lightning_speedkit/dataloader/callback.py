@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_probe_steps
-from lightning_speedkit.data.batched import batched_view
+from lightning_speedkit.data.batched import fetches_at_once
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.dataloader.counted import (
     CountedBlock,
@@ -156,7 +156,6 @@ class DataLoaderTuner(Lever):
         self._applied: LoaderSettings | None = None
         self._left: list[str] = []
         self._planned: dict[str, Any] = {}
-        self._block = probe_steps
         self._live: LiveSettings | None = None
         self._serving: CountedLoader | None = None
 
@@ -178,10 +177,8 @@ class DataLoaderTuner(Lever):
         loaders = trainer.fit_loop._combined_loader
         single = loaders is None or len(loaders.flattened) == 1
         counted = plan["map_style"] and single and baseline["num_workers"] == 0  # a single-process loader to serve
-        # every setting's blocks, none dropped, after the counted probes queued before this one, in the first epoch
-        room = (plan["batches"] or 0) - queued_steps(trainer)
-        self._block = min(self.probe_steps, room // ((1 + len(candidates)) * COUNTED_ROUNDS))
-        if plan["batches"] is not None and self._block >= min(_MIN_BLOCK, self.probe_steps) and counted:
+        block = self.block_steps(trainer, 1 + len(candidates))
+        if plan["batches"] is not None and block >= min(_MIN_BLOCK, self.probe_steps) and counted:
             self._live = live = LiveSettings(baseline)  # counted: the first epoch's steps are the probe
             return CountedBlock(live, baseline), [CountedBlock(live, s) for s in candidates]
         self._live = None  # restored trials: an epoch too short (or an iterable dataset) for the counted window
@@ -190,8 +187,13 @@ class DataLoaderTuner(Lever):
 
     @override
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
-        """Counted blocks of ``probe_steps``, or shorter (down to 4) as the first epoch holds them (`plan`)."""
-        return self._block
+        """Counted blocks of ``probe_steps``, or shorter, so that they fit in the first epoch.
+
+        Every setting's blocks, none dropped, after the counted probes queued before this one (`plan` takes them down
+        to 4 steps, then restored trials).
+        """
+        room = (self._planned.get("batches") or 0) - queued_steps(trainer)
+        return min(self.probe_steps, room // (settings * COUNTED_ROUNDS))
 
     @override
     def counted_trials(self, current: Setting, others: Sequence[Setting], steps: int, warmup: int) -> CountedTrials:
@@ -350,7 +352,7 @@ class DataLoaderTuner(Lever):
         if max_workers is None:
             max_workers = max(0, cpu_info().available_cores // max(1, trainer.num_devices))
         pin = bool(loader.pin_memory)
-        batched = batched_view(loader.dataset, loader.collate_fn) is not None  # a batch fetched at once
+        batched = fetches_at_once(loader.dataset, loader.collate_fn)
         asked = [c for c in self.candidates or () if batched or not c.get(BATCHED)]
         if len(asked) < len(self.candidates or ()):
             rank_zero_warn(f"DataLoaderTuner: `{BATCHED}` left out: {_NOT_BATCHED}.")

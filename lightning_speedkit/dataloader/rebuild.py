@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, default_collate
 from typing_extensions import override
 
-from lightning_speedkit.data.batched import BatchedTensors, batched_view, collated
+from lightning_speedkit.data.batched import BatchedTensors, batched_view, collated, fetches_at_once
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.trials import Setting
 from lightning_speedkit.trials.memory import BUILT_FROM
@@ -102,7 +102,7 @@ def default_candidates(max_workers: int, pin_memory: bool = False, batched: bool
     """Candidate settings: ``num_workers`` 0, 1, 2, 4, ... up to ``max_workers`` (always included).
 
     Workers are persistent (no start-up cost each epoch) with ``prefetch_factor=2``. With ``batched`` (the dataset
-    is rows of in-memory tensors, fetched a batch at once: `lightning_speedkit.data.batched.batched_view`), the
+    is rows of in-memory tensors, fetched a batch at once: `lightning_speedkit.data.batched.fetches_at_once`), the
     candidates are no workers with and without `BATCHED` instead: a sample's whole cost is its fetch and stack, which
     the batched fetch takes away in the training process, where a worker would only move it to another process (and
     copy the batch back) at the price of its start-up and a core.
@@ -256,7 +256,7 @@ class LoaderSettings(Setting):
             if not isinstance(loader, DataLoader):
                 return loader
             settings = self.settings
-            if settings.get(BATCHED) and batched_view(loader.dataset, loader.collate_fn) is None:
+            if settings.get(BATCHED) and not fetches_at_once(loader.dataset, loader.collate_fn):
                 settings = {k: v for k, v in settings.items() if k != BATCHED}  # not rows of tensors: the rest only
             try:
                 return rebuild_dataloader(loader, settings)

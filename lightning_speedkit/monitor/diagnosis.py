@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lightning_speedkit.data.batched import batched_view
+from lightning_speedkit.data.batched import fetches_at_once
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.monitor.flops import mfu
 from lightning_speedkit.timing import WindowStats
@@ -45,7 +45,7 @@ class LoaderSettings:
         workers_measured_slower: What a loader tuner measured of more workers on real steps, when they all lost
             (``"num_workers=1 26% slower"``): the advice then does not suggest them.
         fetched_per_sample: Whether the samples are rows of in-memory tensors fetched and stacked one by one, which
-            one indexing call a batch would serve (`lightning_speedkit.data.batched_view`): the advice says so first.
+            one indexing call a batch would serve (`lightning_speedkit.data.fetches_at_once`): the advice says so first.
     """
 
     num_workers: int = 0
@@ -78,8 +78,7 @@ class LoaderSettings:
             accelerator=accelerator,
             streaming=is_streaming_loader(loader),
             remote=getattr(getattr(getattr(loader, "dataset", None), "input_dir", None), "url", None) is not None,
-            fetched_per_sample=batched_view(getattr(loader, "dataset", None), getattr(loader, "collate_fn", None))
-            is not None,
+            fetched_per_sample=fetches_at_once(getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)),
         )
 
     @property
