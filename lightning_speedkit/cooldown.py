@@ -180,7 +180,7 @@ def run_trial(
     (`lightning_speedkit.trials.TrialSession`); ``pin`` fixes the schedule's multiplier for a side. Returns each
     side's losses and the seconds both took, or why there is no verdict (a side failed, a loss was not a scalar).
     """
-    with TrialSession(trainer, steps, warmup=0) as session:
+    with TrialSession(trainer, steps, warmup=0, replay=True) as session:
         batches = session.batches_per_epoch()
         sides = [
             session.run(_Factor(name, f, pin), max_batches=batches)

@@ -73,11 +73,17 @@ class _RangeTest(trials.Setting):
 
 
 class _Scaled(trials.Setting):
-    """Every param group's LR times ``scale`` for one trial; 0 is the reference trial (the weights do not move)."""
+    """Every param group's LR times ``scale`` for one trial; 0 is the reference trial (the weights do not move).
+
+    At LR 0 no step moves a weight, so the reference trial's losses are the forward passes' alone: under automatic
+    optimization its steps skip the backward pass and the optimizer step (the module's ``backward`` and
+    ``optimizer_step`` hooks, for this trial only), a third of a step's cost instead of all of it.
+    """
 
     def __init__(self, scale: float) -> None:
         self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
         self._was: list[list[Any]] = []
+        self._hooks: dict[str, Any] = {}
 
     @override
     def apply(self, trainer: pl.Trainer) -> None:
@@ -85,12 +91,34 @@ class _Scaled(trials.Setting):
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * self.scale
+        module = trainer.lightning_module
+        if self.scale == REFERENCE and module.automatic_optimization:
+            self._hooks = {name: module.__dict__[name] for name in _FORWARD_ONLY if name in module.__dict__}
+            module.__dict__.update(_FORWARD_ONLY)
 
     @override
     def revert(self, trainer: pl.Trainer) -> None:
         for optimizer, lrs in zip(trainer.optimizers, self._was, strict=True):
             for group, lr in zip(optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
+        module = trainer.lightning_module
+        if self.scale == REFERENCE and module.automatic_optimization:
+            for name in _FORWARD_ONLY:
+                module.__dict__.pop(name, None)
+            module.__dict__.update(self._hooks)
+
+
+def _closure_only(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+    """An ``optimizer_step`` hook that runs the step's closure (its forward) and steps nothing."""
+    if optimizer_closure is not None:
+        optimizer_closure()
+
+
+def _no_backward(loss: Any, *args: Any, **kwargs: Any) -> None:
+    """A ``backward`` hook that computes no gradient."""
+
+
+_FORWARD_ONLY = {"optimizer_step": _closure_only, "backward": _no_backward}
 
 
 _MAX_STEPS = 100_000
@@ -300,7 +328,7 @@ class LRFinder(trials.Lever):
 
     def _walk(self, trainer: pl.Trainer, steps: int, most: float) -> tuple[dict[float, list[float]], float]:
         """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds."""
-        with TrialSession(trainer, steps, warmup=0) as session:
+        with TrialSession(trainer, steps, warmup=0, replay=True) as session:
             batches = session.batches_per_epoch()
             curves = walk(
                 lambda scale: _losses(session.run(_Scaled(scale), max_batches=batches)),

@@ -14,7 +14,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_speedkit import LRFinder, WarmupScheduler
 from lightning_speedkit.lr import param_group_lrs
-from lightning_speedkit.trials import TrialSession
+from lightning_speedkit.lr_finder import _Scaled
+from lightning_speedkit.lr_search import REFERENCE
+from lightning_speedkit.trials import Setting, TrialSession
 
 FINDER = {"max_fraction": 1.0}  # the search may take the whole of these short fits
 RANGE = {"method": "range", "max_fraction": 1.0}
@@ -164,6 +166,67 @@ def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
     _fit(tmp_path, _model(1e-4), range_test, max_epochs=2)
     assert range_test.report()["reason"].startswith("skipped: a 60-step range test is more than 15% of the 32 steps")
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+class _CountsBackward(TinyClassifier):
+    """Counts the backward passes its hook runs; ``manual`` steps its optimizer itself (manual optimization)."""
+
+    def __init__(self, manual: bool = False) -> None:
+        L.seed_everything(0, verbose=False)
+        super().__init__(lr=0.05, optimizer="adam", num_samples=256, batch_size=16)
+        self.automatic_optimization, self.backwards = not manual, 0
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.backwards += 1
+        super().backward(loss, *args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if not self.automatic_optimization:
+            optimizer: Any = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+
+class _LRZero(Setting):
+    """LR 0 with full steps: what the reference trial computes the long way."""
+
+    name = "LR 0, full steps"
+
+    def apply(self, trainer: L.Trainer) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["was"], group["lr"] = group["lr"], 0.0
+
+    def revert(self, trainer: L.Trainer) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = group.pop("was")
+
+
+class _References(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.backwards, self.losses = [], []
+        with TrialSession(trainer, 5, warmup=0, replay=True) as session:
+            for setting in (_Scaled(REFERENCE), _LRZero()):
+                before = pl_module.backwards
+                self.losses.append(session.run(setting).losses)
+                self.backwards.append(pl_module.backwards - before)
+        self.hooks = {name for name in ("backward", "optimizer_step") if name in vars(pl_module)}
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_the_reference_trial_skips_backward_and_step_under_automatic_optimization(tmp_path: Path, manual: bool) -> None:
+    """At LR 0 no weight moves, so the reference trial runs forward passes only.
+
+    The same losses as LR 0 with full steps, no backward pass (the module's hooks put back afterwards). Under manual
+    optimization, where the user's step runs its own backward, the reference trial runs full steps.
+    """
+    references = _References()
+    _fit(tmp_path, _CountsBackward(manual), references, max_epochs=1)
+    assert references.losses[0] == references.losses[1]
+    assert references.backwards == ([5, 5] if manual else [0, 5])
+    assert references.hooks == set()
 
 
 class _Plateau(L.LightningModule):

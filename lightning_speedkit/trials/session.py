@@ -23,6 +23,7 @@ from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
+from lightning_speedkit.trials.replay import fetch_batches, replaying
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
 from lightning_speedkit.trials.snapshot import loop_flags, put_back, restore_loop_flags, take_state
 
@@ -123,16 +124,25 @@ class TrialSession:
         steps: Training batches per trial, each a full optimizer step.
         warmup: Leading steps of each trial left out of its median step time.
         validate: Also run one validation batch after the steps (the batch-size finder probes eval memory).
+        replay: Fetch the trials' batches once and give every trial copies of them (`lightning_speedkit.trials.replay`),
+            for trials that differ in what the steps do, not in how the batches come; batches over 1 GiB in all, or
+            trials longer than an epoch, fetch as usual.
 
     Raises:
         ValueError: If ``steps`` is not an int >= 1 or ``warmup`` not an int in [0, steps).
     """
 
-    def __init__(self, trainer: pl.Trainer, steps: int, warmup: int = 1, validate: bool = False) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, steps: int, warmup: int = 1, validate: bool = False, replay: bool = False
+    ) -> None:
         check_probe_steps("steps", steps)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < steps:
             raise ValueError(f"`warmup` must be an int in [0, steps={steps}), got {warmup!r}.")
         self.trainer, self.steps, self.warmup, self.validate = trainer, steps, warmup, validate
+        self.replay = replay
+        self._to_fetch = replay  # until the first trial fetches the batches (once: too few or too large, not again)
+        self._batches: list[Any] | None = None
+        self._replay_rng: dict[str, Any] = {}
         self.probe = _Probe()
         self.seconds = 0.0
         self.waits: dict[str, list[float]] = {}  # per setting, its last trial's waits for data (rank zero's)
@@ -248,12 +258,13 @@ class TrialSession:
                         " use fewer probe steps or more data."
                     )
             trainer.limit_train_batches = limit
+            batches = self._replayed(limit)
             epoch, step = trainer.current_epoch, trainer.global_step  # 0 at fit start; later for a trial mid-fit
             fit_loop.max_epochs, fit_loop.min_epochs = epoch + self.steps, None
             fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = step + self.steps, None
             trainer.callbacks = [self.probe, *setting.callbacks()]  # type: ignore[attr-defined]
             self.probe.start(trainer.strategy.root_device)
-            with self._no_sync():
+            with self._no_sync(), replaying(trainer, batches) if batches else contextlib.nullcontext():
                 fit_loop._combined_loader = None
                 fit_loop._data_fetcher = None  # a fetcher of the run (a trial mid-fit) is kept aside, not reused
                 fit_loop.load_state_dict(copy.deepcopy(self._saved["loop"]))
@@ -295,6 +306,18 @@ class TrialSession:
         self.seconds += result.seconds
         log.debug("trial %s: %s %s", setting.name, outcome, error)
         return result
+
+    def _replayed(self, limit: int) -> list[Any] | None:
+        """The batches every trial replays (fetched by the first), or None to fetch as usual."""
+        if self._to_fetch:
+            self._to_fetch = False
+            fetched = fetch_batches(self.trainer, limit) if limit == self.steps else None
+            self._restore_rng()
+            if fetched is not None:
+                self._batches, self._replay_rng = fetched
+        if self._batches is not None:
+            _set_rng_states(self._replay_rng)  # as a trial's steps find it after its loader drew its seed
+        return self._batches
 
     def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         strategy = self.trainer.strategy
