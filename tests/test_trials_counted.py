@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.dataloader.counted import LoaderTrials
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
-from lightning_speedkit.trials.counted import DROP_AFTER, EXTRA_ROUNDS
+from lightning_speedkit.trials.counted import COUNTED_ROUNDS, DROP_AFTER, EXTRA_ROUNDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -417,15 +417,17 @@ class _AtStep:
 def test_an_added_round_runs_now_only_in_steps_no_probe_queued_behind_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Now: in the epoch's steps (or the run's, if fewer) beyond the windows of the probes queued behind; else later.
 
-    The demo's shape: a layout probe ends its rounds at step 60 of a 125-batch epoch, with the loader's probe (54
-    steps, which must run in the first epoch) queued behind: 11 steps are free, too few for a round of two 10-step
-    blocks now, so it runs after the loader's probe. The loader's own added round must fit in the epoch, or none.
+    A layout probe (started: it queued ahead of the loader's) ends its rounds at step 60 of a 125-batch epoch, with
+    the loader's probe (54 steps, which must run in the first epoch) queued behind: 11 steps are free, too few for a
+    round of two 10-step blocks now, so it runs after the loader's probe. The loader's own added round must fit in
+    the epoch, or none.
     """
     monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 800.0)
     trainer: Any = _AtStep(batches=125, ready=60)
     layout = trials.counted.CountedTrials(AsIs("nchw"), [AsIs("nhwc")], steps=10, margin=0.03)
     loader = LoaderTrials(AsIs("as built"), [AsIs("1 worker"), AsIs("2 workers")], steps=6, margin=0.05)
     layout.join(trainer)
+    layout.blocks.append(("nchw", []))  # started
     loader.join(trainer)
     assert layout._extension_room(trainer) == "later"
     assert loader._extension_room(trainer) == "now"  # nothing behind it: 65 steps left in the epoch
@@ -535,3 +537,30 @@ def test_a_replayed_probe_keeps_a_clearly_faster_candidate_and_refuses_a_slower_
     assert benchmark.replay(steady, 0.85, 6, 12) == (True, 144)
     assert benchmark.replay(steady, 1.05, 6, 12)[0] is False
     assert benchmark.replay(steady, 0.85, 25, 3) == (True, 150)
+
+
+def test_an_epoch_bound_probe_queues_ahead_of_the_probes_that_can_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader's probe must run in the first epoch; a layout's or an update's can run later: the loader's goes first.
+
+    It queues behind another epoch-bound probe and behind a probe that has started, not ahead of them, and the steps
+    it must leave room for (`queued_steps` with ``bound``) are theirs alone.
+    """
+    trainer: Any = _AtStep(batches=125, ready=0)
+    layout = trials.counted.CountedTrials(AsIs("nchw"), [AsIs("nhwc")], steps=10, margin=0.03)
+    update = trials.counted.CountedTrials(AsIs("foreach"), [AsIs("fused")], steps=10, margin=0.03)
+    loader = LoaderTrials(AsIs("as built"), [AsIs("batched")], steps=5, margin=0.05)
+    other = LoaderTrials(AsIs("as built"), [AsIs("1 worker")], steps=5, margin=0.05)
+    layout.join(trainer)
+    update.join(trainer)
+    assert trials.counted.queued_steps(trainer, bound=True) == 0
+    assert trials.counted.queued_steps(trainer) == 2 * 2 * 10 * COUNTED_ROUNDS
+    loader.join(trainer)
+    other.join(trainer)
+    assert trials.counted._QUEUES[trainer] == [loader, other, layout, update]
+    assert trials.counted.queued_steps(trainer, bound=True) == 2 * 2 * 5 * COUNTED_ROUNDS
+    late = _AtStep(batches=125, ready=0)
+    layout.join(late)
+    layout.blocks.append(("nchw", []))  # it started before the loader's probe joined: the loader's waits for it
+    loader.join(late)
+    update.join(late)
+    assert trials.counted._QUEUES[late] == [layout, loader, update]

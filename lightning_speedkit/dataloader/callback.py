@@ -189,10 +189,10 @@ class DataLoaderTuner(Lever):
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
         """Counted blocks of ``probe_steps``, or shorter, so that they fit in the first epoch.
 
-        Every setting's blocks, none dropped, after the counted probes queued before this one (`plan` takes them down
-        to 4 steps, then restored trials).
+        Every setting's blocks, none dropped, after the counted probes this one queues behind (`plan` takes them down
+        to 4 steps, then restored trials): the epoch-bound ones; the others wait for it (`CountedTrials.join`).
         """
-        room = (self._planned.get("batches") or 0) - queued_steps(trainer)
+        room = (self._planned.get("batches") or 0) - queued_steps(trainer, bound=True)
         return min(self.probe_steps, room // (settings * COUNTED_ROUNDS))
 
     @override

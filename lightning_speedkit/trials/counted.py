@@ -91,9 +91,12 @@ _QUEUES: weakref.WeakKeyDictionary[Any, list[CountedTrials]] = weakref.WeakKeyDi
 """Per Trainer, the counted probes not yet decided, in the order they joined: the first one runs."""
 
 
-def queued_steps(trainer: pl.Trainer) -> int:
-    """The most training steps the counted probes already queued on ``trainer`` can still take (their windows)."""
-    return sum(trials.window for trials in _QUEUES.get(trainer, []))
+def queued_steps(trainer: pl.Trainer, bound: bool = False) -> int:
+    """The most training steps the counted probes queued on ``trainer`` can still take (their windows).
+
+    ``bound``: only those an epoch-bound probe joining now would wait for (`CountedTrials.join`).
+    """
+    return sum(trials.window for trials in _QUEUES.get(trainer, []) if not bound or trials._holds_its_place())
 
 
 class CountedTrials:
@@ -144,8 +147,20 @@ class CountedTrials:
         return len(self.settings) * self.steps * self.rounds
 
     def join(self, trainer: pl.Trainer) -> None:
-        """Queue on ``trainer``: this probe starts once the counted probes that joined before have decided."""
-        _QUEUES.setdefault(trainer, []).append(self)
+        """Queue on ``trainer``: this probe starts once the counted probes that joined before have decided.
+
+        An epoch-bound probe (a loader's, whose blocks must all run in the first epoch) goes ahead of the probes that
+        are not and have not started: theirs can run after the first epoch, its cannot; and the settings it keeps (a
+        faster loader) serve the rest of that epoch.
+        """
+        queue = _QUEUES.setdefault(trainer, [])
+        ahead = [trials._holds_its_place() for trials in queue]
+        at = ahead.index(False) if self.EPOCH_BOUND and False in ahead else len(queue)
+        queue.insert(at, self)
+
+    def _holds_its_place(self) -> bool:
+        """Whether an epoch-bound probe joining now queues behind this one: bound itself, or already started."""
+        return self.EPOCH_BOUND or bool(self.blocks)
 
     def _leave(self, trainer: pl.Trainer) -> None:
         queue = _QUEUES.get(trainer, [])
