@@ -564,3 +564,26 @@ def test_an_epoch_bound_probe_queues_ahead_of_the_probes_that_can_wait(monkeypat
     loader.join(late)
     update.join(late)
     assert trials.counted._QUEUES[late] == [layout, loader, update]
+
+
+def test_an_epoch_bound_probe_adds_its_round_before_the_probes_that_can_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's probe, ahead of an update's 120-step window in a 150-batch epoch, ends its rounds at step 36.
+
+    Its added round (two 6-step blocks) runs now, in the epoch: the update's probe can run after it, past the epoch if
+    need be. Another epoch-bound probe behind still holds its steps; and the run must have the steps for all of them.
+    """
+    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 864.0)
+    trainer: Any = _AtStep(batches=150, ready=36)
+    loader = LoaderTrials(AsIs("as built"), [AsIs("batched")], steps=6, margin=0.05)
+    update = trials.counted.CountedTrials(AsIs("foreach"), [AsIs("fused")], steps=20, margin=0.03)
+    update.join(trainer)
+    loader.join(trainer)
+    assert loader._extension_room(trainer) == "now"
+    other = LoaderTrials(AsIs("as built"), [AsIs("1 worker")], steps=20, margin=0.05)
+    other.join(trainer)  # 120 steps, bound to the epoch: 114 are left in it
+    assert loader._extension_room(trainer) is None
+    monkeypatch.setattr(trials.counted, "steps_left", lambda trainer: 130.0)
+    tight: Any = _AtStep(batches=150, ready=36)
+    loader.join(tight)
+    update.join(tight)
+    assert loader._extension_room(tight) is None  # the run's 130 steps hold the update's window, not both

@@ -270,14 +270,16 @@ class CountedTrials:
         A probe queued behind was promised its window at fit start, and a loader's must run inside the first epoch
         (``EPOCH_BOUND``, `lightning_speedkit.dataloader.counted.CountedLoader`): a round runs now only in the steps
         they leave free in this epoch; else, unless this probe is itself bound to the epoch, after them, when the
-        run has the steps. Meanwhile the setting in place trains.
+        run has the steps. Meanwhile the setting in place trains. For a probe bound to the epoch, the probes behind
+        that are not bound can wait past the epoch: only the bound ones' windows count against the epoch's steps.
         """
         queue = _QUEUES.get(trainer, [])
         behind = queue[queue.index(self) + 1 :] if self in queue else []
         need, claimed = 2 * self.steps, sum(t.window for t in behind)
+        in_epoch = sum(t.window for t in behind if t.EPOCH_BOUND) if self.EPOCH_BOUND else claimed
         run_left = steps_left(trainer)
         epoch_left = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if min(float(epoch_left), run_left) - claimed >= need:
+        if epoch_left - in_epoch >= need and run_left - claimed >= need:
             return "now"
         if behind and not self.EPOCH_BOUND and run_left - claimed >= need:
             return "later"
