@@ -5,8 +5,10 @@ schedulers, precision plugin, fit-loop progress, RNG streams and the train loade
 applies a `Setting` (a batch size, loader settings, a memory format, a precision, an LR schedule), trains k real
 steps through the Trainer's own loops (data loading included, exactly as the loop does it; precision, DDP and the
 user's hooks behave as in training), reverts the setting and restores the snapshot, so every trial starts from the
-same state and sees the same batches. Each trial ends with a verdict all ranks agree on (an out-of-memory error on
-any rank fails it on every rank) and rank zero's timings and losses broadcast to all, so every rank decides alike.
+same state and sees the same batches (trials that differ only in what the steps do, an LR, fetch them once and
+replay copies: `lightning_speedkit.trials.replay`). Each trial ends with a verdict all ranks agree on (an
+out-of-memory error on any rank fails it on every rank) and rank zero's timings and losses broadcast to all, so
+every rank decides alike.
 
 When to probe, and what to keep, is decided by the pure rules of `lightning_speedkit.decisions`. Every lever's life
 cycle (its decision, checkpoint, resume rule, logging and report) is `Lever`, its record `Decision`.
