@@ -76,8 +76,9 @@ class _Scaled(trials.Setting):
     """Every param group's LR times ``scale`` for one trial; 0 is the reference trial (the weights do not move).
 
     At LR 0 no step moves a weight, so the reference trial's losses are the forward passes' alone: under automatic
-    optimization its steps skip the backward pass and the optimizer step (the module's ``backward`` and
-    ``optimizer_step`` hooks, for this trial only), a third of a step's cost instead of all of it.
+    optimization its steps skip the backward pass, the optimizer step and the LR schedulers' steps (the module's
+    ``backward``, ``optimizer_step`` and ``lr_scheduler_step`` hooks, for this trial only), a third of a step's cost
+    instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.)
     """
 
     def __init__(self, scale: float) -> None:
@@ -118,7 +119,11 @@ def _no_backward(loss: Any, *args: Any, **kwargs: Any) -> None:
     """A ``backward`` hook that computes no gradient."""
 
 
-_FORWARD_ONLY = {"optimizer_step": _closure_only, "backward": _no_backward}
+def _no_scheduler_step(scheduler: Any, metric: Any) -> None:
+    """An ``lr_scheduler_step`` hook that leaves the LR where it is."""
+
+
+_FORWARD_ONLY = {"optimizer_step": _closure_only, "backward": _no_backward, "lr_scheduler_step": _no_scheduler_step}
 
 
 _MAX_STEPS = 100_000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,10 @@ def test_a_short_run_skips_the_search(tmp_path: Path) -> None:
 
 
 class _CountsBackward(TinyClassifier):
-    """Counts the backward passes its hook runs; ``manual`` steps its optimizer itself (manual optimization)."""
+    """Counts the backward passes its hook runs; ``manual`` steps its optimizer itself (manual optimization).
+
+    Its LR schedule steps every step (automatic optimization), as a warmup or one-cycle schedule does.
+    """
 
     def __init__(self, manual: bool = False) -> None:
         L.seed_everything(0, verbose=False)
@@ -188,6 +192,11 @@ class _CountsBackward(TinyClassifier):
             self.manual_backward(loss)
             optimizer.step()
         return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class _LRZero(Setting):
@@ -212,18 +221,22 @@ class _References(L.Callback):
                 before = pl_module.backwards
                 self.losses.append(session.run(setting).losses)
                 self.backwards.append(pl_module.backwards - before)
-        self.hooks = {name for name in ("backward", "optimizer_step") if name in vars(pl_module)}
+        self.hooks = {name for name in ("backward", "optimizer_step", "lr_scheduler_step") if name in vars(pl_module)}
 
 
 @pytest.mark.parametrize("manual", [False, True])
 def test_the_reference_trial_skips_backward_and_step_under_automatic_optimization(tmp_path: Path, manual: bool) -> None:
     """At LR 0 no weight moves, so the reference trial runs forward passes only.
 
-    The same losses as LR 0 with full steps, no backward pass (the module's hooks put back afterwards). Under manual
-    optimization, where the user's step runs its own backward, the reference trial runs full steps.
+    The same losses as LR 0 with full steps, no backward pass (the module's hooks put back afterwards), and no LR
+    schedule stepped before any optimizer step (torch would warn). Under manual optimization, where the user's step
+    runs its own backward, the reference trial runs full steps.
     """
     references = _References()
-    _fit(tmp_path, _CountsBackward(manual), references, max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path, _CountsBackward(manual), references, max_epochs=1)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert references.losses[0] == references.losses[1]
     assert references.backwards == ([5, 5] if manual else [0, 5])
     assert references.hooks == set()
