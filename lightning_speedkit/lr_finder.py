@@ -19,6 +19,7 @@ from lightning_speedkit.lr import (
     param_group_lrs,
     range_test_factors,
     rescale_run_lrs,
+    scale_trainer_lrs,
     smooth_losses,
     suggest_lr,
 )
@@ -85,13 +86,18 @@ class _Scaled(trials.Setting):
         self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
         self._was: list[list[Any]] = []
         self._hooks: dict[str, Any] = {}
+        self._defaults: list[Any] = []
 
     @override
     def apply(self, trainer: pl.Trainer) -> None:
         self._was = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * self.scale
+        self._defaults = [optimizer.defaults.get("lr") for optimizer in trainer.optimizers]
+        if self.scale == REFERENCE:  # its schedulers do not step (`_FORWARD_ONLY`)
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.0 * group["lr"]
+        else:  # the schedulers' base LRs too, or a LambdaLR's next step undoes the scale (put back after the trial)
+            scale_trainer_lrs(trainer, self.scale)
         module = trainer.lightning_module
         if self.scale == REFERENCE and module.automatic_optimization:
             self._hooks = {name: module.__dict__[name] for name in _FORWARD_ONLY if name in module.__dict__}
@@ -99,9 +105,11 @@ class _Scaled(trials.Setting):
 
     @override
     def revert(self, trainer: pl.Trainer) -> None:
-        for optimizer, lrs in zip(trainer.optimizers, self._was, strict=True):
+        for optimizer, lrs, default in zip(trainer.optimizers, self._was, self._defaults, strict=True):
             for group, lr in zip(optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
+            if default is not None:
+                optimizer.defaults["lr"] = default
         module = trainer.lightning_module
         if self.scale == REFERENCE and module.automatic_optimization:
             for name in _FORWARD_ONLY:

@@ -242,6 +242,56 @@ def test_the_reference_trial_skips_backward_and_step_under_automatic_optimizatio
     assert references.hooks == set()
 
 
+class _LambdaSchedule(TinyClassifier):
+    """A constant `LambdaLR` stepped every step: it computes each step's LR from its base LRs."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class _SeenLRs(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+class _ScaledSeen(_Scaled):
+    def __init__(self, scale: float) -> None:
+        super().__init__(scale)
+        self.seen = _SeenLRs()
+
+    def callbacks(self) -> list[L.Callback]:
+        return [self.seen]
+
+
+def test_a_trial_keeps_its_scale_under_a_schedule_computed_from_base_lrs(tmp_path: Path) -> None:
+    """Under a `LambdaLR` stepped every step, the x10 trial trains every step at ten times the LR, not only its first.
+
+    Its schedule's base LRs are scaled with the param groups' (they were not, and the schedule's first step put the
+    unscaled LR back: the trials then compared nearly the same LRs); afterwards the run's LRs are as they were.
+    """
+
+    class Trials(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            self.trials = [_ScaledSeen(1.0), _ScaledSeen(10.0)]
+            with TrialSession(trainer, 4, warmup=0, replay=True) as session:
+                for setting in self.trials:
+                    session.run(setting)
+            self.after = trainer.lr_scheduler_configs[0].scheduler.base_lrs + param_group_lrs(trainer.optimizers)[0]
+            self.defaults = trainer.optimizers[0].defaults["lr"]
+
+    trials = Trials()
+    _fit(tmp_path, _LambdaSchedule(lr=0.01, optimizer="adam", num_samples=256, batch_size=16), trials, max_epochs=1)
+    assert trials.trials[0].seen.lrs == pytest.approx([0.01] * 4)
+    assert trials.trials[1].seen.lrs == pytest.approx([0.1] * 4)
+    assert trials.after == [0.01, 0.01]
+    assert trials.defaults == 0.01
+
+
 class _Plateau(L.LightningModule):
     """Loss ``(1 - w)^2`` from ``w = 0``, reported to three decimals, at SGD 5e-6: a loss on a plateau.
 
