@@ -84,7 +84,8 @@ class DataLoaderTuner(Lever):
             worker candidates but can repay the others, only those others are tried.
         probe_steps: Training steps per setting; the first ``min(2, probe_steps - 1)`` are not timed (worker
             start-up). Counted blocks are shorter, down to 4 (or ``probe_steps`` if fewer), when the first epoch
-            holds no more after the counted probes queued before this one; shorter than that, trials are restored.
+            holds no more after the epoch-bound counted probes queued before this one (the others queue behind it);
+            shorter than that, trials are restored.
         max_workers: Most workers tried; default: the cores available to this process divided by the processes of
             this node (DDP local ranks).
         margin: How much faster (relative median step time) a candidate must be than the loader's own settings.
