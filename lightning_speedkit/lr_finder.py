@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -15,123 +13,18 @@ from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_choice, check_number, check_probe_steps
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
-    diverged,
     param_group_lrs,
     range_test_factors,
     rescale_run_lrs,
-    scale_trainer_lrs,
     smooth_losses,
     suggest_lr,
 )
-from lightning_speedkit.lr_search import REFERENCE, choose_scale, next_scale, plateau, walk
+from lightning_speedkit.lr_search import REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, walk
+from lightning_speedkit.lr_trial import RangeTest, Scaled
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
 __all__ = ["METHODS", "LRFinder"]
-
-
-class _RangeSteps(Callback):
-    """Sets each trial step's LR (the user's LR times the next factor) and stops once the smoothed loss blows up."""
-
-    def __init__(self, factors: Sequence[float], beta: float, divergence: float) -> None:
-        self.factors, self.beta, self.divergence = list(factors), beta, divergence
-        self.base: list[list[float]] = []
-        self.losses: list[float] = []
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.base:
-            self.base = param_group_lrs(trainer.optimizers)
-        factor = self.factors[min(len(self.losses), len(self.factors) - 1)]
-        for optimizer, lrs in zip(trainer.optimizers, self.base, strict=True):
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr * factor
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loss = trials.loss_of(outputs)
-        self.losses.append(math.nan if loss is None else loss)
-        stop = diverged(smooth_losses(self.losses, self.beta), self.divergence)
-        if trainer.strategy.reduce_boolean_decision(stop, all=False):  # every rank stops at the same step
-            trainer.should_stop = True
-
-
-class _RangeTest(trials.Setting):
-    """The LR schedule of a range test, for one trial."""
-
-    name = "lr range test"
-
-    def __init__(self, steps: _RangeSteps) -> None:
-        self.steps = steps
-
-    @override
-    def callbacks(self) -> Sequence[Callback]:
-        return (self.steps,)
-
-
-class _Scaled(trials.Setting):
-    """Every param group's LR times ``scale`` for one trial; 0 is the reference trial (the weights do not move).
-
-    At LR 0 no step moves a weight, so the reference trial's losses are the forward passes' alone: under automatic
-    optimization its steps skip the backward pass, the optimizer step and the LR schedulers' steps (the module's
-    ``backward``, ``optimizer_step`` and ``lr_scheduler_step`` hooks, for this trial only), a third of a step's cost
-    instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.)
-    """
-
-    def __init__(self, scale: float) -> None:
-        self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
-        self._was: list[list[Any]] = []
-        self._hooks: dict[str, Any] = {}
-        self._defaults: list[Any] = []
-
-    @override
-    def apply(self, trainer: pl.Trainer) -> None:
-        self._was = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
-        self._defaults = [optimizer.defaults.get("lr") for optimizer in trainer.optimizers]
-        if self.scale == REFERENCE:  # its schedulers do not step (`_FORWARD_ONLY`)
-            for optimizer in trainer.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = 0.0 * group["lr"]
-        else:  # the schedulers' base LRs too, or a LambdaLR's next step undoes the scale (put back after the trial)
-            scale_trainer_lrs(trainer, self.scale)
-        module = trainer.lightning_module
-        if self.scale == REFERENCE and module.automatic_optimization:
-            self._hooks = {name: module.__dict__[name] for name in _FORWARD_ONLY if name in module.__dict__}
-            module.__dict__.update(_FORWARD_ONLY)
-
-    @override
-    def revert(self, trainer: pl.Trainer) -> None:
-        for optimizer, lrs, default in zip(trainer.optimizers, self._was, self._defaults, strict=True):
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
-            if default is not None:
-                optimizer.defaults["lr"] = default
-        module = trainer.lightning_module
-        if self.scale == REFERENCE and module.automatic_optimization:
-            for name in _FORWARD_ONLY:
-                module.__dict__.pop(name, None)
-            module.__dict__.update(self._hooks)
-
-
-def _closure_only(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-    """An ``optimizer_step`` hook that runs the step's closure (its forward) and steps nothing."""
-    if optimizer_closure is not None:
-        optimizer_closure()
-
-
-def _no_backward(loss: Any, *args: Any, **kwargs: Any) -> None:
-    """A ``backward`` hook that computes no gradient."""
-
-
-def _no_scheduler_step(scheduler: Any, metric: Any) -> None:
-    """An ``lr_scheduler_step`` hook that leaves the LR where it is."""
-
-
-_FORWARD_ONLY = {"optimizer_step": _closure_only, "backward": _no_backward, "lr_scheduler_step": _no_scheduler_step}
 
 
 _MAX_STEPS = 100_000
@@ -148,8 +41,10 @@ class LRFinder(trials.Lever):
     ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
     same batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten
     times it; up by decades while each ends clearly lower on the same batches; down (x0.1, x0.01) when ten times
-    breaks or ends higher and the user's LR does not clearly lower the loss. The user's LR is kept unless another
-    does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
+    breaks or ends higher and the user's LR does not clearly lower the loss. A trial that breaks (a loss half again
+    over the reference's highest, `lightning_speedkit.lr_search.broke`) stops at that step: it has broken however it
+    ends. The user's LR is kept unless another does at least three times its progress
+    (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
     same batches, their step-by-step difference carries no batch noise, so the search tells LRs apart on a plateau
     where a range test's single curve shows only noise; when no LR moved the loss at all and the run is long enough
     (the longer trials take at most 10% of it), the search runs again with trials four times as long, walking up (or
@@ -313,12 +208,12 @@ class LRFinder(trials.Lever):
         k = self._trial_steps(left)
         budget = self.max_fraction * left
         curves, probe_s = self._walk(trainer, k, _fits(budget, k))
-        used = len(curves) * k
+        used = _steps(curves)
         chosen, why = choose_scale(curves)
         room = min(budget - used, _PLATEAU_SHARE * left)
         if plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
             curves, seconds = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, four times as long
-            used, probe_s = used + len(curves) * 4 * k, probe_s + seconds
+            used, probe_s = used + _steps(curves), probe_s + seconds
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
         unwalked = next_scale(curves, self.min_scale, self.max_scale)
@@ -343,20 +238,22 @@ class LRFinder(trials.Lever):
         """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds."""
         with TrialSession(trainer, steps, warmup=0, replay=True) as session:
             batches = session.batches_per_epoch()
-            curves = walk(
-                lambda scale: _losses(session.run(_Scaled(scale), max_batches=batches)),
-                most,
-                self.min_scale,
-                self.max_scale,
-            )
+            ceiling = [math.inf]  # once the reference ran: a trial over it has broken, and stops there (`Scaled`)
+
+            def trial(scale: float) -> list[float]:
+                losses = _losses(session.run(Scaled(scale, ceiling[0]), max_batches=batches))
+                if scale == REFERENCE:
+                    ceiling[0] = broke_ceiling(losses)
+                return losses
+
+            curves = walk(trial, most, self.min_scale, self.max_scale)
         return curves, session.elapsed_s
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
-        steps = _RangeSteps(self.factors, self.smoothing, self.divergence)
         with TrialSession(trainer, self.steps, warmup=0) as session:
             batches = session.batches_per_epoch()
-            result = session.run(_RangeTest(steps), max_batches=batches)
+            result = session.run(RangeTest(self.factors, self.smoothing, self.divergence), max_batches=batches)
         losses = [math.nan if v is None else v for v in result.losses]
         lrs = [user_lr * f for f in self.factors[: len(losses)]]
         report: dict[str, Any] = {"method": "range", "user_lr": user_lr, "steps": len(losses), "probed": True}
@@ -380,6 +277,11 @@ class LRFinder(trials.Lever):
 def _fits(budget: float, steps: int) -> float:
     """How many trials of ``steps`` fit in ``budget`` steps: whole ones, or ``inf`` for a run with no step limit."""
     return math.inf if math.isinf(budget) else float(budget // steps)
+
+
+def _steps(curves: dict[float, list[float]]) -> int:
+    """The steps the trials ran (a trial that broke stops at the step it broke)."""
+    return sum(len(losses) for losses in curves.values())
 
 
 def _losses(result: trials.TrialResult) -> list[float]:

@@ -21,6 +21,7 @@ __all__ = [
     "GRID",
     "REFERENCE",
     "broke",
+    "broke_ceiling",
     "choose_scale",
     "grid_scale",
     "moved",
@@ -134,11 +135,24 @@ def broke(curves: Curves, scale: float) -> bool:
         >>> broke({0.0: ref, 10.0: [2.0, 9.5, 2.4, 2.1]}, 10.0), broke({0.0: ref, 10.0: [2.0, 2.2, 2.1, 2.3]}, 10.0)
         (True, False)
     """
-    losses, reference = curves[scale], curves[REFERENCE]
+    losses = curves[scale]
     if not _finite(losses):
         return True
+    return max(losses[1:], default=-math.inf) > broke_ceiling(curves[REFERENCE])
+
+
+def broke_ceiling(reference: Sequence[float]) -> float:
+    """The loss over which a trial broke (`BROKE`), from the reference trial's losses.
+
+    A trial can stop at the first step over it (`lightning_speedkit.lr_trial.broke_after`): it has broken however
+    it ends.
+
+    Example:
+        >>> broke_ceiling([2.0, 2.5, 2.0])
+        3.75
+    """
     highest = max(reference)
-    return max(losses[1:], default=highest) - highest > BROKE * abs(highest)
+    return highest + BROKE * abs(highest)
 
 
 def plateau(curves: Curves) -> bool:
@@ -259,7 +273,7 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     if math.isfinite(mine) and mine >= KEEP * progress[best]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
-    steps = len(curves[1.0])
+    steps = max(len(losses) for losses in curves.values())  # a trial's length (one that broke may have stopped)
     mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
     if best > 1.0:
         edge, higher = _edge(curves)

@@ -15,7 +15,7 @@ MAX_LINES = 400
 # floors; a concern never imports another concern (the foundation holds what two concerns share).
 FOUNDATION = {
     "__about__", "batch", "checks", "cooldown", "data", "decisions", "hardware", "hooks", "layout", "lr", "lr_search",
-    "oom",
+    "lr_trial", "oom",
     "recommend",
     "report", "restore", "sampling", "schedule", "timing", "trials",
 }  # fmt: skip

@@ -15,8 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_speedkit import LRFinder, WarmupScheduler
 from lightning_speedkit.lr import param_group_lrs
-from lightning_speedkit.lr_finder import _Scaled
 from lightning_speedkit.lr_search import REFERENCE
+from lightning_speedkit.lr_trial import Scaled
 from lightning_speedkit.trials import Setting, TrialSession
 
 FINDER = {"max_fraction": 1.0}  # the search may take the whole of these short fits
@@ -217,7 +217,7 @@ class _References(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         self.backwards, self.losses = [], []
         with TrialSession(trainer, 5, warmup=0, replay=True) as session:
-            for setting in (_Scaled(REFERENCE), _LRZero()):
+            for setting in (Scaled(REFERENCE), _LRZero()):
                 before = pl_module.backwards
                 self.losses.append(session.run(setting).losses)
                 self.backwards.append(pl_module.backwards - before)
@@ -259,7 +259,7 @@ class _SeenLRs(L.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-class _ScaledSeen(_Scaled):
+class _ScaledSeen(Scaled):
     def __init__(self, scale: float) -> None:
         super().__init__(scale)
         self.seen = _SeenLRs()
@@ -355,7 +355,8 @@ def test_a_run_with_no_step_limit_searches_as_far_as_the_scales_go(tmp_path: Pat
 
 def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's LRFinder scale, LR and weights (written by `RankWriter`)."""
-    record = {"scale": callback_of(trainer, LRFinder).report()["scale"]}
+    report = callback_of(trainer, LRFinder).report()
+    record = {"scale": report["scale"], "lengths": [len(losses) for losses in report["trials"]["losses"]]}
     record["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
     record["weights"] = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
     return record
@@ -363,12 +364,16 @@ def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
-    """2-process DDP: rank zero's curve decides, both ranks apply the same LR and end with the same weights."""
+@pytest.mark.parametrize("lr", [1e-4, 1.0])
+def test_ddp_ranks_apply_the_same_scale(tmp_path: Path, lr: float) -> None:
+    """2-process DDP: rank zero's curve decides, both ranks apply the same LR and end with the same weights.
+
+    At 1.0 (100x too high) the trials that break stop at the step rank zero's loss broke, on both ranks alike.
+    """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
     _fit(
         tmp_path,
-        _model(1e-4),
+        _model(lr),
         LRFinder(**FINDER),
         RankWriter(tmp_path, _rank_lr),
         strategy=strategy,
@@ -376,7 +381,10 @@ def test_ddp_ranks_apply_the_same_scale(tmp_path: Path) -> None:
         max_epochs=8,
     )
     ranks = rank_records(tmp_path)
-    assert ranks[0]["scale"] == ranks[1]["scale"] > 1.0
+    assert ranks[0]["scale"] == ranks[1]["scale"]
+    assert (ranks[0]["scale"] > 1.0) if lr < 1.0 else (ranks[0]["scale"] < 1.0)
+    assert ranks[0]["lengths"] == ranks[1]["lengths"]
+    assert (min(ranks[0]["lengths"]) < max(ranks[0]["lengths"])) == (lr == 1.0)  # a broken trial stopped early
     assert ranks[0]["lr"] == ranks[1]["lr"]
     assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], abs=1e-6)
 

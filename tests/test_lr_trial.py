@@ -1,0 +1,103 @@
+"""The LR search's trial settings: a scaled LR for one trial, and a trial that broke stops at the step it broke."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+
+import lightning_speedkit.lr_finder as lr_finder
+from lightning_speedkit import LRFinder
+from lightning_speedkit.lr_search import REFERENCE, broke, broke_ceiling
+from lightning_speedkit.lr_trial import Scaled, _StopWhen
+from lightning_speedkit.trials import TrialSession
+
+STEPS = 8
+
+
+def _model(lr: float) -> TinyClassifier:
+    L.seed_everything(0, verbose=False)
+    return TinyClassifier(lr=lr, optimizer="adam", num_samples=256, batch_size=16)
+
+
+class _Trials(L.Callback):
+    """At fit start: the reference trial, then the user's LR with the ceiling the reference gives and without one."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with TrialSession(trainer, STEPS, warmup=0, replay=True) as session:
+            self.reference = session.run(Scaled(REFERENCE)).losses
+            self.ceiling = broke_ceiling(self.reference)
+            self.stopped = session.run(Scaled(1.0, self.ceiling)).losses
+            self.full = session.run(Scaled(1.0)).losses
+
+
+def test_a_trial_that_breaks_stops_at_the_step_its_loss_goes_over_the_ceiling(tmp_path: Path) -> None:
+    """Adam at LR 5 blows the loss up: the trial ends at the first step over the reference's ceiling.
+
+    Its losses up to there are the full trial's (the same batches from the same weights), and it is judged broken
+    as the full trial is; a trial with no ceiling runs all its steps.
+    """
+    trials = _Trials()
+    tiny_trainer(tmp_path, callbacks=[trials], max_epochs=1, limit_val_batches=0).fit(_model(5.0))
+    stopped, full = trials.stopped, trials.full
+    assert len(full) == STEPS
+    assert 1 < len(stopped) < STEPS
+    assert stopped == full[: len(stopped)]
+    assert stopped[-1] > trials.ceiling
+    assert all(loss <= trials.ceiling for loss in stopped[1:-1])
+    assert broke({REFERENCE: trials.reference, 1.0: stopped}, 1.0)
+    assert broke({REFERENCE: trials.reference, 1.0: full}, 1.0)
+
+
+def test_a_trial_that_does_not_break_runs_all_its_steps(tmp_path: Path) -> None:
+    """Adam at 1e-3 never goes over the ceiling: the trial with one is the trial without."""
+    trials = _Trials()
+    tiny_trainer(tmp_path, callbacks=[trials], max_epochs=1, limit_val_batches=0).fit(_model(1e-3))
+    assert len(trials.stopped) == STEPS
+    assert trials.stopped == trials.full
+
+
+def test_the_search_decides_as_it_did_when_broken_trials_ran_to_their_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At Adam 1.0 (100x too high) the search lowers the LR to the same scale in fewer steps: broken trials stop."""
+    decisions = []
+    for stop in (True, False):
+        if not stop:
+            monkeypatch.setattr(lr_finder, "broke_ceiling", lambda reference: math.inf)
+        finder = LRFinder(max_fraction=1.0, remember=False)
+        tiny_trainer(tmp_path, callbacks=[finder], max_epochs=5, limit_val_batches=0).fit(_model(1.0))
+        report = finder.report()
+        decisions.append((report["scale"], report["steps"], report["trials"]))
+    (scale, steps, tried), (full_scale, full_steps, full_tried) = decisions
+    assert scale == full_scale <= 0.1
+    assert tried["scales"] == full_tried["scales"]
+    assert steps < full_steps
+    assert steps == sum(len(losses) for losses in tried["losses"])
+    for losses, full in zip(tried["losses"], full_tried["losses"], strict=True):
+        assert losses == full[: len(losses)]
+
+
+def test_stop_when_asks_its_test_after_every_step() -> None:
+    """A trial's stop callback keeps every step's loss (NaN for a step without one) and hands them all to its test."""
+    seen: list[list[float]] = []
+    stop = _StopWhen(lambda losses: bool(seen.append(list(losses))))
+
+    class _Strategy:
+        def broadcast(self, value: Any, src: int = 0) -> Any:
+            return value
+
+    class _Trainer:
+        strategy = _Strategy()
+        should_stop = False
+
+    for outputs in ({"loss": torch.tensor(1.5)}, None):
+        stop.on_train_batch_end(_Trainer(), None, outputs, None, 0)  # type: ignore[arg-type]
+    assert seen[0] == [1.5]
+    assert seen[1][0] == 1.5
+    assert math.isnan(seen[1][1])
