@@ -96,8 +96,9 @@ class Scaled(trials.Setting):
     At LR 0 no step moves a weight, so the reference trial's losses are the forward passes' alone: under automatic
     optimization its steps skip the backward pass, the optimizer step and the LR schedulers' steps (the module's
     ``backward``, ``optimizer_step`` and ``lr_scheduler_step`` hooks, for this trial only), a third of a step's cost
-    instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) A trial at
-    another scale ends at the first step whose loss is over ``ceiling`` (`broke_after`): it has broken already.
+    instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) Under manual
+    optimization its steps run in full, each at LR 0 (`_AtZero`). A trial at another scale ends at the first step
+    whose loss is over ``ceiling`` (`broke_after`): it has broken already.
     """
 
     def __init__(self, scale: float, ceiling: float = math.inf) -> None:
@@ -137,9 +138,22 @@ class Scaled(trials.Setting):
 
     @override
     def callbacks(self) -> Sequence[Callback]:
-        if self.scale == REFERENCE or math.isinf(self.ceiling):
-            return ()
-        return (_StopWhen(broke_after(self.ceiling)),)
+        if self.scale == REFERENCE:
+            return (_AtZero(),)
+        return () if math.isinf(self.ceiling) else (_StopWhen(broke_after(self.ceiling)),)
+
+
+class _AtZero(Callback):
+    """Sets every LR to 0 before each optimizer step of the reference trial.
+
+    Under manual optimization the user's ``training_step`` steps the optimizer and may step a schedule that computes
+    the LR from its base LRs (``LambdaLR``), which would move the reference trial's LR off 0 after its first step.
+    """
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0 * group["lr"]
 
 
 def _closure_only(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:

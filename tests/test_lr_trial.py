@@ -101,3 +101,64 @@ def test_stop_when_asks_its_test_after_every_step() -> None:
     assert seen[0] == [1.5]
     assert seen[1][0] == 1.5
     assert math.isnan(seen[1][1])
+
+
+class _ManualLambda(TinyClassifier):
+    """Manual optimization that steps a per-step ``LambdaLR`` itself (the schedule computes the LR from base LRs)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, optimizer="adam", num_samples=256, batch_size=16)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        optimizer: Any = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        schedule: Any = self.lr_schedulers()
+        schedule.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)]
+
+
+class _Weights(L.Callback):
+    def __init__(self) -> None:
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+class _ReferenceSeen(Scaled):
+    def __init__(self) -> None:
+        super().__init__(REFERENCE)
+        self.seen = _Weights()
+
+    def callbacks(self) -> list[L.Callback]:
+        return [*super().callbacks(), self.seen]
+
+
+class _Reference(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = [p.detach().clone() for p in pl_module.parameters()]
+        self.setting = _ReferenceSeen()
+        with TrialSession(trainer, 4, warmup=0) as session:
+            session.run(self.setting)
+
+
+def test_under_manual_optimization_the_reference_trial_stays_at_lr_0(tmp_path: Path) -> None:
+    """Under manual optimization with a per-step ``LambdaLR``, the reference trial moves no weight.
+
+    The user's step steps the schedule, which puts the base LR back after every step; every LR is set to 0 right
+    before each optimizer step.
+    """
+    reference = _Reference()
+    L.seed_everything(0, verbose=False)
+    tiny_trainer(tmp_path, callbacks=[reference], max_epochs=1, limit_val_batches=0).fit(_ManualLambda())
+    assert len(reference.setting.seen.after) == 4
+    for weights in reference.setting.seen.after:
+        assert all(torch.equal(a, b) for a, b in zip(reference.weights, weights, strict=True))

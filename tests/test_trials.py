@@ -388,3 +388,51 @@ def test_bad_session_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any
     """Non-positive steps, or a warm-up that leaves no timed step, get a ValueError naming the argument."""
     with pytest.raises(ValueError, match=match):
         TrialSession(tiny_trainer(tmp_path), **kwargs)
+
+
+class _Interrupt(BaseException):
+    """Not an ``Exception``: what a ``KeyboardInterrupt`` or ``SystemExit`` inside a trial looks like to it."""
+
+
+class _Interrupted(Setting):
+    """A setting whose trial is interrupted at its first step; it records whether it was reverted."""
+
+    def __init__(self) -> None:
+        self.applied = self.reverted = False
+
+    def apply(self, trainer: L.Trainer) -> None:
+        self.applied = True
+
+    def revert(self, trainer: L.Trainer) -> None:
+        self.reverted = True
+
+    def callbacks(self) -> list[L.Callback]:
+        class _Raise(L.Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                raise _Interrupt
+
+        return [_Raise()]
+
+
+class _InterruptedTrial(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.setting = _Interrupted()
+        self.weights = [p.detach().clone() for p in pl_module.parameters()]
+        with TrialSession(trainer, 3, warmup=0) as session:
+            with pytest.raises(_Interrupt):
+                session.run(self.setting)
+            self.after = [p.detach().clone() for p in pl_module.parameters()]
+
+
+def test_an_interrupted_trial_is_still_reverted_and_its_state_put_back(tmp_path: Path) -> None:
+    """An interrupt inside a trial (not an ``Exception``) still reverts the setting and puts the weights back.
+
+    Before, only an ``Exception`` did: a setting that patches the module (the LR trials' forward-only reference)
+    stayed in place for whatever ran next in the process.
+    """
+    trials = _InterruptedTrial()
+    L.seed_everything(0, verbose=False)
+    tiny_trainer(tmp_path, callbacks=[trials], max_epochs=1, limit_val_batches=0).fit(TinyClassifier(num_samples=32))
+    assert trials.setting.applied
+    assert trials.setting.reverted
+    assert all(torch.equal(a, b) for a, b in zip(trials.weights, trials.after, strict=True))

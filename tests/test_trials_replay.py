@@ -172,3 +172,58 @@ def test_a_loader_with_a_worker_is_replayed_with_the_same_losses(tmp_path: Path)
     _fit(tmp_path, fetching, workers=1)
     assert replayed.losses[0] == replayed.losses[1] == fetching.losses[0]
     assert all(torch.equal(a, b) for a, b in zip(weights, _fit(tmp_path, None, workers=1), strict=True))
+
+
+class _IterStep(TinyClassifier):
+    """``training_step(dataloader_iter)``: the step fetches its own batch from the loader's iterator."""
+
+    @override
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        (x, y), _, _ = next(dataloader_iter)
+        return nn.functional.cross_entropy(self(x), y)
+
+
+class _Fetches(L.Callback):
+    """At fit start: what `fetch_batches` gives, then two replayed trials of the run as it is."""
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with TrialSession(trainer, 3, warmup=0, replay=True) as session:
+            self.fetched = replay_module.fetch_batches(trainer, 3)
+            self.results = [session.run(AsIs()) for _ in range(2)]
+
+
+def test_a_step_that_fetches_from_the_loader_iterator_is_not_replayed(tmp_path: Path) -> None:
+    """``training_step(dataloader_iter)`` gets the loader's iterator, not batches: its trials fetch as usual.
+
+    The replay's fetch unpacked the iterator as if it were a batch and the trial raised, ending the fit.
+    """
+    fetches = _Fetches()
+    L.seed_everything(0, verbose=False)
+    tiny_trainer(tmp_path, callbacks=[fetches], max_epochs=1, limit_val_batches=0).fit(_IterStep(num_samples=64))
+    assert fetches.fetched is None
+    assert all(result.fits and len(result.losses) == 3 for result in fetches.results)
+    assert fetches.results[0].losses == fetches.results[1].losses
+
+
+class _Named(TinyClassifier):
+    """Batches of names (no tensor to copy): the step looks each name up in a fixed table of inputs."""
+
+    @override
+    def training_step(self, batch: list[str], batch_idx: int) -> torch.Tensor:  # type: ignore[override]
+        index = torch.tensor([int(name) for name in batch])
+        x, y = self._data(0).tensors
+        return super().training_step((x[index], y[index]), batch_idx)
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader([str(i) for i in range(64)], batch_size=8, shuffle=True)
+
+
+def test_batches_with_no_tensor_to_copy_are_fetched_by_each_trial(tmp_path: Path) -> None:
+    """A batch that holds no tensor cannot be copied for each trial (a step could change it in place): no replay."""
+    fetches = _Fetches()
+    L.seed_everything(0, verbose=False)
+    tiny_trainer(tmp_path, callbacks=[fetches], max_epochs=1, limit_val_batches=0).fit(_Named(num_samples=64))
+    assert fetches.fetched is None
+    assert fetches.results[0].losses == fetches.results[1].losses

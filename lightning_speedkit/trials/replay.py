@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.seed import _collect_rng_states
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -76,10 +77,11 @@ def fetch_batches(
     The batches are fetched as the fit loop would (its loader, the sampler's epoch); the RNG streams are taken once
     the sampler has drawn its seed and the first batch is fetched: replayed from there, the steps draw what they
     would draw beside a loader that draws nothing per sample (their dropout masks), so the trials' losses are those
-    of trials that fetch their own batches. None when the loader has fewer batches, or they would take more than
-    ``limit_bytes`` (`REPLAY_BYTES` if None; judged by the first). The caller sets ``trainer.limit_train_batches``
-    to ``count`` and the RNG streams as the trials will start from, and puts them back afterwards; the loader built
-    here is torn down (its workers stopped) before this returns.
+    of trials that fetch their own batches. None when the loader has fewer batches, they would take more than
+    ``limit_bytes`` (`REPLAY_BYTES` if None; judged by the first), a batch holds no tensor to copy (a custom batch
+    class: a step could change it in place), or ``training_step`` takes the loader's iterator (``dataloader_iter``).
+    The caller sets ``trainer.limit_train_batches`` to ``count`` and the RNG streams as the trials will start from,
+    and puts them back afterwards; the loader built here is torn down (its workers stopped) before this returns.
     """
     most = REPLAY_BYTES if limit_bytes is None else limit_bytes
     fit_loop = trainer.fit_loop
@@ -87,6 +89,10 @@ def fetch_batches(
     fit_loop.setup_data()
     loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if loader is None or fetcher is None:
+        return None
+    if isinstance(fetcher, _DataLoaderIterDataFetcher):  # `training_step(dataloader_iter)` fetches for itself
+        fetcher.teardown()
+        fit_loop._combined_loader, fit_loop._data_fetcher = None, None
         return None
     batches: list[Any] = []
     rng: dict[str, Any] = {}
@@ -96,7 +102,8 @@ def fetch_batches(
         for _ in range(count):
             batch, _index, _loader_index = next(fetcher)
             if not batches:  # a sampler draws its seed at the first batch, not at `iter`
-                if batch_bytes(batch) * count > most:
+                size = batch_bytes(batch)
+                if size * count > most or (size == 0 and batch is not None):  # no tensor to copy: kept as it comes
                     return None
                 rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
             batches.append(batch)

@@ -23,6 +23,7 @@ from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
+from lightning_speedkit.trials.loaders import loader_generators, put_back_iterators, run_loaders, set_aside_iterators
 from lightning_speedkit.trials.replay import fetch_batches, replaying
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
 from lightning_speedkit.trials.snapshot import loop_flags, put_back, restore_loop_flags, take_state
@@ -111,12 +112,14 @@ class TrialSession:
 
     Use as a context manager; `run` tries one `Setting`. Before every trial and on exit, the weights, optimizer and
     scheduler states, precision plugin (e.g. the grad scaler), fit-loop progress, RNG streams (torch, CUDA, numpy,
-    Python) and the train loader's generators are as they were on entry; module train/eval modes, loggers, callbacks
-    and loop limits too, and the dataloaders are rebuilt at their next use. So every trial trains on the same batches
-    from the same weights, and the run that follows is exactly the run without trials. Trials run with gradient
-    all-reduce blocked (``strategy.block_backward_sync``): memory is the same (DDP's buckets exist from its
-    construction), and a rank that runs out of memory cannot leave the others waiting inside backward. Lightning's
-    info lines about the trials' own loops ("`Trainer.fit` stopped: `max_steps=4` reached.") are held back.
+    Python) and the train loaders' generators (built or not yet, `lightning_speedkit.trials.loaders`) are as they
+    were on entry, and a persistent worker pool the run has started is kept out of the trials; module train/eval
+    modes, loggers, callbacks and loop limits too, and the dataloaders are rebuilt at their next use. So every trial
+    trains on the same batches from the same weights, and the run that follows is exactly the run without trials.
+    Trials run with gradient all-reduce blocked (``strategy.block_backward_sync``): memory is the same (DDP's buckets
+    exist from its construction), and a rank that runs out of memory cannot leave the others waiting inside
+    backward. Lightning's info lines about the trials' own loops ("`Trainer.fit` stopped: `max_steps=4` reached.")
+    are held back.
 
     Args:
         trainer: The Trainer, in ``on_fit_start`` (optimizers set up, strategy wrapped) or at an epoch's start, where
@@ -175,24 +178,16 @@ class TrialSession:
                 if fit_loop._combined_loader is not None
                 else None
             ),
-            "generators": {},
+            "reload_epoch": fit_loop._last_train_dl_reload_epoch,
         }
-        self._saved["generators"] = {id(g): (g, g.get_state()) for g in self._loader_generators()}
+        loaders = run_loaders(trainer)  # built or not: a loader handed out again shares its generator and its pool
+        self._saved["generators"] = {id(g): (g, g.get_state()) for g in loader_generators(loaders)}
+        self._saved["iterators"] = set_aside_iterators(loaders)
         trainer.callbacks = [self.probe]  # type: ignore[attr-defined]
         trainer.loggers = [DummyLogger()] if trainer.loggers else []
         trainer.accumulate_grad_batches = 1  # every trial batch is a full optimizer step, optimizer state included
         trainer.limit_val_batches = 0  # validation runs once per trial, explicitly, after the training steps
         return self
-
-    def _loader_generators(self) -> list[torch.Generator]:
-        loader = self.trainer.fit_loop._combined_loader
-        found: list[torch.Generator] = []
-        for dataloader in loader.flattened if loader is not None else []:
-            for owner in (dataloader, getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None)):
-                generator = getattr(owner, "generator", None)
-                if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-                    found.append(generator)
-        return found
 
     def _restore_rng(self) -> None:
         _set_rng_states(self._saved["rng"])
@@ -248,7 +243,7 @@ class TrialSession:
         self._restore_rng()
         outcome, error = "fits", ""
         setting.apply(trainer)
-        try:
+        try:  # whatever ends the trial (an interrupt too), the clean-up and `revert` run
             limit = self.steps if max_batches is None else max(1, min(self.steps, max_batches))
             if max_batches is None:
                 available = self.batches_per_epoch()
@@ -284,16 +279,13 @@ class TrialSession:
             outcome, error = "peer", "another rank ran out of memory"
         except Exception as exc:
             if not is_oom_error(exc):
-                self._clean_up()
-                setting.revert(trainer)
-                self._restore_state()
                 raise
             outcome, error = "oom", str(exc).splitlines()[0][:300]
         finally:
             trainer.callbacks = [self.probe]  # type: ignore[attr-defined]
-        self._clean_up()
-        setting.revert(trainer)
-        self._restore_state()
+            self._clean_up()
+            setting.revert(trainer)
+            self._restore_state()
         if outcome == "oom":
             _agree_failed(trainer)
         if outcome != "fits":  # the failed step's tensors may sit in reference cycles through its traceback
@@ -312,6 +304,8 @@ class TrialSession:
         if self._to_fetch:
             self._to_fetch = False
             fetched = fetch_batches(self.trainer, limit) if limit == self.steps else None
+            if not self.trainer.strategy.reduce_boolean_decision(fetched is not None, all=True):
+                fetched = None  # every rank replays, or none does (a loader of its own issues collectives)
             self._restore_rng()
             if fetched is not None:
                 self._batches, self._replay_rng = fetched
@@ -395,6 +389,8 @@ class TrialSession:
         else:
             fit_loop._combined_loader = None
         fit_loop.epoch_loop.val_loop._combined_loader = None
+        fit_loop._last_train_dl_reload_epoch = saved["reload_epoch"]
+        put_back_iterators(saved["iterators"])
         # A failed trial was collected in `run`; on an accelerator, cycles may still pin device memory that the
         # run needs (a batch-size trial's activations). On the CPU the collector frees them in its own time.
         release_memory(collect=trainer.strategy.root_device.type != "cpu")

@@ -1,0 +1,112 @@
+"""The run's train loaders around a trial session: a shared generator put back, a started worker pool kept out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, tiny_trainer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_speedkit.trials import AsIs, TrialSession
+from lightning_speedkit.trials.loaders import loader_generators, run_loaders
+
+
+class _Trials(L.Callback):
+    """At fit start, two trials of the run as it is (or none), after counting the run's loaders the session finds."""
+
+    def __init__(self, trials: bool) -> None:
+        self.trials, self.loaders = trials, 0
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.loaders = len(run_loaders(trainer))
+        if self.trials:
+            with TrialSession(trainer, 3, warmup=0) as session:
+                for _ in range(2):
+                    session.run(AsIs())
+
+
+class _Batches(L.Callback):
+    """Every training batch of the run, by epoch."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[torch.Tensor]] = {}
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.batches.setdefault(trainer.current_epoch, []).append(batch[0].clone())
+
+
+class _SteppedByTheLoader(TinyClassifier):
+    """A schedule whose length comes from ``estimated_stepping_batches``, as a ``OneCycleLR``'s would.
+
+    Lightning then builds (and iterates) the train loader before ``on_fit_start``.
+    """
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (total + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _fit(tmp_path: Path, model: L.LightningModule, loader: DataLoader[Any], trials: bool) -> _Batches:
+    batches = _Batches()
+    trainer = tiny_trainer(tmp_path, callbacks=[_Trials(trials), batches], max_epochs=2, limit_val_batches=0)
+    trainer.fit(model, train_dataloaders=loader)
+    return batches
+
+
+@pytest.mark.slow
+def test_a_persistent_worker_pool_started_before_the_trials_still_serves_the_first_epoch(tmp_path: Path) -> None:
+    """One loader object with a persistent worker, built before fit start: the trials start and stop their own pool.
+
+    The trials' clean-up shut the run's own pool down, and the run's first epoch then ended before its first batch.
+    With the run's pool kept out of the trials, both epochs see every batch, and the same ones as without trials.
+    """
+    runs = []
+    for trials in (False, True):
+        L.seed_everything(0, verbose=False)
+        model = _SteppedByTheLoader(lr=0.05, num_samples=64)
+        loader = DataLoader(model._data(0), batch_size=8, shuffle=True, num_workers=1, persistent_workers=True)
+        runs.append(_fit(tmp_path, model, loader, trials).batches)
+    without, with_trials = runs
+    assert [len(without[epoch]) for epoch in (0, 1)] == [8, 8]
+    assert [len(with_trials[epoch]) for epoch in (0, 1)] == [8, 8]
+    for epoch in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(without[epoch], with_trials[epoch], strict=True))
+
+
+def test_a_loader_generator_is_put_back_though_the_loader_is_not_built_yet(tmp_path: Path) -> None:
+    """``DataLoader(generator=g)`` handed out again: the trials draw their shuffles from ``g``, then ``g`` is put back.
+
+    At fit start the loader is not built yet, so the session asks the run's source for it (iterating nothing) to
+    find ``g``; the run then shuffles its first epoch as it would without trials.
+    """
+    runs, found = [], []
+    for trials in (False, True):
+        L.seed_everything(0, verbose=False)
+        model = TinyClassifier(lr=0.05, num_samples=64)
+        generator = torch.Generator().manual_seed(7)
+        loader = DataLoader(model._data(0), batch_size=8, shuffle=True, generator=generator)
+        runs.append(_fit(tmp_path, model, loader, trials).batches)
+        found.append(loader_generators([loader]) == [generator])
+    without, with_trials = runs
+    assert found == [True, True]
+    for epoch in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(without[epoch], with_trials[epoch], strict=True))
+
+
+def test_the_run_loaders_are_found_before_they_are_built(tmp_path: Path) -> None:
+    """At fit start, before the fit loop builds it, the session finds the run's one loader through its source."""
+    trials = _Trials(trials=False)
+    L.seed_everything(0, verbose=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[trials], max_epochs=1, limit_val_batches=0)
+    trainer.fit(TinyClassifier(num_samples=32))
+    assert trials.loaders == 1
