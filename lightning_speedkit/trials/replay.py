@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.seed import _collect_rng_states
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
@@ -84,15 +84,13 @@ def fetch_batches(
     and puts them back afterwards; the loader built here is torn down (its workers stopped) before this returns.
     """
     most = REPLAY_BYTES if limit_bytes is None else limit_bytes
+    if is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter", explicit=True):
+        return None  # the step fetches for itself (Lightning's own test, `_select_data_fetcher`): no loader built
     fit_loop = trainer.fit_loop
     fit_loop._combined_loader = None
     fit_loop.setup_data()
     loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if loader is None or fetcher is None:
-        return None
-    if isinstance(fetcher, _DataLoaderIterDataFetcher):  # `training_step(dataloader_iter)` fetches for itself
-        fetcher.teardown()
-        fit_loop._combined_loader, fit_loop._data_fetcher = None, None
         return None
     batches: list[Any] = []
     rng: dict[str, Any] = {}
