@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Every extra of .[all] but `streaming`, whose litdata requires torchvision, and pip would replace the CPU torch with
 # the CUDA torch the newest torchvision pins (multi-GB). litdata imports and streams without torchvision, so the venv
 # gets it without its dependencies, then the ones it uses (keep LITDATA_SPEC as pyproject's `streaming` extra).
-EXTRAS ?= wandb,export,gpu,plot,cli
+EXTRAS ?= wandb,export,gpu,plot,cli,lrfree
 LITDATA_SPEC ?= litdata>=0.2.70,<0.3
 LITDATA_DEPS ?= boto3 obstore tifffile requests urllib3 filelock
 

@@ -63,6 +63,7 @@ from lightning_speedkit.report import collect_reports
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
+import _lr_free
 from _harness import QUIET, Column, fresh_decisions, print_and_write, quiet_trainer, rotated, table
 from _models import TextEncoder, text_data
 
@@ -73,6 +74,9 @@ GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
 """The grid of plain fits, as multiples of the right LR: the target and the oracle come from it."""
 SEEDS = (0, 1, 2)
 VARIANTS = ("naive", "preset", "preset_auto", "naive_nudged")
+LR_FREE = _lr_free.VARIANTS
+"""``--lr-free`` adds these to every cell: ``preset()`` with the task's optimizer swapped for Prodigy or a
+schedule-free one (`_lr_free`), what a user could opt into instead of the LR trials."""
 MARGIN = 0.98
 """The target is this share of the lowest peak val_acc (over seeds) of the best grid LR."""
 NOISE = 0.10
@@ -358,6 +362,11 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
     fresh_decisions()  # nothing remembered from an earlier fit: every probe runs and is timed
     if variant == "preset":
         return speedkit.preset(verbose=False, **QUIET, **options), False
+    if variant in LR_FREE:  # no LR search: the optimizer sets its own step (Prodigy) or needs no schedule
+        free = variant == "preset_schedulefree"
+        callbacks = [*options.pop("callbacks", ()), *([_lr_free.ScheduleFreeModes()] if free else [])]
+        trainer = speedkit.preset(verbose=False, warmup=not free, callbacks=callbacks, **QUIET, **options)
+        return trainer, variant
     return speedkit.preset(lr="auto", verbose=False, **QUIET, **options), "auto"
 
 
@@ -396,6 +405,8 @@ def fit_one(
     model = task.make_model(task, lr)
     if variant == "naive_nudged":
         nudge_weights(model)
+    if variant in LR_FREE:
+        _lr_free.swap_optimizer(model, variant, task.optimizer, lr)
     timeline = Timeline(verbose=False)
     options = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
     trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline]})
@@ -409,6 +420,8 @@ def fit_one(
         finder = decisions["lr_finder"]
         record |= {"lr_argument": lr_argument, "decisions": decisions}
         record["chosen_lr"] = _chosen_lr(lr, finder)
+    if variant == "preset_prodigy":  # the step size Prodigy estimated (its LR is 1.0 times the schedule)
+        record["prodigy_d"] = float(trainer.optimizers[0].param_groups[0]["d"])
     if show:
         peak = record["peak_val_acc"]
         print(
@@ -425,7 +438,13 @@ def _prepare(task: Task, seed: int, root: Path) -> None:
 
 
 def run_task(
-    task: Task, factors: Sequence[float], grid: Sequence[float], seeds: Sequence[int], root: Path, device: str
+    task: Task,
+    factors: Sequence[float],
+    grid: Sequence[float],
+    seeds: Sequence[int],
+    root: Path,
+    device: str,
+    variants: Sequence[str] = VARIANTS,
 ) -> list[dict[str, Any]]:
     """Every fit of ``task``, in order of running.
 
@@ -442,7 +461,7 @@ def run_task(
     for seed in seeds:
         _prepare(task, seed, root)
         for index, factor in enumerate(factors):
-            for variant in rotated(VARIANTS, index + seed):
+            for variant in rotated(variants, index + seed):
                 runs.append(fit_one(task, variant, factor, seed, root, device))
         for g in rotated(extra, seed) if extra else ():
             runs.append(fit_one(task, "grid", g, seed, root, device))
@@ -481,7 +500,8 @@ def summarise_task(
     cells = []
     for factor in factors:
         for seed in seeds:
-            times = {v: _find(runs, v, factor, seed)["time_to_target_s"] for v in VARIANTS}
+            present = [v for v in (*VARIANTS, *LR_FREE) if any(r["variant"] == v for r in runs)]
+            times = {v: _find(runs, v, factor, seed)["time_to_target_s"] for v in present}
             cell: dict[str, Any] = {"factor": factor, "label": FACTORS.get(factor, f"x{factor:g}"), "seed": seed}
             cell |= {f"{v}_s": t for v, t in times.items()} | {"oracle_s": oracle[seed]}
             cell |= {"preset_vs_naive": _finite(speedup(times["naive"], times["preset"]))}
@@ -492,14 +512,21 @@ def summarise_task(
             cell |= {"preset_later_than_both": later_than_both(*both, times["preset"])}
             cell |= {"auto_later_than_both": later_than_both(*both, times["preset_auto"])}
             cell |= {"auto_over_oracle": over(times["preset_auto"], oracle[seed])}
+            for v in (v for v in LR_FREE if v in times):
+                cell |= {f"{v}_later": later(times["naive"], times[v])}
+                cell |= {f"{v}_later_than_both": later_than_both(*both, times[v])}
+                cell |= {f"{v}_over_oracle": over(times[v], oracle[seed])}
             cells.append(cell)
     auto_over_oracle = statistics.median(c.pop("auto_over_oracle") for c in cells)
+    free = [v for v in LR_FREE if f"{v}_over_oracle" in cells[0]]
+    over_oracle = {v: statistics.median(c.pop(f"{v}_over_oracle") for c in cells) for v in free}
     return {
         "target": target,
         "best_grid_factor": best,
         "grid_peak_val_acc": {str(g): values for g, values in peaks.items()},
         "oracle_s": {str(seed): t for seed, t in oracle.items()},
         "auto_over_oracle_median": auto_over_oracle,
+        **({"over_oracle_median": over_oracle} if over_oracle else {}),
         "cells": cells,
     }
 
@@ -513,7 +540,16 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     cells = [cell for task in tasks.values() for cell in task["cells"]]
     ratios = [task["auto_over_oracle_median"] for task in tasks.values()]
     finite = [r for r in ratios if not math.isnan(r)]
+    free = {}
+    for v in (v for v in LR_FREE if f"{v}_later" in cells[0]):
+        medians = [task["over_oracle_median"][v] for task in tasks.values()]
+        free[v] = {
+            "later_than_naive": sum(c[f"{v}_later"] for c in cells),
+            "later_than_both_naive_fits": sum(c[f"{v}_later_than_both"] for c in cells),
+            "over_oracle_median_over_tasks": _finite(statistics.median(m for m in medians if not math.isnan(m))),
+        }
     return {
+        **({"lr_free": free} if free else {}),
         "cells": len(cells),
         "noise_allowance": NOISE,
         "preset_later_than_naive": sum(c["preset_later"] for c in cells),
@@ -572,13 +608,21 @@ def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], s
     both = summary["preset_later_than_both_naive_fits"], summary["auto_later_than_both_naive_fits"]
     lines.append(f"cells later than both naive fits by > {NOISE:.0%}: preset {both[0]}, preset_auto {both[1]}")
     lines.append(f"median over tasks of auto time / oracle time: {summary['auto_over_oracle_median_over_tasks']}")
+    for variant, counts in summary.get("lr_free", {}).items():
+        lines.append(
+            f"{variant}: later than naive {counts['later_than_naive']}, than both naive fits"
+            f" {counts['later_than_both_naive_fits']}; median over tasks of its time / oracle time"
+            f" {counts['over_oracle_median_over_tasks']}"
+        )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def _settings(quick: bool, names: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, Task], dict[str, Any]]:
+def _settings(
+    quick: bool, names: Sequence[str], seeds: Sequence[int], lr_free: bool = False
+) -> tuple[dict[str, Task], dict[str, Any]]:
     """The tasks to run (``--quick``: `QUICK_SIZES`) and the run's settings (factors, grid, seeds...)."""
     tasks = {name: TASKS[name] for name in names}
     if quick:
@@ -592,7 +636,7 @@ def _settings(quick: bool, names: Sequence[str], seeds: Sequence[int]) -> tuple[
         "grid": list(grid),
         "seeds": [0] if quick else list(seeds),
     }
-    settings |= {"variants": list(VARIANTS), "margin": MARGIN, "noise_allowance": NOISE}
+    settings |= {"variants": [*VARIANTS, *(LR_FREE if lr_free else ())], "margin": MARGIN, "noise_allowance": NOISE}
     settings |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads()}
     return tasks, settings
 
@@ -616,23 +660,27 @@ def run(
     seeds: Sequence[int] = SEEDS,
     out: str | Path | None = None,
     threads: int | None = None,
+    lr_free: bool = False,
 ) -> dict[str, Any]:
     """Fit every task, variant, user LR and seed, summarise, print the tables and write the JSON to ``out``.
 
     ``quick``: tiny budgets, seed 0 only, user LRs 0.1x and 1x, grid 1x; without ``out`` the JSON goes to a temp dir
     (never over the committed result). ``threads``: torch's intra-op threads during the run (None: torch's default).
+    ``lr_free``: every cell also runs `LR_FREE`'s variants.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _run(quick, tasks, seeds, out)
+        return _run(quick, tasks, seeds, out, lr_free)
     finally:
         torch.set_num_threads(previous)
 
 
-def _run(quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Path | None) -> dict[str, Any]:
+def _run(
+    quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Path | None, lr_free: bool
+) -> dict[str, Any]:
     """`run` at the threads set."""
-    chosen, settings = _settings(quick, tasks, seeds)
+    chosen, settings = _settings(quick, tasks, seeds, lr_free)
     factors, grid, seeds = [float(f) for f in settings["factors"]], settings["grid"], settings["seeds"]
     out = out_path(out, quick)
     root = Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-"))  # the demo's images and the fits' files
@@ -640,12 +688,14 @@ def _run(quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Pat
     runs: list[dict[str, Any]] = []
     summaries: dict[str, dict[str, Any]] = {}
     for name, task in chosen.items():
-        task_runs = run_task(task, factors, grid, seeds, root, settings["device"])
+        task_runs = run_task(task, factors, grid, seeds, root, settings["device"], settings["variants"])
         summaries[name] = summarise_task(task_runs, factors, grid, seeds)
         runs += task_runs
     summary = summarise(summaries)
     for task_summary in summaries.values():
         task_summary["auto_over_oracle_median"] = _finite(task_summary["auto_over_oracle_median"])
+        for variant, ratio in task_summary.get("over_oracle_median", {}).items():
+            task_summary["over_oracle_median"][variant] = _finite(ratio)
     result: dict[str, Any] = {"config": settings, "machine": _machine()}
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result |= {"wall_s": time.perf_counter() - started, "runs": runs, "tasks": summaries, "summary": summary}
@@ -661,12 +711,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 0,1,2 or 0-4 (--quick: 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
     parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
+    parser.add_argument("--lr-free", action="store_true", help=f"also run {' and '.join(LR_FREE)} in every cell")
     args = parser.parse_args(argv)
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no device banner for each of ~170 fits
-    return run(quick=args.quick, tasks=tasks, seeds=parse_seeds(args.seeds), out=args.out, threads=args.threads)
+    seeds = parse_seeds(args.seeds)
+    return run(quick=args.quick, tasks=tasks, seeds=seeds, out=args.out, threads=args.threads, lr_free=args.lr_free)
 
 
 if __name__ == "__main__":
