@@ -149,3 +149,34 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
     assert 0 <= summary["auto_later_than_naive"] <= 4
     assert summary["preset_later_than_both_naive_fits"] <= summary["preset_later_than_naive"]
     assert "auto_over_oracle_median_over_tasks" in summary
+
+
+def test_lr_free_run_adds_both_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:
+    """--lr-free: every cell also runs preset() with Prodigy and with a schedule-free optimizer, counted like auto."""
+    pytest.importorskip("prodigyopt")
+    pytest.importorskip("schedulefree")
+    out = tmp_path / "lr_free.json"
+    bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--lr-free", "--out", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["config"]["variants"] == [*bench.VARIANTS, "preset_prodigy", "preset_schedulefree"]
+    runs = result["runs"]
+    assert len(runs) == 2 * 6  # user LRs x variants
+    prodigy = [r for r in runs if r["variant"] == "preset_prodigy"]
+    assert len(prodigy) == 2
+    assert all(r["prodigy_d"] > 0 for r in prodigy)
+    assert all(r["lr_argument"] == "preset_prodigy" and r["decisions"]["lr_finder"] is None for r in prodigy)
+    free = [r for r in runs if r["variant"] == "preset_schedulefree"]
+    assert all(r["decisions"]["warmup"] is None for r in free)  # preset(warmup=False): the optimizer needs none
+
+    (task,) = result["tasks"].values()
+    assert set(task["over_oracle_median"]) == {"preset_prodigy", "preset_schedulefree"}
+    for cell in task["cells"]:
+        for variant in ("preset_prodigy", "preset_schedulefree"):
+            assert f"{variant}_s" in cell
+            assert cell[f"{variant}_later_than_both"] <= cell[f"{variant}_later"]
+    counts = result["summary"]["lr_free"]
+    assert set(counts) == {"preset_prodigy", "preset_schedulefree"}
+    for variant, count in counts.items():
+        later = sum(c[f"{variant}_later"] for c in task["cells"])
+        assert count["later_than_naive"] == later
+        assert "over_oracle_median_over_tasks" in count

@@ -1,0 +1,112 @@
+"""benchmarks/_lr_free.py: the opt-in optimizers lr_tasks --lr-free measures, in real fits."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import lightning as L
+import pytest
+import torch
+from conftest import load_benchmark
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("prodigyopt")
+pytest.importorskip("schedulefree")
+
+
+@pytest.fixture(scope="module")
+def free() -> ModuleType:
+    """The helper module, loaded by path."""
+    return load_benchmark("_lr_free")
+
+
+class _Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+        self.seen: list[torch.Tensor] = []  # the weights each validation epoch saw
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.seen.append(self.net.weight.detach().clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(model: L.LightningModule, callbacks: list[L.Callback], epochs: int = 2) -> L.Trainer:
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    return trainer
+
+
+def test_weight_decay_is_the_task_optimizers(free: ModuleType) -> None:
+    """AdamW tasks keep torch's 0.01; Adam and SGD tasks have none."""
+    assert [free.weight_decay(name) for name in ("adamw", "adam", "sgd")] == [0.01, 0.0, 0.0]
+
+
+def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: ModuleType) -> None:
+    """preset_prodigy: the fit trains with Prodigy at lr=1.0, whatever the user's LR, and its step estimate grows."""
+    from prodigyopt import Prodigy
+
+    torch.manual_seed(0)
+    model = _Net()
+    free.swap_optimizer(model, "preset_prodigy", "adamw", 1e-5)
+    trainer = _fit(model, [])
+    (optimizer,) = trainer.optimizers
+    assert isinstance(optimizer, Prodigy)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 1.0
+    assert group["weight_decay"] == 0.01
+    assert group["d"] > 1e-6  # d0: the estimate moved
+
+
+@pytest.mark.parametrize(("task_optimizer", "kind"), [("sgd", "SGDScheduleFree"), ("adam", "AdamWScheduleFree")])
+def test_schedulefree_trains_at_the_users_lr_and_validates_at_its_average(
+    free: ModuleType, task_optimizer: str, kind: str
+) -> None:
+    """preset_schedulefree: the user's LR, a 5% warmup; validation and the fit's end see the evaluation point."""
+    import schedulefree
+
+    torch.manual_seed(0)
+    model = _Net()
+    free.swap_optimizer(model, "preset_schedulefree", task_optimizer, 0.05)
+    trainer = _fit(model, [free.ScheduleFreeModes()])
+    (optimizer,) = trainer.optimizers
+    assert type(optimizer) is getattr(schedulefree, kind)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.05
+    assert group["warmup_steps"] == 1  # 5% of 2 epochs x 4 steps, rounded up
+    assert not group["train_mode"]  # the fit left the averaged weights in the model
+    assert torch.equal(model.seen[-1], model.net.weight)  # the last validation saw the weights the fit left
+    optimizer.train()  # the training point differs from the average after real steps
+    assert not torch.equal(model.seen[-1], model.net.weight)
+
+
+def test_without_the_mode_callback_validation_sees_the_training_point(free: ModuleType) -> None:
+    """The callback is what moves validation to the average: without it the model keeps the training point."""
+    torch.manual_seed(0)
+    model = _Net()
+    free.swap_optimizer(model, "preset_schedulefree", "adamw", 0.05)
+    trainer = _fit(model, [], epochs=1)
+    assert trainer.optimizers[0].param_groups[0]["train_mode"]
+
+
+def test_unknown_variant_is_refused(free: ModuleType) -> None:
+    """A variant that is not an LR-free one is a clear error naming it."""
+    with pytest.raises(ValueError, match="`variant` must be one of preset_prodigy, preset_schedulefree, got 'adam'"):
+        free.swap_optimizer(_Net(), "adam", "adam", 1e-3)
