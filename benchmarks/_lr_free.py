@@ -13,7 +13,8 @@ run, so `lr_tasks` can say whether the LR trials are worth keeping against them.
   (``SGDScheduleFree`` with momentum 0.9 for an SGD task) at the user's LR, its own warmup over 5% of the steps (the
   authors' examples warm up), and `ScheduleFreeModes` switching it between its training and its evaluation point.
 
-Either keeps the task's weight decay (AdamW's 0.01, none for Adam and SGD).
+Either keeps the weight decay of the optimizer the model's own ``configure_optimizers`` builds (the demo's AdamW
+1e-4, the other AdamW tasks torch's 0.01, none for Adam and SGD).
 """
 
 from __future__ import annotations
@@ -31,27 +32,32 @@ WARMUP_SHARE = 0.05
 """The schedule-free optimizer's own warmup, as a share of the fit's optimizer steps."""
 
 
-def weight_decay(optimizer: str) -> float:
-    """The task optimizer's weight decay: torch's AdamW default, none for Adam and SGD.
+def weight_decay(optimizer: torch.optim.Optimizer) -> float:
+    """The weight decay of ``optimizer``'s first param group (0.0 when it has none).
 
     Example:
-        >>> weight_decay("adamw"), weight_decay("sgd")
-        (0.01, 0.0)
+        >>> weight_decay(torch.optim.AdamW([torch.zeros(1, requires_grad=True)], weight_decay=1e-4))
+        0.0001
     """
-    return 0.01 if optimizer == "adamw" else 0.0
+    return float(optimizer.param_groups[0].get("weight_decay", 0.0))
 
 
 def swap_optimizer(model: L.LightningModule, variant: str, optimizer: str, lr: float) -> None:
     """Make ``model.configure_optimizers`` build ``variant``'s optimizer instead of its own.
 
-    ``optimizer`` is the task's (``"sgd"``, ``"adam"``, ``"adamw"``) and ``lr`` the user's. The schedule-free
-    optimizer is built in training mode, its warmup sized from ``trainer.estimated_stepping_batches``.
+    ``optimizer`` is the task's (``"sgd"``, ``"adam"``, ``"adamw"``) and ``lr`` the user's. The weight decay is the
+    one of the optimizer the model's own ``configure_optimizers`` returns. The schedule-free optimizer is built in
+    training mode, its warmup sized from ``trainer.estimated_stepping_batches``.
     """
     if variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {', '.join(VARIANTS)}, got {variant!r}.")
-    decay = weight_decay(optimizer)
+    own = model.configure_optimizers
 
     def build() -> torch.optim.Optimizer:
+        mine = own()
+        if not isinstance(mine, torch.optim.Optimizer):
+            raise TypeError(f"the model's `configure_optimizers` must return one optimizer here, got {mine!r}.")
+        decay = weight_decay(mine)
         if variant == "preset_prodigy":
             from prodigyopt import Prodigy  # type: ignore[import-untyped]
 

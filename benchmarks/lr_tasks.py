@@ -366,7 +366,7 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
         free = variant == "preset_schedulefree"
         callbacks = [*options.pop("callbacks", ()), *([_lr_free.ScheduleFreeModes()] if free else [])]
         trainer = speedkit.preset(verbose=False, warmup=not free, callbacks=callbacks, **QUIET, **options)
-        return trainer, variant
+        return trainer, False
     return speedkit.preset(lr="auto", verbose=False, **QUIET, **options), "auto"
 
 
@@ -420,7 +420,10 @@ def fit_one(
         finder = decisions["lr_finder"]
         record |= {"lr_argument": lr_argument, "decisions": decisions}
         record["chosen_lr"] = _chosen_lr(lr, finder)
+    if variant in LR_FREE:
+        record["optimizer"] = type(trainer.optimizers[0]).__name__
     if variant == "preset_prodigy":  # the step size Prodigy estimated (its LR is 1.0 times the schedule)
+        record["chosen_lr"] = None  # the user's LR is not used
         record["prodigy_d"] = float(trainer.optimizers[0].param_groups[0]["d"])
     if show:
         peak = record["peak_val_acc"]
@@ -546,7 +549,7 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         free[v] = {
             "later_than_naive": sum(c[f"{v}_later"] for c in cells),
             "later_than_both_naive_fits": sum(c[f"{v}_later_than_both"] for c in cells),
-            "over_oracle_median_over_tasks": _finite(statistics.median(m for m in medians if not math.isnan(m))),
+            "over_oracle_median_over_tasks": _median([m for m in medians if not math.isnan(m)]),
         }
     return {
         **({"lr_free": free} if free else {}),
@@ -558,6 +561,11 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         "auto_later_than_both_naive_fits": sum(c["auto_later_than_both"] for c in cells),
         "auto_over_oracle_median_over_tasks": _finite(statistics.median(finite)) if finite else None,
     }
+
+
+def _median(values: Sequence[float]) -> float | str | None:
+    """The median of ``values`` for the JSON (`_finite`), None when there is none."""
+    return _finite(statistics.median(values)) if values else None
 
 
 def _shown(seconds: float | None) -> str:

@@ -54,9 +54,18 @@ def _fit(model: L.LightningModule, callbacks: list[L.Callback], epochs: int = 2)
     return trainer
 
 
-def test_weight_decay_is_the_task_optimizers(free: ModuleType) -> None:
-    """AdamW tasks keep torch's 0.01; Adam and SGD tasks have none."""
-    assert [free.weight_decay(name) for name in ("adamw", "adam", "sgd")] == [0.01, 0.0, 0.0]
+@pytest.mark.parametrize("variant", ["preset_prodigy", "preset_schedulefree"])
+def test_the_swapped_optimizer_keeps_the_weight_decay_of_the_models_own(free: ModuleType, variant: str) -> None:
+    """The demo's AdamW decays by 1e-4 (not AdamW's default 0.01), and the swapped optimizer does too."""
+    from lightning_speedkit.demo import DemoClassifier
+
+    model = DemoClassifier(lr=1e-3, crop_size=16)
+    assert model.configure_optimizers().param_groups[0]["weight_decay"] == 1e-4
+    free.swap_optimizer(model, variant, "adamw", 1e-3)
+    model.trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False)  # for the warmup's length
+    swapped = model.configure_optimizers()
+    assert type(swapped).__module__.split(".")[0] in ("prodigyopt", "schedulefree")
+    assert swapped.param_groups[0]["weight_decay"] == 1e-4
 
 
 def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: ModuleType) -> None:
@@ -71,7 +80,7 @@ def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: M
     assert isinstance(optimizer, Prodigy)
     group = optimizer.param_groups[0]
     assert group["lr"] == 1.0
-    assert group["weight_decay"] == 0.01
+    assert group["weight_decay"] == 0.0  # the model's own SGD has none
     assert group["d"] > 1e-6  # d0: the estimate moved
 
 
@@ -98,12 +107,16 @@ def test_schedulefree_trains_at_the_users_lr_and_validates_at_its_average(
 
 
 def test_without_the_mode_callback_validation_sees_the_training_point(free: ModuleType) -> None:
-    """The callback is what moves validation to the average: without it the model keeps the training point."""
+    """The callback is what moves validation to the average: without it validation sees the training point."""
     torch.manual_seed(0)
     model = _Net()
     free.swap_optimizer(model, "preset_schedulefree", "adamw", 0.05)
     trainer = _fit(model, [], epochs=1)
-    assert trainer.optimizers[0].param_groups[0]["train_mode"]
+    (optimizer,) = trainer.optimizers
+    assert optimizer.param_groups[0]["train_mode"]
+    assert torch.equal(model.seen[-1], model.net.weight)  # the training point, never swapped out
+    optimizer.eval()  # the average differs from it after real steps
+    assert not torch.equal(model.seen[-1], model.net.weight)
 
 
 def test_unknown_variant_is_refused(free: ModuleType) -> None:

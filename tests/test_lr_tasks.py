@@ -149,6 +149,8 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
     assert 0 <= summary["auto_later_than_naive"] <= 4
     assert summary["preset_later_than_both_naive_fits"] <= summary["preset_later_than_naive"]
     assert "auto_over_oracle_median_over_tasks" in summary
+    assert "lr_free" not in summary  # without --lr-free, the JSON is as before
+    assert all("over_oracle_median" not in task for task in result["tasks"].values())
 
 
 def test_lr_free_run_adds_both_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:
@@ -163,9 +165,12 @@ def test_lr_free_run_adds_both_optimizers_to_every_cell_and_counts_them(bench: M
     assert len(runs) == 2 * 6  # user LRs x variants
     prodigy = [r for r in runs if r["variant"] == "preset_prodigy"]
     assert len(prodigy) == 2
-    assert all(r["prodigy_d"] > 0 for r in prodigy)
-    assert all(r["lr_argument"] == "preset_prodigy" and r["decisions"]["lr_finder"] is None for r in prodigy)
+    assert all(r["prodigy_d"] > 1e-6 for r in prodigy)  # its estimate grew from d0
+    assert all(r["optimizer"] == "Prodigy" and r["chosen_lr"] is None for r in prodigy)  # the user's LR unused
+    assert all(r["lr_argument"] is False and r["decisions"]["lr_finder"] is None for r in prodigy)
     free = [r for r in runs if r["variant"] == "preset_schedulefree"]
+    assert {r["optimizer"] for r in free} == {"SGDScheduleFree"}  # the MLP task trains with SGD
+    assert all(r["chosen_lr"] == r["lr"] for r in free)
     assert all(r["decisions"]["warmup"] is None for r in free)  # preset(warmup=False): the optimizer needs none
 
     (task,) = result["tasks"].values()
