@@ -10,8 +10,9 @@ run, so `lr_tasks` can say whether the LR trials are worth keeping against them.
 - ``preset_prodigy``: ``preset()`` (its WSD schedule multiplies Prodigy's ``lr=1.0``) with the task's optimizer
   replaced by ``Prodigy(lr=1.0)``; the user's LR is not used at all.
 - ``preset_schedulefree``: ``preset(warmup=False)`` (a schedule-free optimizer wants none) with ``AdamWScheduleFree``
-  (``SGDScheduleFree`` with momentum 0.9 for an SGD task) at the user's LR, its own warmup over 5% of the steps (the
-  authors' examples warm up), and `ScheduleFreeModes` switching it between its training and its evaluation point.
+  (``SGDScheduleFree`` with the task's momentum, 0.9, for an SGD task) at the user's LR, its own warmup over 5% of
+  the steps (the authors' examples warm up), and `ScheduleFreeModes` switching it between its training and its
+  evaluation point.
 
 Either keeps the weight decay of the optimizer the model's own ``configure_optimizers`` builds (the demo's AdamW
 1e-4, the other AdamW tasks torch's 0.01, none for Adam and SGD).
@@ -42,12 +43,13 @@ def weight_decay(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0].get("weight_decay", 0.0))
 
 
-def swap_optimizer(model: L.LightningModule, variant: str, optimizer: str, lr: float) -> None:
+def swap_optimizer(model: L.LightningModule, variant: str) -> None:
     """Make ``model.configure_optimizers`` build ``variant``'s optimizer instead of its own.
 
-    ``optimizer`` is the task's (``"sgd"``, ``"adam"``, ``"adamw"``) and ``lr`` the user's. The weight decay is the
-    one of the optimizer the model's own ``configure_optimizers`` returns. The schedule-free optimizer is built in
-    training mode, its warmup sized from ``trainer.estimated_stepping_batches``.
+    What the swap keeps comes from the optimizer the model's own ``configure_optimizers`` returns: its weight decay,
+    and for the schedule-free one its LR (the user's) and whether it is SGD (then ``SGDScheduleFree`` with its
+    momentum, else ``AdamWScheduleFree``). The schedule-free optimizer is built in training mode, its warmup sized
+    from ``trainer.estimated_stepping_batches``.
     """
     if variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {', '.join(VARIANTS)}, got {variant!r}.")
@@ -57,7 +59,7 @@ def swap_optimizer(model: L.LightningModule, variant: str, optimizer: str, lr: f
         mine = own()
         if not isinstance(mine, torch.optim.Optimizer):
             raise TypeError(f"the model's `configure_optimizers` must return one optimizer here, got {mine!r}.")
-        decay = weight_decay(mine)
+        decay, group = weight_decay(mine), mine.param_groups[0]
         if variant == "preset_prodigy":
             from prodigyopt import Prodigy  # type: ignore[import-untyped]
 
@@ -67,9 +69,10 @@ def swap_optimizer(model: L.LightningModule, variant: str, optimizer: str, lr: f
 
         steps = model.trainer.estimated_stepping_batches
         warmup = 0 if math.isinf(steps) else math.ceil(WARMUP_SHARE * steps)
-        if optimizer == "sgd":
+        lr = group["lr"]
+        if isinstance(mine, torch.optim.SGD):
             built = schedulefree.SGDScheduleFree(
-                model.parameters(), lr=lr, momentum=0.9, weight_decay=decay, warmup_steps=warmup
+                model.parameters(), lr=lr, momentum=group["momentum"], weight_decay=decay, warmup_steps=warmup
             )
         else:
             built = schedulefree.AdamWScheduleFree(model.parameters(), lr=lr, weight_decay=decay, warmup_steps=warmup)

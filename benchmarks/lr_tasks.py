@@ -406,7 +406,7 @@ def fit_one(
     if variant == "naive_nudged":
         nudge_weights(model)
     if variant in LR_FREE:
-        _lr_free.swap_optimizer(model, variant, task.optimizer, lr)
+        _lr_free.swap_optimizer(model, variant)
     timeline = Timeline(verbose=False)
     options = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
     trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline]})
@@ -500,10 +500,12 @@ def summarise_task(
         run["time_to_target_s"] = time_to_target(run["timeline"], target)
         run["reached"] = run["time_to_target_s"] is not None
     oracle = {seed: oracle_time(_grid_run(runs, g, seed)["time_to_target_s"] for g in grid) for seed in seeds}
+    ran = {r["variant"] for r in runs}
+    present = [v for v in (*VARIANTS, *LR_FREE) if v in ran]
+    free = [v for v in LR_FREE if v in ran]
     cells = []
     for factor in factors:
         for seed in seeds:
-            present = [v for v in (*VARIANTS, *LR_FREE) if any(r["variant"] == v for r in runs)]
             times = {v: _find(runs, v, factor, seed)["time_to_target_s"] for v in present}
             cell: dict[str, Any] = {"factor": factor, "label": FACTORS.get(factor, f"x{factor:g}"), "seed": seed}
             cell |= {f"{v}_s": t for v, t in times.items()} | {"oracle_s": oracle[seed]}
@@ -515,13 +517,12 @@ def summarise_task(
             cell |= {"preset_later_than_both": later_than_both(*both, times["preset"])}
             cell |= {"auto_later_than_both": later_than_both(*both, times["preset_auto"])}
             cell |= {"auto_over_oracle": over(times["preset_auto"], oracle[seed])}
-            for v in (v for v in LR_FREE if v in times):
+            for v in free:
                 cell |= {f"{v}_later": later(times["naive"], times[v])}
                 cell |= {f"{v}_later_than_both": later_than_both(*both, times[v])}
                 cell |= {f"{v}_over_oracle": over(times[v], oracle[seed])}
             cells.append(cell)
     auto_over_oracle = statistics.median(c.pop("auto_over_oracle") for c in cells)
-    free = [v for v in LR_FREE if f"{v}_over_oracle" in cells[0]]
     over_oracle = {v: statistics.median(c.pop(f"{v}_over_oracle") for c in cells) for v in free}
     return {
         "target": target,
@@ -559,7 +560,7 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         "auto_later_than_naive": sum(c["auto_later"] for c in cells),
         "preset_later_than_both_naive_fits": sum(c["preset_later_than_both"] for c in cells),
         "auto_later_than_both_naive_fits": sum(c["auto_later_than_both"] for c in cells),
-        "auto_over_oracle_median_over_tasks": _finite(statistics.median(finite)) if finite else None,
+        "auto_over_oracle_median_over_tasks": _median(finite),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import lightning as L
@@ -22,9 +23,10 @@ def free() -> ModuleType:
 
 
 class _Net(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> None:
         super().__init__()
         self.net = nn.Linear(4, 2)
+        self.optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
         self.seen: list[torch.Tensor] = []  # the weights each validation epoch saw
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -35,7 +37,7 @@ class _Net(L.LightningModule):
             self.seen.append(self.net.weight.detach().clone())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return self.optimizer(self.parameters())
 
 
 def _fit(model: L.LightningModule, callbacks: list[L.Callback], epochs: int = 2) -> L.Trainer:
@@ -61,7 +63,7 @@ def test_the_swapped_optimizer_keeps_the_weight_decay_of_the_models_own(free: Mo
 
     model = DemoClassifier(lr=1e-3, crop_size=16)
     assert model.configure_optimizers().param_groups[0]["weight_decay"] == 1e-4
-    free.swap_optimizer(model, variant, "adamw", 1e-3)
+    free.swap_optimizer(model, variant)
     model.trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False)  # for the warmup's length
     swapped = model.configure_optimizers()
     assert type(swapped).__module__.split(".")[0] in ("prodigyopt", "schedulefree")
@@ -74,7 +76,7 @@ def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: M
 
     torch.manual_seed(0)
     model = _Net()
-    free.swap_optimizer(model, "preset_prodigy", "adamw", 1e-5)
+    free.swap_optimizer(model, "preset_prodigy")
     trainer = _fit(model, [])
     (optimizer,) = trainer.optimizers
     assert isinstance(optimizer, Prodigy)
@@ -84,16 +86,23 @@ def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: M
     assert group["d"] > 1e-6  # d0: the estimate moved
 
 
-@pytest.mark.parametrize(("task_optimizer", "kind"), [("sgd", "SGDScheduleFree"), ("adam", "AdamWScheduleFree")])
+@pytest.mark.parametrize(
+    ("own", "kind"),
+    [
+        (lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), "SGDScheduleFree"),
+        (lambda params: torch.optim.Adam(params, lr=0.05), "AdamWScheduleFree"),
+    ],
+    ids=["sgd", "adam"],
+)
 def test_schedulefree_trains_at_the_users_lr_and_validates_at_its_average(
-    free: ModuleType, task_optimizer: str, kind: str
+    free: ModuleType, own: Callable[..., torch.optim.Optimizer], kind: str
 ) -> None:
     """preset_schedulefree: the user's LR, a 5% warmup; validation and the fit's end see the evaluation point."""
     import schedulefree
 
     torch.manual_seed(0)
-    model = _Net()
-    free.swap_optimizer(model, "preset_schedulefree", task_optimizer, 0.05)
+    model = _Net(own)
+    free.swap_optimizer(model, "preset_schedulefree")
     trainer = _fit(model, [free.ScheduleFreeModes()])
     (optimizer,) = trainer.optimizers
     assert type(optimizer) is getattr(schedulefree, kind)
@@ -109,8 +118,8 @@ def test_schedulefree_trains_at_the_users_lr_and_validates_at_its_average(
 def test_without_the_mode_callback_validation_sees_the_training_point(free: ModuleType) -> None:
     """The callback is what moves validation to the average: without it validation sees the training point."""
     torch.manual_seed(0)
-    model = _Net()
-    free.swap_optimizer(model, "preset_schedulefree", "adamw", 0.05)
+    model = _Net(lambda params: torch.optim.AdamW(params, lr=0.05))
+    free.swap_optimizer(model, "preset_schedulefree")
     trainer = _fit(model, [], epochs=1)
     (optimizer,) = trainer.optimizers
     assert optimizer.param_groups[0]["train_mode"]
@@ -122,4 +131,4 @@ def test_without_the_mode_callback_validation_sees_the_training_point(free: Modu
 def test_unknown_variant_is_refused(free: ModuleType) -> None:
     """A variant that is not an LR-free one is a clear error naming it."""
     with pytest.raises(ValueError, match="`variant` must be one of preset_prodigy, preset_schedulefree, got 'adam'"):
-        free.swap_optimizer(_Net(), "adam", "adam", 1e-3)
+        free.swap_optimizer(_Net(), "adam")
