@@ -47,7 +47,8 @@ KEEP = 1 / 3
 higher LR leaves when progress still grows in proportion to the LR (the LR is far too low)."""
 
 NEAR = 0.8
-"""Of the LRs that do at least this share of the best one's progress, the one closest to the user's is chosen."""
+"""Going down, of the LRs that do at least this share of the best one's progress, the one closest to the user's is
+chosen."""
 
 Curves = Mapping[float, Sequence[float]]
 """Each trial's losses, by scale of the user's LR (`REFERENCE` for the reference trial)."""
@@ -249,8 +250,11 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
     Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least
-    three times the user's progress (`KEEP`). Down, of the LRs within `NEAR` of the best one's progress, the one
-    closest to the user's. Up, one decade below the edge: the highest LR that still ended clearly lower than the
+    three times the user's progress (`KEEP`). Down, only as far as the walk went on clear evidence (`_descent`: each
+    LR ended clearly lower than the one above it, or that one broke), and of those within `NEAR` of the best one's
+    progress, the one closest to the user's: a lower LR that only looks better on noise is the one that learns ten
+    times slower for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise and
+    missed its target). Up, one decade below the edge: the highest LR that still ended clearly lower than the
     one below it. Over a few steps a higher LR nearly always looks better (early progress grows with the LR, for SGD
     in proportion), so the edge is where the short trials stop telling, and a run at the edge is the run that can
     miss its target; a decade below it is what a range test's rule of thumb picks too (a tenth of the divergence).
@@ -264,6 +268,9 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         (1.0, 'x10 is the highest LR that helped (x100 did not): one decade below it is yours, kept')
         >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 1.7, 1.5, 1.4]})
         (10.0, 'x10 lowers the loss by 0.3 in 4 steps, your LR by 0.011; x100 helped more, but is the edge')
+        >>> flat = [2.0, 2.01, 1.99, 2.0]  # neither lower LR moved the loss: the one that stopped the blow-up is kept
+        >>> choose_scale({0.0: ref, 1.0: [2.0, 9.0], 0.1: flat, 0.01: [2.0, 1.99, 2.0, 1.99]})
+        (0.1, 'x0.1 is the highest LR below yours that did not blow the loss up; no lower LR ended clearly lower')
     """
     progress = progress_of(curves)
     best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
@@ -285,9 +292,31 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
             f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"
             f" x{edge:.4g} helped more, but is the edge"
         )
-    side = [s for s in progress if s < 1.0 and progress[s] >= NEAR * progress[best]]
-    chosen = min(side, key=lambda s: abs(math.log(s)))
+    side = _descent(curves)
+    if not side:  # the best LR is below yours, but the walk down did not reach it on clear steps
+        return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
+    most = max(progress[s] for s in side)
+    chosen = max(s for s in side if most <= 0 or progress[s] >= NEAR * most)
+    if not moved(curves, chosen):
+        why = "did not blow the loss up" if broke(curves, 1.0) else "ended clearly lower than yours"
+        return chosen, f"x{chosen:.4g} is the highest LR below yours that {why}; no lower LR ended clearly lower"
     return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text}"
+
+
+def _descent(curves: Curves) -> list[float]:
+    """The LRs below the user's that the walk went down through on clear evidence, highest first.
+
+    Each ended clearly lower than the one above it (or the one above broke, `_better`); the list stops at the first
+    that did not, as `next_scale`'s walk down does.
+    """
+    chain: list[float] = []
+    above = 1.0
+    for scale in sorted((s for s in curves if REFERENCE < s < 1.0), reverse=True):
+        if not _better(curves, scale, above):
+            break
+        chain.append(scale)
+        above = scale
+    return chain
 
 
 def _edge(curves: Curves) -> tuple[float, float | None]:
