@@ -47,8 +47,8 @@ KEEP = 1 / 3
 higher LR leaves when progress still grows in proportion to the LR (the LR is far too low)."""
 
 NEAR = 0.8
-"""Going down, of the LRs that do at least this share of the best one's progress, the one closest to the user's is
-chosen."""
+"""Going down, of the LRs of the descent (`choose_scale`) that do at least this share of the best progress among them,
+the one closest to the user's is chosen (the highest of them when none made progress)."""
 
 Curves = Mapping[float, Sequence[float]]
 """Each trial's losses, by scale of the user's LR (`REFERENCE` for the reference trial)."""
@@ -249,15 +249,16 @@ def _down(scale: float, low: float) -> float | None:
 def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
-    Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least
-    three times the user's progress (`KEEP`). Down, only as far as the walk went on clear evidence (`_descent`: each
-    LR ended clearly lower than the one above it, or that one broke), and of those within `NEAR` of the best one's
-    progress, the one closest to the user's: a lower LR that only looks better on noise is the one that learns ten
-    times slower for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise and
-    missed its target). Up, one decade below the edge: the highest LR that still ended clearly lower than the
-    one below it. Over a few steps a higher LR nearly always looks better (early progress grows with the LR, for SGD
-    in proportion), so the edge is where the short trials stop telling, and a run at the edge is the run that can
-    miss its target; a decade below it is what a range test's rule of thumb picks too (a tenth of the divergence).
+    Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least three
+    times the user's progress (`KEEP`; below a user's LR that broke, any that did not break will do). Down, only as far
+    as the walk went on clear evidence (`_descent`: each LR did not break and ended clearly lower than the one above it,
+    or that one broke), and of those within `NEAR` of the best progress among them, the one closest to the user's (the
+    highest when none made progress): a lower LR that only looks better on noise is the one that learns ten times slower
+    for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise and missed its
+    target). Up, one decade below the edge: the highest LR that still ended clearly lower than the one below it. Over a
+    few steps a higher LR nearly always looks better (early progress grows with the LR, for SGD in proportion), so the
+    edge is where the short trials stop telling, and a run at the edge is the run that can miss its target; a decade
+    below it is what a range test's rule of thumb picks too (a tenth of the divergence).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -273,46 +274,55 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         (0.1, 'x0.1 is the highest LR below yours that did not blow the loss up; no lower LR ended clearly lower')
     """
     progress = progress_of(curves)
-    best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
     mine = progress[1.0]
-    if best == 1.0 or not _better(curves, best, 1.0) or progress[best] <= 0:
+    steps = max(len(losses) for losses in curves.values())  # a trial's length (one that broke may have stopped)
+    mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
+    side = _descent(curves)
+    if side:
+        return _choose_down(curves, side, progress, f"in {steps} steps, your LR by {mine_text}")
+    best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
+    if best <= 1.0 or not _better(curves, best, 1.0) or progress[best] <= 0:
         return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
     if math.isfinite(mine) and mine >= KEEP * progress[best]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
-    steps = max(len(losses) for losses in curves.values())  # a trial's length (one that broke may have stopped)
-    mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
-    if best > 1.0:
-        edge, higher = _edge(curves)
-        chosen = max(1.0, grid_scale(_index(edge) - 1))
-        if chosen == 1.0:
-            after = f" (x{higher:.4g} did not)" if higher is not None else ""
-            return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
-        return chosen, (
-            f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"
-            f" x{edge:.4g} helped more, but is the edge"
-        )
-    side = _descent(curves)
-    if not side:  # the best LR is below yours, but the walk down did not reach it on clear steps
-        return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
+    edge, higher = _edge(curves)
+    chosen = max(1.0, grid_scale(_index(edge) - 1))
+    if chosen == 1.0:
+        after = f" (x{higher:.4g} did not)" if higher is not None else ""
+        return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
+    return chosen, (
+        f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"
+        f" x{edge:.4g} helped more, but is the edge"
+    )
+
+
+def _choose_down(
+    curves: Curves, side: Sequence[float], progress: Mapping[float, float], tail: str
+) -> tuple[float, str]:
+    """`choose_scale` below the user's LR, of the ``side`` `_descent` found (``tail``: the trials' length and yours)."""
     most = max(progress[s] for s in side)
     chosen = max(s for s in side if most <= 0 or progress[s] >= NEAR * most)
-    if not moved(curves, chosen):
+    mine = progress[1.0]
+    if not broke(curves, 1.0) and progress[chosen] > 0 and mine >= KEEP * progress[chosen]:
+        share = mine / progress[chosen]
+        return 1.0, f"your LR does {share:.0%} of the progress of x{chosen:.4g}, the best below it: kept"
+    if len(side) == 1 and not moved(curves, chosen):
         why = "did not blow the loss up" if broke(curves, 1.0) else "ended clearly lower than yours"
         return chosen, f"x{chosen:.4g} is the highest LR below yours that {why}; no lower LR ended clearly lower"
-    return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text}"
+    return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} {tail}"
 
 
 def _descent(curves: Curves) -> list[float]:
     """The LRs below the user's that the walk went down through on clear evidence, highest first.
 
-    Each ended clearly lower than the one above it (or the one above broke, `_better`); the list stops at the first
-    that did not, as `next_scale`'s walk down does.
+    Each did not break (`broke`) and ended clearly lower than the one above it (or the one above broke, `_better`);
+    the list stops at the first that did not, as `next_scale`'s walk down does.
     """
     chain: list[float] = []
     above = 1.0
     for scale in sorted((s for s in curves if REFERENCE < s < 1.0), reverse=True):
-        if not _better(curves, scale, above):
+        if broke(curves, scale) or not _better(curves, scale, above):
             break
         chain.append(scale)
         above = scale

@@ -95,6 +95,43 @@ def test_going_down_stops_where_the_evidence_does() -> None:
     assert choose_scale(curves)[0] == 0.01
 
 
+def _noisy(reference: list[float], drift: float, phase: int) -> list[float]:
+    """``reference`` lowered by ``drift`` a step, with a small noise of its own (0.001, a pattern set by ``phase``)."""
+    return [r - drift * t + 0.001 * ((t * phase) % 3 - 1) for t, r in enumerate(reference)]
+
+
+def test_going_down_the_choice_and_its_checks_come_from_the_descent() -> None:
+    """The LR below yours that the descent reaches is the one checked and chosen, not a lower one ahead on noise.
+
+    Your LR neither moves the loss nor breaks, ten times breaks: x0.1 ends clearly lower than yours, x0.01 a little
+    lower than x0.1 but not clearly. x0.1 is chosen (the check against yours is x0.1's, not x0.01's); and an LR below
+    yours must do three times your progress to be chosen, as one above must.
+    """
+    reference = [2.0 + 0.01 * (-1) ** t for t in range(8)]
+    curves = {REFERENCE: reference, 1.0: _noisy(reference, 0.0, 7), 10.0: [2.01, 9.0]}
+    curves[0.1] = _noisy(reference, 0.003, 5)
+    assert next_scale(curves, 0.01, 100) == 0.01
+    curves[0.01] = _noisy(reference, 0.0031, 7)
+    assert next_scale(curves, 0.01, 100) is None
+    assert choose_scale(curves) == (0.1, "x0.1 lowers the loss by 0.021 in 8 steps, your LR by 0.0001")
+    curves = {REFERENCE: reference, 1.0: _noisy(reference, 0.001, 7), 10.0: [2.01, 9.0]}
+    curves[0.1] = _noisy(reference, 0.002, 5)  # twice your progress: not three times
+    assert choose_scale(curves) == (1.0, "your LR does 51% of the progress of x0.1, the best below it: kept")
+
+
+def test_a_trial_that_broke_is_not_a_step_down() -> None:
+    """A lower LR that blew the loss up (and came back lower) ends the descent: neither it nor any below is chosen."""
+    reference = [2.0] * 8
+    curves = {
+        REFERENCE: reference,
+        1.0: [2.0, 9.0],
+        0.1: [2.0, 3.5, 1.5, 1.0, 0.6, 0.4, 0.3, 0.2],
+        0.01: [2.0 - 0.05 * t for t in range(8)],
+    }
+    assert broke(curves, 0.1)
+    assert choose_scale(curves)[0] == 1.0
+
+
 def test_a_nan_trial_is_broken_and_never_chosen() -> None:
     """A trial with a non-finite loss gains -inf against anything and is not chosen."""
     reference = [2.0, 2.0, 2.0, 2.0]
