@@ -317,7 +317,8 @@ def _descent(curves: Curves) -> list[float]:
     """The LRs below the user's that the walk went down through on clear evidence, highest first.
 
     Each did not break (`broke`) and ended clearly lower than the one above it (or the one above broke, `_better`);
-    the list stops at the first that did not, as `next_scale`'s walk down does.
+    the list stops at the first that did not, as `next_scale`'s walk down does (in a real search a trial that broke
+    stops at the step it broke, so it never ends clearly lower and the walk stops there too).
     """
     chain: list[float] = []
     above = 1.0

@@ -120,15 +120,21 @@ def test_going_down_the_choice_and_its_checks_come_from_the_descent() -> None:
 
 
 def test_a_trial_that_broke_is_not_a_step_down() -> None:
-    """A lower LR that blew the loss up (and came back lower) ends the descent: neither it nor any below is chosen."""
+    """A lower LR that blew the loss up (and came back lower) ends the descent: neither it nor any below is chosen.
+
+    Your LR neither moves the loss nor breaks, ten times breaks; x0.1 spikes past the reference, then ends far
+    lower than yours (clearly lower, so only its breaking keeps it out).
+    """
     reference = [2.0] * 8
     curves = {
         REFERENCE: reference,
-        1.0: [2.0, 9.0],
+        1.0: [2.0, 2.01, 1.99, 2.0, 2.01, 1.99, 2.0, 2.0],
+        10.0: [2.0, 9.0],
         0.1: [2.0, 3.5, 1.5, 1.0, 0.6, 0.4, 0.3, 0.2],
         0.01: [2.0 - 0.05 * t for t in range(8)],
     }
     assert broke(curves, 0.1)
+    assert not broke(curves, 1.0)
     assert choose_scale(curves)[0] == 1.0
 
 
