@@ -2,19 +2,21 @@
 
 Issue 26 named three other ways out of a wrong LR: Prodigy (Mishchenko & Defazio 2023, which estimates the step size
 itself: ``lr=1.0`` multiplies its estimate), Schedule-Free AdamW / SGD (Defazio et al. 2024, winner of AlgoPerf's
-self-tuning track: no schedule, but the user's LR) and D-Adaptation (Prodigy's predecessor, by the same authors; not
-run). The pack never swaps a user's optimizer on its own; these variants are what a user who opts in by hand would
-run, so `lr_tasks` can say whether the LR trials are worth keeping against them. Both packages are the authors' own
-(``pip install prodigyopt schedulefree``, the ``lrfree`` extra).
+self-tuning track: no schedule, but the user's LR) and D-Adaptation (Defazio & Mishchenko 2023, Prodigy's
+predecessor). The pack never swaps a user's optimizer on its own; these variants are what a user who opts in by hand
+would run, so `lr_tasks` can say whether the LR trials are worth keeping against them. The packages are the authors'
+own (``pip install prodigyopt schedulefree dadaptation``, the ``lrfree`` extra).
 
 - ``preset_prodigy``: ``preset()`` (its WSD schedule multiplies Prodigy's ``lr=1.0``) with the task's optimizer
   replaced by ``Prodigy(lr=1.0)``; the user's LR is not used at all.
+- ``preset_dadapt``: the same with D-Adaptation at ``lr=1.0``: ``DAdaptAdam`` (decoupled weight decay for an AdamW
+  task) or, for an SGD task, ``DAdaptSGD`` with the task's momentum (0.9).
 - ``preset_schedulefree``: ``preset(warmup=False)`` (a schedule-free optimizer wants none) with ``AdamWScheduleFree``
   (``SGDScheduleFree`` with the task's momentum, 0.9, for an SGD task) at the user's LR, its own warmup over 5% of
   the steps (the authors' examples warm up), and `ScheduleFreeModes` switching it between its training and its
   evaluation point.
 
-Either keeps the weight decay of the optimizer the model's own ``configure_optimizers`` builds (the demo's AdamW
+Each keeps the weight decay of the optimizer the model's own ``configure_optimizers`` builds (the demo's AdamW
 1e-4, the other AdamW tasks torch's 0.01, none for Adam and SGD).
 """
 
@@ -26,7 +28,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-VARIANTS = ("preset_prodigy", "preset_schedulefree")
+VARIANTS = ("preset_prodigy", "preset_dadapt", "preset_schedulefree")
 """The opt-in variants of ``lr_tasks --lr-free``."""
 
 WARMUP_SHARE = 0.05
@@ -47,9 +49,9 @@ def swap_optimizer(model: L.LightningModule, variant: str) -> None:
     """Make ``model.configure_optimizers`` build ``variant``'s optimizer instead of its own.
 
     What the swap keeps comes from the optimizer the model's own ``configure_optimizers`` returns: its weight decay,
-    and for the schedule-free one its LR (the user's) and whether it is SGD (then ``SGDScheduleFree`` with its
-    momentum, else ``AdamWScheduleFree``). The schedule-free optimizer is built in training mode, its warmup sized
-    from ``trainer.estimated_stepping_batches``.
+    whether it is SGD (then ``SGDScheduleFree`` or ``DAdaptSGD`` with its momentum), for D-Adaptation whether it is
+    AdamW (decoupled decay), and for the schedule-free one its LR (the user's). The schedule-free optimizer is built
+    in training mode, its warmup sized from ``trainer.estimated_stepping_batches``.
     """
     if variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {', '.join(VARIANTS)}, got {variant!r}.")
@@ -65,6 +67,17 @@ def swap_optimizer(model: L.LightningModule, variant: str) -> None:
 
             built: torch.optim.Optimizer = Prodigy(model.parameters(), lr=1.0, weight_decay=decay)
             return built
+        if variant == "preset_dadapt":
+            import dadaptation  # type: ignore[import-untyped]
+
+            if isinstance(mine, torch.optim.SGD):
+                return dadaptation.DAdaptSGD(  # type: ignore[no-any-return]
+                    model.parameters(), lr=1.0, momentum=group["momentum"], weight_decay=decay
+                )
+            decouple = isinstance(mine, torch.optim.AdamW)
+            return dadaptation.DAdaptAdam(  # type: ignore[no-any-return]
+                model.parameters(), lr=1.0, weight_decay=decay, decouple=decouple
+            )
         import schedulefree  # type: ignore[import-untyped]
 
         steps = model.trainer.estimated_stepping_batches

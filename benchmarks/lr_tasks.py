@@ -75,8 +75,8 @@ GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
 SEEDS = (0, 1, 2)
 VARIANTS = ("naive", "preset", "preset_auto", "naive_nudged")
 LR_FREE = _lr_free.VARIANTS
-"""``--lr-free`` adds these to every cell: ``preset()`` with the task's optimizer swapped for Prodigy or a
-schedule-free one (`_lr_free`), what a user could opt into instead of the LR trials."""
+"""``--lr-free`` adds these to every cell: ``preset()`` with the task's optimizer swapped for Prodigy, D-Adaptation
+or a schedule-free one (`_lr_free`), what a user could opt into instead of the LR trials."""
 MARGIN = 0.98
 """The target is this share of the lowest peak val_acc (over seeds) of the best grid LR."""
 NOISE = 0.10
@@ -422,9 +422,9 @@ def fit_one(
         record["chosen_lr"] = _chosen_lr(lr, finder)
     if variant in LR_FREE:
         record["optimizer"] = type(trainer.optimizers[0]).__name__
-    if variant == "preset_prodigy":  # the step size Prodigy estimated (its LR is 1.0 times the schedule)
+    if variant in ("preset_prodigy", "preset_dadapt"):  # the step size it estimated (its LR: 1.0 x the schedule)
         record["chosen_lr"] = None  # the user's LR is not used
-        record["prodigy_d"] = float(trainer.optimizers[0].param_groups[0]["d"])
+        record[f"{variant.removeprefix('preset_')}_d"] = float(trainer.optimizers[0].param_groups[0]["d"])
     if show:
         peak = record["peak_val_acc"]
         print(
@@ -720,7 +720,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 0,1,2 or 0-4 (--quick: 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
     parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
-    parser.add_argument("--lr-free", action="store_true", help=f"also run {' and '.join(LR_FREE)} in every cell")
+    parser.add_argument("--lr-free", action="store_true", help=f"also run {', '.join(LR_FREE)} in every cell")
     args = parser.parse_args(argv)
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in TASKS for name in tasks):

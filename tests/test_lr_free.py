@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("prodigyopt")
 pytest.importorskip("schedulefree")
+pytest.importorskip("dadaptation")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def _fit(model: L.LightningModule, callbacks: list[L.Callback], epochs: int = 2)
     return trainer
 
 
-@pytest.mark.parametrize("variant", ["preset_prodigy", "preset_schedulefree"])
+@pytest.mark.parametrize("variant", ["preset_prodigy", "preset_dadapt", "preset_schedulefree"])
 def test_the_swapped_optimizer_keeps_the_weight_decay_of_the_models_own(free: ModuleType, variant: str) -> None:
     """The demo's AdamW decays by 1e-4 (not AdamW's default 0.01), and the swapped optimizer does too."""
     from lightning_speedkit.demo import DemoClassifier
@@ -66,7 +67,7 @@ def test_the_swapped_optimizer_keeps_the_weight_decay_of_the_models_own(free: Mo
     free.swap_optimizer(model, variant)
     model.trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False)  # for the warmup's length
     swapped = model.configure_optimizers()
-    assert type(swapped).__module__.split(".")[0] in ("prodigyopt", "schedulefree")
+    assert type(swapped).__module__.split(".")[0] in ("prodigyopt", "dadaptation", "schedulefree")
     assert swapped.param_groups[0]["weight_decay"] == 1e-4
 
 
@@ -84,6 +85,36 @@ def test_prodigy_replaces_the_optimizer_at_lr_one_and_estimates_its_step(free: M
     assert group["lr"] == 1.0
     assert group["weight_decay"] == 0.0  # the model's own SGD has none
     assert group["d"] > 1e-6  # d0: the estimate moved
+
+
+@pytest.mark.parametrize(
+    ("own", "kind", "decouple"),
+    [
+        (lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), "DAdaptSGD", None),
+        (lambda params: torch.optim.Adam(params, lr=0.05), "DAdaptAdam", False),
+        (lambda params: torch.optim.AdamW(params, lr=0.05), "DAdaptAdam", True),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_dadapt_replaces_the_optimizer_at_lr_one_and_estimates_its_step(
+    free: ModuleType, own: Callable[..., torch.optim.Optimizer], kind: str, decouple: bool | None
+) -> None:
+    """preset_dadapt: D-Adaptation at lr=1.0 whatever the user's LR, SGD's momentum kept, AdamW's decay decoupled."""
+    import dadaptation
+
+    torch.manual_seed(0)
+    model = _Net(own)
+    free.swap_optimizer(model, "preset_dadapt")
+    trainer = _fit(model, [])
+    (optimizer,) = trainer.optimizers
+    assert type(optimizer) is getattr(dadaptation, kind)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 1.0
+    assert group["d"] > 1e-6  # d0: the estimate moved
+    if decouple is None:
+        assert group["momentum"] == 0.9
+    else:
+        assert group["decouple"] is decouple
 
 
 @pytest.mark.parametrize(
@@ -130,5 +161,6 @@ def test_without_the_mode_callback_validation_sees_the_training_point(free: Modu
 
 def test_unknown_variant_is_refused(free: ModuleType) -> None:
     """A variant that is not an LR-free one is a clear error naming it."""
-    with pytest.raises(ValueError, match="`variant` must be one of preset_prodigy, preset_schedulefree, got 'adam'"):
+    message = "`variant` must be one of preset_prodigy, preset_dadapt, preset_schedulefree, got 'adam'"
+    with pytest.raises(ValueError, match=message):
         free.swap_optimizer(_Net(), "adam")

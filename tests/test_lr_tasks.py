@@ -153,34 +153,39 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
     assert all("over_oracle_median" not in task for task in result["tasks"].values())
 
 
-def test_lr_free_run_adds_both_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:
-    """--lr-free: every cell also runs preset() with Prodigy and with a schedule-free optimizer, counted like auto."""
+def test_lr_free_run_adds_the_three_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:
+    """--lr-free: each cell also runs preset() with Prodigy, D-Adaptation and Schedule-Free, counted like auto."""
     pytest.importorskip("prodigyopt")
     pytest.importorskip("schedulefree")
+    pytest.importorskip("dadaptation")
     out = tmp_path / "lr_free.json"
     bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--lr-free", "--out", str(out)])
     result: dict[str, Any] = json.loads(out.read_text())
-    assert result["config"]["variants"] == [*bench.VARIANTS, "preset_prodigy", "preset_schedulefree"]
+    free_variants = ["preset_prodigy", "preset_dadapt", "preset_schedulefree"]
+    assert result["config"]["variants"] == [*bench.VARIANTS, *free_variants]
     runs = result["runs"]
-    assert len(runs) == 2 * 6  # user LRs x variants
+    assert len(runs) == 2 * 7  # user LRs x variants
     prodigy = [r for r in runs if r["variant"] == "preset_prodigy"]
     assert len(prodigy) == 2
     assert all(r["prodigy_d"] > 1e-6 for r in prodigy)  # its estimate grew from d0
     assert all(r["optimizer"] == "Prodigy" and r["chosen_lr"] is None for r in prodigy)  # the user's LR unused
     assert all(r["lr_argument"] is False and r["decisions"]["lr_finder"] is None for r in prodigy)
+    dadapt = [r for r in runs if r["variant"] == "preset_dadapt"]
+    assert all(r["optimizer"] == "DAdaptSGD" and r["chosen_lr"] is None for r in dadapt)  # the MLP trains with SGD
+    assert all(r["dadapt_d"] > 1e-6 for r in dadapt)
     free = [r for r in runs if r["variant"] == "preset_schedulefree"]
     assert {r["optimizer"] for r in free} == {"SGDScheduleFree"}  # the MLP task trains with SGD
     assert all(r["chosen_lr"] == r["lr"] for r in free)
     assert all(r["decisions"]["warmup"] is None for r in free)  # preset(warmup=False): the optimizer needs none
 
     (task,) = result["tasks"].values()
-    assert set(task["over_oracle_median"]) == {"preset_prodigy", "preset_schedulefree"}
+    assert set(task["over_oracle_median"]) == set(free_variants)
     for cell in task["cells"]:
-        for variant in ("preset_prodigy", "preset_schedulefree"):
+        for variant in free_variants:
             assert f"{variant}_s" in cell
             assert cell[f"{variant}_later_than_both"] <= cell[f"{variant}_later"]
     counts = result["summary"]["lr_free"]
-    assert set(counts) == {"preset_prodigy", "preset_schedulefree"}
+    assert set(counts) == set(free_variants)
     for variant, count in counts.items():
         later = sum(c[f"{variant}_later"] for c in task["cells"])
         assert count["later_than_naive"] == later
