@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-from conftest import short_job_reason
+from conftest import short_job_reason, tiny_trainer
+from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoResNet, format_report, run_demo
-from lightning_speedkit.demo.run import ABLATION, format_seeds, parse_seeds, run_seeds
+from lightning_speedkit.demo.run import ABLATION, _choices, format_seeds, parse_seeds, run_seeds
 
 
 @pytest.mark.parametrize(("width", "blocks"), [(8, 1), (16, 1), (8, 2)])
@@ -56,6 +59,7 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
     assert choices["precision"] == "32-true"  # one short epoch: no probe can pay back, the reason says so
     assert choices["precision_reason"].startswith(short_job_reason("PrecisionTuner"))
     assert {"DataLoaderTuner", "LRFinder", "TrainingGuard"} <= set(choices["callbacks"])
+    assert report["runs"]["baseline"]["choices"]["memory"] == {}  # no lever, no memory
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["runs"]["baseline"]["timeline"] == report["runs"]["baseline"]["timeline"]
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
@@ -64,6 +68,30 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
     assert "speedkit" in table
     assert "final val_acc" in table
     assert "LR schedule" in table
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_choices_keep_each_levers_memory_check(tmp_path: Path) -> None:
+    """A run's choices say, per lever, what the memory did: a remembered decision's live check, with its ratio.
+
+    (The second demo run's seed that probed again could not say why: its entries were gone, and the file kept no note.)
+    """
+    generator = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(256, 3, 16, 16, generator=generator), torch.randint(0, 10, (256,)))
+    trainers = []
+    for run in ("first", "second"):
+        L.seed_everything(0, verbose=False)
+        lever = speedkit.ChannelsLast(probe_steps=3)
+        trainer = tiny_trainer(tmp_path / run, max_epochs=12, callbacks=[lever], limit_val_batches=0)
+        trainer.fit(DemoClassifier(width=16, crop_size=16), DataLoader(images, batch_size=8))
+        trainers.append(trainer)
+    first, second = (_choices(trainer, DemoConfig.quick()) for trainer in trainers)
+    assert first["sources"] == {"ChannelsLast": "measured"}
+    assert "ChannelsLast" not in first["memory"] or "memory_check" not in first["memory"]["ChannelsLast"]
+    assert second["sources"] == {"ChannelsLast": "remembered"}
+    check = second["memory"]["ChannelsLast"]["memory_check"]
+    assert check["ratio"] == pytest.approx(check["live_step_s"] / check["remembered_step_s"])
+    assert set(second["memory"]["ChannelsLast"]) <= {"memory_note", "memory_check"}
 
 
 def test_ablation_adds_one_lever_per_run(tmp_path: Path, demo_cache: Path) -> None:

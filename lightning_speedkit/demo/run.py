@@ -285,6 +285,8 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         decay = describe(warmup.report()["cooldown_check"], warmup.cooldown) if warmup.decay == "wsd" else warmup.decay
         schedule = f"warmup {length}, {decay}"
     layout = reports.get("ChannelsLast", {})
+    paid = {n: float(r["probe_s"]) for n, r in reports.items() if r.get("probe_s") and r.get("source") != "remembered"}
+    memory = {n: {k: r[k] for k in ("memory_note", "memory_check") if k in r} for n, r in reports.items()}
     return {
         "precision": str(trainer.precision),
         "precision_reason": reports.get("PrecisionTuner", {}).get("reason", "as set"),
@@ -296,13 +298,10 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
         "schedule": schedule,
         "rollbacks": reports.get("TrainingGuard", {}).get("rollbacks", 0),
         "callbacks": [type(c).__name__ for c in ours if type(c).__name__ not in _EVERY_RUN],
-        "probe_s": sum(float(r.get("probe_s") or 0.0) for r in reports.values() if r.get("source") != "remembered"),
-        "probes": {
-            name: float(r["probe_s"])
-            for name, r in reports.items()
-            if r.get("probe_s") and r.get("source") != "remembered"
-        },
+        "probe_s": sum(paid.values()),
+        "probes": paid,
         "sources": {name: r["source"] for name, r in reports.items() if "source" in r},
+        "memory": {n: m for n, m in memory.items() if m},  # each lever's memory note and live check, where it has one
     }
 
 
