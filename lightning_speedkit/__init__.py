@@ -5,6 +5,7 @@ Users write ``import lightning_speedkit as speedkit``.
 
 from lightning_speedkit import data, demo
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.average import WeightAverage
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.callback_table import default_callbacks
 from lightning_speedkit.channels_last import ChannelsLast
@@ -35,6 +36,7 @@ __all__ = [
     "TrainingGuard",
     "UtilizationMonitor",
     "WarmupScheduler",
+    "WeightAverage",
     "__version__",
     "data",
     "default_callbacks",

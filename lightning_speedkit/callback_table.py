@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_speedkit.average import WeightAverage
 from lightning_speedkit.batch_size import BatchSizeFinder
 from lightning_speedkit.channels_last import ChannelsLast
 from lightning_speedkit.checks import check_bool
@@ -87,6 +88,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot("compile", lambda: Compile, False, lever=True),
     Slot("warmup", lambda: WarmupScheduler, True, options=(("cooldown_check", "trial"),)),
     Slot("guard", lambda: TrainingGuard, True),
+    Slot("average", lambda: WeightAverage, False),
     Slot("monitor", lambda: UtilizationMonitor, True),
     Slot("prune", lambda: StructuredPruning, False, shorthand=("a channel amount in (0, 1)", _amount)),
     Slot("export", _int8_export, False, shorthand=("a directory for the INT8 model", _directory)),
@@ -94,7 +96,8 @@ SLOTS: tuple[Slot, ...] = (
 """speedkit's callbacks in acting order. The compute levers are decided first (the precision before the layout, whose
 gain depends on it; counted probes run one after another in this order), so the loader is tuned against the
 step the run will really take (workers compete with it for cores); the LR is found for the batch size the run will
-use; the warmup ramps to the LR found; pruning and the export act last."""
+use; the warmup ramps to the LR found; the weight average follows the guard (a rolled-back step is not averaged);
+pruning and the export act last (the export takes the averaged weights the fit ends with)."""
 
 
 def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None:
@@ -141,9 +144,9 @@ def default_callbacks(
     Every slot takes ``False``, ``True``, a dict of the callback's arguments or an instance; ``prune`` also takes a
     channel amount in (0, 1) and ``export`` a directory. Defaults: ChannelsLast, PrecisionTuner, FusedOptimizer,
     DataLoaderTuner, WarmupScheduler, TrainingGuard and UtilizationMonitor in; BatchSizeFinder (``batch_size``),
-    LRFinder (``lr``), Compile (``compile``), StructuredPruning (``prune``) and Int8Export (``export``) out. A
-    callback in ``callbacks`` of the same type as one of ours *replaces* ours in its slot (never a duplicate); the
-    user's other callbacks follow ours.
+    LRFinder (``lr``), Compile (``compile``), WeightAverage (``average``), StructuredPruning (``prune``) and
+    Int8Export (``export``) out. A callback in ``callbacks`` of the same type as one of ours *replaces* ours in its
+    slot (never a duplicate); the user's other callbacks follow ours.
 
     Args:
         callbacks: The user's callbacks.
@@ -151,7 +154,7 @@ def default_callbacks(
             `lightning_speedkit.trials.memory`).
         **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``fused_optimizer``,
             ``tune_data``, ``batch_size``,
-            ``lr``, ``compile``, ``warmup``, ``guard``, ``monitor``, ``prune``, ``export``.
+            ``lr``, ``compile``, ``warmup``, ``guard``, ``average``, ``monitor``, ``prune``, ``export``.
 
     Raises:
         ValueError: For an unknown slot, or a value in a form the slot does not take (naming the argument and the

@@ -145,6 +145,7 @@ def preset(
     compile: Any = False,
     warmup: Any = True,
     guard: Any = True,
+    average: Any = False,
     monitor: Any = True,
     prune: Any = None,
     export: Any = None,
@@ -178,7 +179,9 @@ def preset(
       (`TrainingGuard`: a last-good snapshot, rolled back at half the LR on a NaN or a loss spike) and ``monitor``
       (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`), ``lr`` (`LRFinder`; ``lr="auto"``
       or ``True``: short LR trials at fit start keep the user's LR unless another is clearly and much better, then
-      every LR is scaled to it and the warmup ramps to it), ``compile`` (`Compile`: eager and
+      every LR is scaled to it and the warmup ramps to it), ``average`` (`WeightAverage`: validation, checkpoints
+      and the weights after fit are a moving average of the trained weights, over a quarter of the steps between
+      two validations; training itself is unchanged), ``compile`` (`Compile`: eager and
       compiled steps timed at fit start, the compiled module kept only when the steps left repay the compile),
       ``prune`` (`StructuredPruning`) and ``export`` (`Int8Export`).
     - Every lever remembers its decision across runs (``remember=False`` switches that off;

@@ -20,7 +20,7 @@ FOUNDATION = {
     "report", "restore", "sampling", "schedule", "timing", "trials",
 }  # fmt: skip
 CONCERNS = {
-    "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8", "lr_finder",
+    "average", "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8", "lr_finder",
     "monitor", "precision", "pruning", "warmup",
 }  # fmt: skip
 ASSEMBLY = {"callback_table", "loggers", "preset"}

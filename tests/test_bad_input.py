@@ -19,6 +19,8 @@ MODEL, DATA = nn.Linear(2, 2), [torch.zeros(2, 2)]
 
 # (callable, keyword arguments, the argument that must be named, the value as the message must show it)
 CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
+    (speedkit.WeightAverage, {"decay": 1.0}, "decay", "1.0"),
+    (speedkit.WeightAverage, {"share": "half"}, "share", "'half'"),
     (speedkit.WarmupScheduler, {"warmup": -3}, "warmup", "-3"),
     (speedkit.WarmupScheduler, {"warmup": 1.5}, "warmup", "1.5"),
     (speedkit.WarmupScheduler, {"decay": "step"}, "decay", "'step'"),

@@ -44,6 +44,7 @@ ARGS: dict[str, dict[str, Any]] = {
     "TrainingGuard": {"every_n_steps": 2, "window": 4},
     "UtilizationMonitor": {"window": 2, "summary": False},
     "WarmupScheduler": {"warmup": 2},
+    "WeightAverage": {},
 }  # fmt: skip
 
 

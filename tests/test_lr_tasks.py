@@ -190,3 +190,22 @@ def test_lr_free_run_adds_the_three_optimizers_to_every_cell_and_counts_them(ben
         later = sum(c[f"{variant}_later"] for c in task["cells"])
         assert count["later_than_naive"] == later
         assert "over_oracle_median_over_tasks" in count
+
+
+def test_average_run_adds_the_averaged_variant_to_every_cell_and_counts_it(bench: ModuleType, tmp_path: Path) -> None:
+    """--average: each cell also runs preset(lr="auto", average=True), counted against naive and preset_auto."""
+    out = tmp_path / "average.json"
+    bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--average", "--out", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["config"]["variants"] == [*bench.VARIANTS, "preset_auto_average"]
+    averaged = [r for r in result["runs"] if r["variant"] == "preset_auto_average"]
+    assert len(averaged) == 2  # one per user LR
+    assert all(r["lr_argument"] == "auto" and r["decisions"]["lr_finder"] is not None for r in averaged)
+    assert all(0.0 < r["decisions"]["average"]["decay"] < 1.0 for r in averaged)  # set from the run's epochs
+    plain = [r for r in result["runs"] if r["variant"] == "preset_auto"]
+    assert all(r["decisions"]["average"] is None for r in plain)
+    (task,) = result["tasks"].values()
+    assert all("preset_auto_average_s" in cell for cell in task["cells"])
+    counts = result["summary"]["average"]["preset_auto_average"]
+    assert {"later_than_naive", "later_than_preset_auto"} <= set(counts)
+    assert "lr_free" not in result["summary"]

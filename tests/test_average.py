@@ -1,0 +1,202 @@
+"""WeightAverage: validation and checkpoints see a moving average of the weights; training itself is unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import TinyClassifier, callback_of, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_speedkit import WeightAverage, preset
+from lightning_speedkit.average import ema_decay, validation_interval, warm_decay
+
+
+class _Normed(TinyClassifier):
+    """TinyClassifier with a batch norm (averaged buffers); keeps the weights each validation saw."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.seen.append({k: v.detach().clone() for k, v in self.state_dict().items()})
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self._data(0), batch_size=self.batch_size)  # one order every epoch: a resume sees it too
+
+
+class _Steps(L.Callback):
+    """The trained weights after every optimizer step, and every step's loss."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.weights.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(tmp_path: Path, callbacks: list[L.Callback], make: type[TinyClassifier] = _Normed, **kwargs: Any) -> Any:
+    L.seed_everything(0, verbose=False)
+    model = make(num_samples=64, batch_size=8)
+    trainer = tiny_trainer(tmp_path, callbacks=callbacks, **{"max_epochs": 2, **kwargs})
+    trainer.fit(model)
+    return trainer, model
+
+
+def _ema(weights: list[dict[str, torch.Tensor]], decay: float) -> dict[str, torch.Tensor]:
+    """The average the callback should hold after these steps (float tensors; the first step starts it)."""
+    average = {k: v.clone() for k, v in weights[0].items() if v.is_floating_point()}
+    for updates, step in enumerate(weights[1:]):
+        d = warm_decay(decay, updates)
+        average = {k: d * v + (1 - d) * step[k] for k, v in average.items()}
+    return average
+
+
+def test_decay_follows_the_steps_between_validations() -> None:
+    """A quarter of the interval is the time constant; a time constant of a step or less averages nothing."""
+    assert ema_decay(400) == pytest.approx(0.99)
+    assert ema_decay(100, share=0.5) == pytest.approx(0.98)
+    assert ema_decay(4) == 0.0
+    assert warm_decay(0.99, 0) == pytest.approx(0.1)
+    assert warm_decay(0.99, 10_000) == 0.99
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, 8.0),  # 64 samples in batches of 8: one validation an epoch
+        ({"val_check_interval": 0.5}, 4.0),
+        ({"check_val_every_n_epoch": 3}, 24.0),
+        ({"accumulate_grad_batches": 2}, 4.0),
+        ({"limit_val_batches": 0}, 8.0),  # never validates: an epoch
+    ],
+)
+def test_validation_interval_counts_optimizer_steps(tmp_path: Path, options: dict[str, Any], expected: float) -> None:
+    """The interval is read from the fit loop: the check interval, every n epochs, gradient accumulation."""
+    seen: list[float] = []
+
+    class _Read(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen.append(validation_interval(trainer))
+
+    _fit(tmp_path, [_Read()], TinyClassifier, max_epochs=1, **options)
+    assert seen == [expected]
+
+
+def test_training_is_unchanged_and_validation_sees_the_average(tmp_path: Path) -> None:
+    """Same losses and trained weights with and without the average; each validation saw the average of the steps."""
+    plain_steps = _Steps()
+    _fit(tmp_path / "plain", [plain_steps])
+    steps, average = _Steps(), WeightAverage(decay=0.9)
+    _trainer, model = _fit(tmp_path / "avg", [steps, average])
+    assert steps.losses == plain_steps.losses
+    for mine, theirs in zip(steps.weights, plain_steps.weights, strict=True):
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert len(model.seen) == 2
+    for epoch, seen in enumerate(model.seen):
+        expected = _ema(steps.weights[: 8 * (epoch + 1)], 0.9)
+        for name, value in expected.items():
+            torch.testing.assert_close(seen[name], value)
+        assert not torch.equal(seen["net.0.weight"], steps.weights[8 * (epoch + 1) - 1]["net.0.weight"])
+    final = _ema(steps.weights, 0.9)  # after fit the module holds the average
+    for name, value in final.items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+    assert average.report()["updates"] == 15
+    assert average.report()["decay"] == 0.9
+
+
+def test_decay_chosen_from_the_run(tmp_path: Path) -> None:
+    """Without ``decay``: a quarter of the 8 steps between validations, a time constant of 2 steps."""
+    average = WeightAverage()
+    _fit(tmp_path, [average])
+    report = average.report()
+    assert report["interval_steps"] == 8.0
+    assert report["decay"] == pytest.approx(0.5)
+    assert report["time_constant_steps"] == pytest.approx(2.0)
+
+
+def test_checkpoint_holds_the_average_and_a_resume_matches_the_straight_run(tmp_path: Path) -> None:
+    """The checkpoint's state_dict is the average; resuming from it goes on from the trained weights, same result."""
+    straight = WeightAverage(decay=0.8)
+    _, straight_model = _fit(tmp_path / "straight", [straight], max_epochs=3)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    steps, first = _Steps(), WeightAverage(decay=0.8)
+    _fit(tmp_path / "first", [steps, first, checkpoint], max_epochs=1, enable_checkpointing=True)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    expected = _ema(steps.weights, 0.8)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value)
+    trained = saved["callbacks"][first.state_key]["trained"]
+    assert torch.equal(trained["net.0.weight"], steps.weights[-1]["net.0.weight"])
+    resumed = WeightAverage(decay=0.8)
+    L.seed_everything(0, verbose=False)
+    model = _Normed(num_samples=64, batch_size=8)
+    trainer = tiny_trainer(tmp_path / "resumed", callbacks=[resumed], max_epochs=3)
+    trainer.fit(model, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    for name, value in straight_model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+    assert resumed.report()["updates"] == straight.report()["updates"]
+    loaded = _Normed.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")  # the average, as validated
+    torch.testing.assert_close(loaded.state_dict()["net.0.weight"], expected["net.0.weight"])
+
+
+def test_average_starts_again_when_the_weights_change_shape(tmp_path: Path) -> None:
+    """Replaced parameters restart the average from the weights, and say so; training goes on."""
+    average = WeightAverage(decay=0.5)
+
+    class _Reshaped(_Normed):
+        @override
+        def on_train_epoch_start(self) -> None:
+            if self.current_epoch == 1:
+                self.net[3] = nn.Linear(32, 8)  # 8 outputs: another shape
+                self.trainer.optimizers[0].param_groups[0]["params"][-2:] = list(self.net[3].parameters())
+
+    _trainer, model = _fit(tmp_path, [average], _Reshaped)
+    assert average.report()["restarts"] == ["the weights changed shape"]
+    assert model.state_dict()["net.3.weight"].shape == (8, 32)
+
+
+def test_non_finite_average_is_started_again_before_validation(tmp_path: Path) -> None:
+    """An average that holds a NaN is not validated: it starts again from the weights."""
+    average = WeightAverage(decay=0.5)
+
+    class _Poison(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 8:  # the first epoch's last step, just before its validation
+                average._average[0].fill_(float("nan"))  # type: ignore[index]
+
+    _, model = _fit(tmp_path, [average, _Poison()])
+    assert average.report()["restarts"] == ["not finite at step 8"]
+    assert all(torch.isfinite(v).all() for seen in model.seen for v in seen.values() if v.is_floating_point())
+
+
+def test_preset_puts_the_average_after_the_guard() -> None:
+    """``preset(average=True)`` adds it after TrainingGuard (a rolled-back step is never averaged); off by default."""
+    names = preset(average=True, logger=False, verbose=False).speedkit["callbacks"]
+    assert names.index("WeightAverage") == names.index("TrainingGuard") + 1
+    assert "WeightAverage" not in preset(logger=False, verbose=False).speedkit["callbacks"]
+    trainer = preset(average={"decay": 0.9}, logger=False, verbose=False)
+    assert callback_of(trainer, WeightAverage).decay == 0.9
+
+
+@pytest.mark.parametrize(("argument", "value"), [("decay", 1.0), ("decay", -0.1), ("share", 0.0), ("share", 1.5)])
+def test_bad_input_names_the_argument(argument: str, value: float) -> None:
+    """A decay outside [0, 1) or a share outside (0, 1] is an error that names it and the value."""
+    with pytest.raises(ValueError, match=f"`{argument}`.*{value}"):
+        WeightAverage(**{argument: value})
