@@ -28,6 +28,7 @@ EPYC cores at one thread: mlp 3 s (preset 5 s), conv 5 s (8 s), transformer 6 s 
     python benchmarks/lr_tasks.py --threads 1                  # about 45 minutes on 2 busy CPU cores
     python benchmarks/lr_tasks.py --tasks mlp,conv --seeds 0   # a part of it
     python benchmarks/lr_tasks.py --quick                      # a smoke run for the tests (JSON to a temp dir)
+    python benchmarks/lr_tasks.py --threads 1 --average        # also preset(lr="auto", average=True) in every cell
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ VARIANTS = ("naive", "preset", "preset_auto", "naive_nudged")
 LR_FREE = _lr_free.VARIANTS
 """``--lr-free`` adds these to every cell: ``preset()`` with the task's optimizer swapped for Prodigy, D-Adaptation
 or a schedule-free one (`_lr_free`), what a user could opt into instead of the LR trials."""
+AVERAGE = ("preset_auto_average",)
+"""``--average`` adds this to every cell: ``preset(lr="auto", average=True)``, the LR trials with validation on a moving
+average of the weights (`lightning_speedkit.WeightAverage`), beside ``preset_auto`` without it."""
+EXTRAS = {"lr_free": LR_FREE, "average": AVERAGE}
+"""The opt-in groups of variants, by the summary key their counts go under."""
 MARGIN = 0.98
 """The target is this share of the lowest peak val_acc (over seeds) of the best grid LR."""
 NOISE = 0.10
@@ -367,7 +373,8 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
         callbacks = [*options.pop("callbacks", ()), *([_lr_free.ScheduleFreeModes()] if free else [])]
         trainer = speedkit.preset(verbose=False, warmup=not free, callbacks=callbacks, **QUIET, **options)
         return trainer, False
-    return speedkit.preset(lr="auto", verbose=False, **QUIET, **options), "auto"
+    average = variant in AVERAGE
+    return speedkit.preset(lr="auto", average=average, verbose=False, **QUIET, **options), "auto"
 
 
 def _decisions(trainer: L.Trainer) -> dict[str, Any]:
@@ -379,6 +386,7 @@ def _decisions(trainer: L.Trainer) -> dict[str, Any]:
         "levers": trainer.speedkit.decisions(),  # type: ignore[attr-defined]
         "lr_finder": None if finder is None else {k: finder.get(k) for k in keys},
         "warmup": reports.get("WarmupScheduler"),
+        "average": reports.get("WeightAverage"),
         "probe_s": {name: float(r["probe_s"]) for name, r in reports.items() if r.get("probe_s")},
     }
 
@@ -501,8 +509,8 @@ def summarise_task(
         run["reached"] = run["time_to_target_s"] is not None
     oracle = {seed: oracle_time(_grid_run(runs, g, seed)["time_to_target_s"] for g in grid) for seed in seeds}
     ran = {r["variant"] for r in runs}
-    present = [v for v in (*VARIANTS, *LR_FREE) if v in ran]
-    free = [v for v in LR_FREE if v in ran]
+    free = [v for group in EXTRAS.values() for v in group if v in ran]
+    present = [v for v in VARIANTS if v in ran] + free
     cells = []
     for factor in factors:
         for seed in seeds:
@@ -544,16 +552,18 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     cells = [cell for task in tasks.values() for cell in task["cells"]]
     ratios = [task["auto_over_oracle_median"] for task in tasks.values()]
     finite = [r for r in ratios if not math.isnan(r)]
-    free = {}
-    for v in (v for v in LR_FREE if f"{v}_later" in cells[0]):
-        medians = [task["over_oracle_median"][v] for task in tasks.values()]
-        free[v] = {
-            "later_than_naive": sum(c[f"{v}_later"] for c in cells),
-            "later_than_both_naive_fits": sum(c[f"{v}_later_than_both"] for c in cells),
-            "over_oracle_median_over_tasks": _median([m for m in medians if not math.isnan(m)]),
-        }
+    extras: dict[str, dict[str, Any]] = {}
+    for key, group in EXTRAS.items():
+        for v in (v for v in group if f"{v}_later" in cells[0]):
+            medians = [task["over_oracle_median"][v] for task in tasks.values()]
+            extras.setdefault(key, {})[v] = {
+                "later_than_naive": sum(c[f"{v}_later"] for c in cells),
+                "later_than_both_naive_fits": sum(c[f"{v}_later_than_both"] for c in cells),
+                "later_than_preset_auto": sum(later(c["preset_auto_s"], c[f"{v}_s"]) for c in cells),
+                "over_oracle_median_over_tasks": _median([m for m in medians if not math.isnan(m)]),
+            }
     return {
-        **({"lr_free": free} if free else {}),
+        **extras,
         "cells": len(cells),
         "noise_allowance": NOISE,
         "preset_later_than_naive": sum(c["preset_later"] for c in cells),
@@ -617,11 +627,11 @@ def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], s
     both = summary["preset_later_than_both_naive_fits"], summary["auto_later_than_both_naive_fits"]
     lines.append(f"cells later than both naive fits by > {NOISE:.0%}: preset {both[0]}, preset_auto {both[1]}")
     lines.append(f"median over tasks of auto time / oracle time: {summary['auto_over_oracle_median_over_tasks']}")
-    for variant, counts in summary.get("lr_free", {}).items():
+    for variant, counts in ((v, c) for key in EXTRAS for v, c in summary.get(key, {}).items()):
         lines.append(
             f"{variant}: later than naive {counts['later_than_naive']}, than both naive fits"
-            f" {counts['later_than_both_naive_fits']}; median over tasks of its time / oracle time"
-            f" {counts['over_oracle_median_over_tasks']}"
+            f" {counts['later_than_both_naive_fits']}, than preset_auto {counts['later_than_preset_auto']};"
+            f" median over tasks of its time / oracle time {counts['over_oracle_median_over_tasks']}"
         )
     return "\n".join(lines)
 
@@ -630,7 +640,7 @@ def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], s
 
 
 def _settings(
-    quick: bool, names: Sequence[str], seeds: Sequence[int], lr_free: bool = False
+    quick: bool, names: Sequence[str], seeds: Sequence[int], lr_free: bool = False, average: bool = False
 ) -> tuple[dict[str, Task], dict[str, Any]]:
     """The tasks to run (``--quick``: `QUICK_SIZES`) and the run's settings (factors, grid, seeds...)."""
     tasks = {name: TASKS[name] for name in names}
@@ -645,7 +655,8 @@ def _settings(
         "grid": list(grid),
         "seeds": [0] if quick else list(seeds),
     }
-    settings |= {"variants": [*VARIANTS, *(LR_FREE if lr_free else ())], "margin": MARGIN, "noise_allowance": NOISE}
+    variants = [*VARIANTS, *(LR_FREE if lr_free else ()), *(AVERAGE if average else ())]
+    settings |= {"variants": variants, "margin": MARGIN, "noise_allowance": NOISE}
     settings |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads()}
     return tasks, settings
 
@@ -670,26 +681,27 @@ def run(
     out: str | Path | None = None,
     threads: int | None = None,
     lr_free: bool = False,
+    average: bool = False,
 ) -> dict[str, Any]:
     """Fit every task, variant, user LR and seed, summarise, print the tables and write the JSON to ``out``.
 
     ``quick``: tiny budgets, seed 0 only, user LRs 0.1x and 1x, grid 1x; without ``out`` the JSON goes to a temp dir
     (never over the committed result). ``threads``: torch's intra-op threads during the run (None: torch's default).
-    ``lr_free``: every cell also runs `LR_FREE`'s variants.
+    ``lr_free``: every cell also runs `LR_FREE`'s variants; ``average``: `AVERAGE`'s.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _run(quick, tasks, seeds, out, lr_free)
+        return _run(quick, tasks, seeds, out, lr_free, average)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(
-    quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Path | None, lr_free: bool
+    quick: bool, tasks: Sequence[str], seeds: Sequence[int], out: str | Path | None, lr_free: bool, average: bool
 ) -> dict[str, Any]:
     """`run` at the threads set."""
-    chosen, settings = _settings(quick, tasks, seeds, lr_free)
+    chosen, settings = _settings(quick, tasks, seeds, lr_free, average)
     factors, grid, seeds = [float(f) for f in settings["factors"]], settings["grid"], settings["seeds"]
     out = out_path(out, quick)
     root = Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-"))  # the demo's images and the fits' files
@@ -721,13 +733,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
     parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
     parser.add_argument("--lr-free", action="store_true", help=f"also run {', '.join(LR_FREE)} in every cell")
+    parser.add_argument("--average", action="store_true", help=f"also run {', '.join(AVERAGE)} in every cell")
     args = parser.parse_args(argv)
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no device banner for each of ~170 fits
     seeds = parse_seeds(args.seeds)
-    return run(quick=args.quick, tasks=tasks, seeds=seeds, out=args.out, threads=args.threads, lr_free=args.lr_free)
+    options = {"lr_free": args.lr_free, "average": args.average}
+    return run(quick=args.quick, tasks=tasks, seeds=seeds, out=args.out, threads=args.threads, **options)
 
 
 if __name__ == "__main__":
