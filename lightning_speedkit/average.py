@@ -100,10 +100,11 @@ class WeightAverage(LeanCallback):
 
     After every optimizer step the average moves towards the weights by ``1 - decay`` (`warm_decay` early on), for
     every floating-point parameter and buffer, on every rank alike (their weights are the same under DDP). The decay
-    is set at the first step from the run (`ema_decay` of `validation_interval`), unless ``decay`` is given. While the
-    fit validates, the module holds the average; after, the trained weights again, so training goes on as if there
-    were no average. The average is started again from the weights when their shapes change (`StructuredPruning`)
-    or it is not finite. A checkpoint's ``state_dict`` holds the average (what ``load_from_checkpoint`` gives you,
+    is set when training starts, from the run (`ema_decay` of `validation_interval`), unless ``decay`` is given. While
+    the fit validates, the module holds the average; after, the trained weights again, so training goes on as if there
+    were no average. The module's tensors are read again at each epoch's first step: the average starts again from the
+    weights when their shapes have changed (`StructuredPruning`, at an epoch's start), and when it is not finite at a
+    validation. A checkpoint's ``state_dict`` holds the average (what ``load_from_checkpoint`` gives you,
     and what the monitored metric measured); the callback's state keeps the trained weights, so a resumed fit goes on
     from them with the same average. After fit, the module holds the average.
 
@@ -144,7 +145,8 @@ class WeightAverage(LeanCallback):
         self._names: list[str] = []
         self._average: list[Tensor] | None = None
         self._trained: list[Tensor] | None = None  # the trained weights while the module holds the average
-        self._module_tensors: list[Tensor] = []  # the module's averaged tensors, as the last hook found them
+        self._module_tensors: list[Tensor] = []  # the module's averaged tensors, as last read
+        self._reread = True
         self._updates = 0
         self._last_step = -1
         self._restarts: list[str] = []
@@ -161,19 +163,25 @@ class WeightAverage(LeanCallback):
             log_rank_zero(trainer, {"speedkit/average/decay": self._decay})
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reread = True  # at the epoch's first step, after every epoch-start hook (pruning's) has run
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if trainer.global_step <= self._last_step:  # no optimizer step (accumulating, or a skipped batch)
             return
         self._last_step = trainer.global_step
-        names, tensors = self._current(pl_module)
-        if self._average is None or names != self._names or not _same_shapes(self._average, tensors):
-            self._start(names, tensors, "" if self._average is None else "the weights changed shape")
-            return
+        if self._reread or self._average is None:  # the module's tensors are read again once an epoch
+            self._reread = False
+            names, tensors = self._current(pl_module)
+            if self._average is None or names != self._names or not _same_shapes(self._average, tensors):
+                self._start(names, tensors, "" if self._average is None else "the weights changed shape")
+                return
         weight = 1.0 - warm_decay(self._decay if self._decay is not None else 0.0, self._updates)
         with torch.no_grad():
-            torch._foreach_lerp_(self._average, tensors, weight)
+            torch._foreach_lerp_(self._average, self._module_tensors, weight)
         self._updates += 1
 
     @override

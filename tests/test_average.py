@@ -8,8 +8,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, callback_of, tiny_trainer
+from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -200,3 +201,26 @@ def test_bad_input_names_the_argument(argument: str, value: float) -> None:
     """A decay outside [0, 1) or a share outside (0, 1] is an error that names it and the value."""
     with pytest.raises(ValueError, match=f"`{argument}`.*{value}"):
         WeightAverage(**{argument: value})
+
+
+def _rank_average(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Each rank's average (the module holds it after fit) and its decay (written by `RankWriter`)."""
+    weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+    return {"report": callback_of(trainer, WeightAverage).report(), "weights": weights}
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_hold_the_same_average(tmp_path: Path) -> None:
+    """2-process DDP: both ranks set the same decay from their own steps and end with the same averaged weights."""
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    writer = RankWriter(tmp_path, _rank_average)
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(num_samples=256, batch_size=8)  # no batch norm: DDP keeps its buffers per rank
+    trainer = tiny_trainer(tmp_path, callbacks=[WeightAverage(), writer], strategy=strategy, devices=2, max_epochs=2)
+    trainer.fit(model)
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["report"] == ranks[1]["report"]
+    assert ranks[0]["report"]["interval_steps"] == 16.0  # 256 samples, 2 ranks, batches of 8
+    assert ranks[0]["report"]["decay"] == pytest.approx(0.75)
+    assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], abs=1e-6)
