@@ -224,7 +224,7 @@ class WeightAverage(LeanCallback):
             return
         for name, average in zip(self._names, self._average, strict=True):
             if name in state:
-                state[name] = average.detach().clone()
+                state[name] = _host_copy(average)
 
     @override
     def on_load_checkpoint(
@@ -247,7 +247,7 @@ class WeightAverage(LeanCallback):
         trained = None
         if self._average is not None:
             values = self._trained if self._trained is not None else self._module_tensors
-            trained = {name: value.detach().clone() for name, value in zip(self._names, values, strict=True)}
+            trained = {name: _host_copy(value) for name, value in zip(self._names, values, strict=True)}
         return {
             "decay": self._decay,
             "interval": self._interval,
@@ -303,6 +303,11 @@ class WeightAverage(LeanCallback):
         with torch.no_grad():
             torch._foreach_copy_(tensors, self._trained)
         self._trained = None
+
+
+def _host_copy(tensor: Tensor) -> Tensor:
+    """A copy in host memory, for a checkpoint: saving never needs a second copy of the weights on the device."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _same_shapes(first: list[Tensor], second: list[Tensor]) -> bool:
