@@ -20,8 +20,8 @@ FOUNDATION = {
     "report", "restore", "sampling", "schedule", "timing", "trials",
 }  # fmt: skip
 CONCERNS = {
-    "average", "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8", "lr_finder",
-    "monitor", "precision", "pruning", "warmup",
+    "average", "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8",
+    "lr_finder", "monitor", "precision", "pruning", "warmup",
 }  # fmt: skip
 ASSEMBLY = {"callback_table", "loggers", "preset"}
 FACES = {"", "__main__", "cli", "demo"}  # "" is the package's __init__
