@@ -159,6 +159,7 @@ YAML_ARGS: dict[str, dict[str, Any]] = {
         "cooldown": 0.3,
         "cooldown_check": True,
     },
+    "WeightAverage": {"decay": 0.9, "share": 0.5},
 }
 
 
