@@ -195,7 +195,7 @@ class WeightAverage(LeanCallback):
             self._start(names, tensors, f"not finite at step {trainer.global_step}")
             return
         with torch.no_grad():
-            self._trained = [t.clone() for t in tensors]
+            self._trained = [t.detach().clone() for t in tensors]
             torch._foreach_copy_(tensors, self._average)
 
     @override
@@ -284,16 +284,21 @@ class WeightAverage(LeanCallback):
         }
 
     def _current(self, pl_module: pl.LightningModule) -> tuple[list[str], list[Tensor]]:
-        """The module's averaged tensors now (detached) and their names; remembered for `state_dict`."""
+        """The module's averaged tensors now and their names; remembered for the steps and `state_dict`.
+
+        The parameters themselves, not detached views: a layout change (`ChannelsLast`, also in its counted probe)
+        gives a parameter new storage under the same object, which a view taken before would no longer see. Every
+        write to them is under ``torch.no_grad()``.
+        """
         pairs = list(_tensors(pl_module))
-        self._module_tensors = [t.detach() for _, t in pairs]
+        self._module_tensors = [t for _, t in pairs]
         return [n for n, _ in pairs], self._module_tensors
 
     def _start(self, names: list[str], tensors: list[Tensor], why: str) -> None:
         """Start the average again from ``tensors`` (the first step, or after ``why``)."""
         if why:
             self._restarts.append(why)
-        self._names, self._average, self._updates = names, [t.clone() for t in tensors], 0
+        self._names, self._average, self._updates = names, [t.detach().clone() for t in tensors], 0
 
     def _put_back(self, pl_module: pl.LightningModule) -> None:
         """The trained weights back in the module, if it holds the average."""

@@ -122,6 +122,24 @@ def test_training_is_unchanged_and_validation_sees_the_average(tmp_path: Path) -
     assert average.report()["decay"] == 0.9
 
 
+class _NewStorage(L.Callback):
+    """After the third step every parameter gets new storage under the same object, as a layout change does."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 3:
+            for parameter in pl_module.parameters():
+                parameter.data = parameter.data.clone()
+
+
+def test_average_follows_parameters_given_new_storage_mid_epoch(tmp_path: Path) -> None:
+    """A parameter whose storage is replaced mid-epoch (ChannelsLast's probe) is still averaged from its new values."""
+    steps = _Steps()
+    _, model = _fit(tmp_path, [steps, WeightAverage(decay=0.9), _NewStorage()])
+    expected = _ema(steps.weights[:8], 0.9)
+    torch.testing.assert_close(model.seen[0]["net.0.weight"], expected["net.0.weight"])
+
+
 def test_decay_chosen_from_the_run(tmp_path: Path) -> None:
     """Without ``decay``: a quarter of the 8 steps between validations, a time constant of 2 steps."""
     average = WeightAverage()
