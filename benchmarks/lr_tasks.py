@@ -509,8 +509,8 @@ def summarise_task(
         run["reached"] = run["time_to_target_s"] is not None
     oracle = {seed: oracle_time(_grid_run(runs, g, seed)["time_to_target_s"] for g in grid) for seed in seeds}
     ran = {r["variant"] for r in runs}
-    free = [v for group in EXTRAS.values() for v in group if v in ran]
-    present = [v for v in VARIANTS if v in ran] + free
+    opt_in = [v for group in EXTRAS.values() for v in group if v in ran]
+    present = [v for v in VARIANTS if v in ran] + opt_in
     cells = []
     for factor in factors:
         for seed in seeds:
@@ -525,13 +525,13 @@ def summarise_task(
             cell |= {"preset_later_than_both": later_than_both(*both, times["preset"])}
             cell |= {"auto_later_than_both": later_than_both(*both, times["preset_auto"])}
             cell |= {"auto_over_oracle": over(times["preset_auto"], oracle[seed])}
-            for v in free:
+            for v in opt_in:
                 cell |= {f"{v}_later": later(times["naive"], times[v])}
                 cell |= {f"{v}_later_than_both": later_than_both(*both, times[v])}
                 cell |= {f"{v}_over_oracle": over(times[v], oracle[seed])}
             cells.append(cell)
     auto_over_oracle = statistics.median(c.pop("auto_over_oracle") for c in cells)
-    over_oracle = {v: statistics.median(c.pop(f"{v}_over_oracle") for c in cells) for v in free}
+    over_oracle = {v: statistics.median(c.pop(f"{v}_over_oracle") for c in cells) for v in opt_in}
     return {
         "target": target,
         "best_grid_factor": best,
