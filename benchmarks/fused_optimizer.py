@@ -148,8 +148,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int | None 
     finally:
         torch.set_num_threads(previous)
         shutil.rmtree(root, ignore_errors=True)
-    info = cpu_info()
-    result: dict[str, Any] = {"settings": settings, "machine": {"cpu": info.model, "isa": info.torch_capability}}
+    result: dict[str, Any] = {"settings": settings, "machine": cpu_info().machine()}
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result |= {"wall_s": time.perf_counter() - started, "steps": steps, "runs": runs, "fits": summarise(runs)}
     print_and_write(format_tables(result), result, out)

@@ -668,12 +668,6 @@ def out_path(out: str | Path | None, quick: bool) -> Path:
     return Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-quick-")) / "lr_tasks.json" if quick else DEFAULT_OUT
 
 
-def _machine() -> dict[str, Any]:
-    """The CPU's name and ISA (`lightning_speedkit.hardware.cpu_info`) and the cores this process may use."""
-    info = cpu_info()
-    return {"cpu": info.model, "isa": info.torch_capability, "isa_limit": info.isa_limit, "cores": info.available_cores}
-
-
 def run(
     quick: bool = False,
     tasks: Sequence[str] = tuple(TASKS),
@@ -717,7 +711,7 @@ def _run(
         task_summary["auto_over_oracle_median"] = _finite(task_summary["auto_over_oracle_median"])
         for variant, ratio in task_summary.get("over_oracle_median", {}).items():
             task_summary["over_oracle_median"][variant] = _finite(ratio)
-    result: dict[str, Any] = {"config": settings, "machine": _machine()}
+    result: dict[str, Any] = {"config": settings, "machine": cpu_info().machine()}
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result |= {"wall_s": time.perf_counter() - started, "runs": runs, "tasks": summaries, "summary": summary}
     print_and_write(format_tables(summaries, runs, summary), result, out)

@@ -15,6 +15,7 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -136,6 +137,21 @@ class CpuInfo:
     flags: tuple[str, ...]
     torch_capability: str
     isa_limit: str = ""
+
+    def machine(self) -> dict[str, Any]:
+        """What a benchmark's results file records of the CPU: the figures in it are this machine's.
+
+        Example:
+            >>> CpuInfo(2, 2, "AMD EPYC", ("avx2",), "AVX2").machine()
+            {'cpu': 'AMD EPYC', 'isa': 'AVX2', 'isa_limit': '', 'cores': 2, 'bf16': []}
+        """
+        return {
+            "cpu": self.model,
+            "isa": self.torch_capability,
+            "isa_limit": self.isa_limit,
+            "cores": self.available_cores,
+            "bf16": self.bf16_instructions,
+        }
 
     @property
     def has_amx_bf16(self) -> bool:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier, DemoConfig, DemoResNet, format_report, run_demo
 from lightning_speedkit.demo.run import ABLATION, _choices, format_seeds, parse_seeds, run_seeds
+from lightning_speedkit.hardware import cpu_info
 
 
 @pytest.mark.parametrize(("width", "blocks"), [(8, 1), (16, 1), (8, 2)])
@@ -125,6 +126,8 @@ def test_seeds_alternate_the_order_and_a_miss_counts_as_zero(tmp_path: Path, dem
     assert report["summary"] == {"median": 0.0, "worst": 0.0, "reached": 0, "baseline_reached": 0, "total": 2}
     assert json.loads((tmp_path / "demo.json").read_text())["summary"] == report["summary"]
     assert format_seeds(report).endswith("speed-up over seeds: median 0.00x, worst 0.00x, reached 0/2")
+    assert report["machine"] == cpu_info().machine()  # the file and the table name the CPU its figures come from
+    assert f"on {cpu_info().model or 'an unnamed CPU'}: " in format_seeds(report)
 
 
 @pytest.mark.parametrize(("text", "seeds"), [("0-4", [0, 1, 2, 3, 4]), ("2,5", [2, 5]), ("3", [3])])

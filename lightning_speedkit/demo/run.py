@@ -21,6 +21,7 @@ from lightning_speedkit.checks import check_bool, check_int, check_number, is_in
 from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import collect_reports, write_json_atomic
 
 __all__ = [
@@ -369,9 +370,10 @@ def run_seeds(
     0.00x. With ``out_dir`` the report is written to ``demo.json`` there.
 
     Returns:
-        ``{"config", "seeds": [{"seed", "order", "baseline", "speedkit", "speedup"}], "summary", "load_average"}``,
-        where ``summary`` holds ``median``, ``worst``, ``reached`` and ``total``, and ``load_average`` the machine's
-        1/5/15-minute load before and after (a busy machine makes every figure noisy).
+        ``{"config", "machine", "seeds": [{"seed", "order", "baseline", "speedkit", "speedup"}], "summary",
+        "load_average"}``: ``machine`` names the CPU (`lightning_speedkit.hardware.CpuInfo.machine`), ``summary``
+        holds ``median``, ``worst``, ``reached`` and ``total``, ``load_average`` the 1/5/15-minute load before and after
+        (a busy machine makes every figure noisy).
     """
     rows: list[dict[str, Any]] = []
     load_before = os.getloadavg()
@@ -390,7 +392,7 @@ def run_seeds(
         "baseline_reached": sum(1 for row in rows if row["baseline"]["time_to_target_s"]),
         "total": len(rows),
     }
-    report = {"config": dataclasses.asdict(config), "seeds": rows, "summary": summary}
+    report = {"config": dataclasses.asdict(config), "machine": cpu_info().machine(), "seeds": rows, "summary": summary}
     report["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}  # how quiet the machine was
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")

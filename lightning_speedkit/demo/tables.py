@@ -68,6 +68,15 @@ def format_seeds(report: dict[str, Any]) -> str:
     lines = [
         f"demo workload: {config['num_images']} images {config['image_size']}px, batch {config['batch_size']},"
         f" AdamW at {config['lr']:g}, budget {config['max_epochs']} epochs, target val_acc {config['target_acc']:.2f}",
+    ]
+    machine = report.get("machine")  # files written before it was recorded have none
+    if machine:
+        limit = f", {machine['isa_limit']}" if machine["isa_limit"] else ""
+        lines.append(
+            f"on {machine['cpu'] or 'an unnamed CPU'}: {machine['cores']} cores, torch ISA {machine['isa']}{limit},"
+            f" bf16 instructions: {' '.join(machine['bf16']) or 'none'}"
+        )
+    lines += [
         f"{'seed':<6}{'baseline':<22}{'speedkit':<22}{'speed-up':>9}  speedkit chose",
     ]
     for row in report["seeds"]:
