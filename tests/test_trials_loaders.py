@@ -110,3 +110,68 @@ def test_the_run_loaders_are_found_before_they_are_built(tmp_path: Path) -> None
     trainer = tiny_trainer(tmp_path, callbacks=[trials], max_epochs=1, limit_val_batches=0)
     trainer.fit(TinyClassifier(num_samples=32))
     assert trials.loaders == 1
+
+
+class _CountedHook(TinyClassifier):
+    """Counts the calls of its ``train_dataloader`` hook (a user's hook may build a dataset each time)."""
+
+    calls = 0
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        self.calls += 1
+        return super().train_dataloader()
+
+
+class _Reads(L.Callback):
+    """At fit start: the steps left and the fingerprint's loader, twice each; then the batch size doubled and again."""
+
+    def __init__(self) -> None:
+        self.reads: list[Any] = []
+        self.calls: list[int] = []
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.utilities.parsing import lightning_setattr
+
+        from lightning_speedkit.trials import steps_left
+        from lightning_speedkit.trials.memory import _loader
+
+        for _ in range(2):
+            self.reads.append((steps_left(trainer), _loader(trainer)["batch_size"]))
+            self.calls.append(pl_module.calls)  # type: ignore[attr-defined]
+        lightning_setattr(pl_module, "batch_size", 2 * pl_module.batch_size)  # as a batch size finder sets it
+        self.reads.append((steps_left(trainer), _loader(trainer)["batch_size"]))
+        self.calls.append(pl_module.calls)  # type: ignore[attr-defined]
+
+
+def test_the_unbuilt_train_loader_is_read_once_until_what_it_depends_on_changes(tmp_path: Path) -> None:
+    """Reading the steps left and the loader's settings before the fit built its loader asks the user's hook once each.
+
+    ``preset()``'s levers read them ten times at fit start, and every read called the user's ``train_dataloader``
+    again (11 calls in a ``preset()`` fit of `benchmarks/lr_tasks.py`'s MLP, 16 with ``lr="auto"``). A read is kept
+    until the batch size (or the step, the budget, the source) changes, and the fit still builds its own loader.
+    """
+    reads = _Reads()
+    model = _CountedHook(num_samples=64, batch_size=8)
+    trainer = tiny_trainer(tmp_path, callbacks=[reads], max_epochs=2, limit_val_batches=0)
+    trainer.fit(model)
+    assert reads.reads == [(16.0, 8), (16.0, 8), (8.0, 16)]  # 64 samples: 8 batches of 8 an epoch, then 4 of 16
+    assert reads.calls == [2, 2, 4]  # one build for each kind of read; after the change, one more each
+    assert model.calls == 5  # and the fit's own
+    assert trainer.global_step == 8
+
+
+def test_a_peek_leaves_the_run_as_it_was(tmp_path: Path) -> None:
+    """The fit after the reads trains on the same batches, in the same order, as without them (the RNG untouched)."""
+    runs = []
+    for read in (False, True):
+        L.seed_everything(0, verbose=False)
+        batches = _Batches()
+        callbacks: list[L.Callback] = [_Reads(), batches] if read else [batches]
+        model = _CountedHook(num_samples=64, batch_size=8)
+        tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=1, limit_val_batches=0).fit(model)
+        runs.append(batches.batches[0])
+    without, with_reads = runs
+    assert len(without) == 8 and len(with_reads) == 4  # the reads' callback doubled the batch size before the fit
+    assert torch.equal(torch.cat(without), torch.cat(with_reads))  # the same shuffle of the same samples

@@ -26,6 +26,7 @@ from lightning_speedkit.checks import check_bool, check_choice, check_int, check
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import BatchSize, Decision, Lever, TrialResult, TrialSession
+from lightning_speedkit.trials.loaders import forget_peeks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -285,6 +286,7 @@ class BatchSizeFinder(Lever):
         trainer.accumulate_grad_batches = accumulation
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        forget_peeks(trainer)  # the loader is built again, of batches of the new size
         if resumed:  # the LR and the warmup are restored with the optimizers, schedulers and warmup callback
             if found.get("world_size", trainer.world_size) != trainer.world_size:
                 rank_zero_warn(

@@ -30,6 +30,7 @@ from lightning_speedkit.decisions import counted_cost, fitted_block
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
+from lightning_speedkit.trials.loaders import forget_peeks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -165,8 +166,7 @@ class Lever(LeanCallback):
     """What the lever's own fields of a saved decision may be (beside `DECISION_SPEC`)."""
 
     COUNTED: ClassVar[bool] = False
-    """Whether the lever probes on counted trials (`lightning_speedkit.trials.counted`, blocks of ``probe_steps``)
-    when every setting of `plan` keeps the math (``Setting.changes_math`` False); else on restored trials."""
+    """Whether the lever probes on counted trials (`lightning_speedkit.trials.counted`) when no setting changes math."""
 
     MIN_BLOCK: ClassVar[int | None] = None
     """With a value, counted blocks are fitted to the run (`~lightning_speedkit.trials.counted.fitted_block`): the
@@ -217,6 +217,7 @@ class Lever(LeanCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
+        forget_peeks(trainer)  # a new fit: its train loader is read afresh
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

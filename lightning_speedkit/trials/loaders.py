@@ -5,23 +5,101 @@ source hands out the same ``DataLoader`` object every time (``fit(train_dataload
 run share it: its ``generator`` (``DataLoader(generator=...)``, the shuffle's and the workers' seeds), and with
 ``persistent_workers=True`` its worker pool, which a trial's clean-up shuts down. These helpers find the run's
 loaders, built or not, so the session can put their generators back and keep their worker pools out of the trials.
+
+Before the fit builds its train loader (a lever deciding at fit start), reading it means building it: the user's
+``train_dataloader`` hook runs. `peek_train_loader` builds it for one read, gives the fit its loader back unbuilt and
+its RNG untouched, and remembers the read per Trainer until what it depends on changes: ``preset()``'s levers read the
+loader (the steps left, the fingerprint of a remembered decision) ten times at fit start, and each read called the
+user's hook again.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities.combined_loader import CombinedLoader, _shutdown_workers_and_reset_iterator
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_speedkit.report import quiet_logger
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["loader_generators", "put_back_iterators", "run_loaders", "set_aside_iterators"]
+__all__ = [
+    "LIGHTNING_INFO",
+    "forget_peeks",
+    "loader_generators",
+    "peek_train_loader",
+    "put_back_iterators",
+    "run_loaders",
+    "set_aside_iterators",
+]
+
+LIGHTNING_INFO = "lightning.pytorch.utilities.rank_zero"
+"""Lightning's ``rank_zero_info`` logger: quiet (WARNING) during trials, whose every run would otherwise end with
+"`Trainer.fit` stopped: `max_steps=4` reached." and "Loading `train_dataloader` to estimate ..." lines."""
+
+_T = TypeVar("_T")
+_PEEKS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+"""Per Trainer, what `peek_train_loader` read of its train loader before the fit built it, by `_peek_key`."""
+
+
+def _peek_key(trainer: pl.Trainer) -> tuple[Any, ...]:
+    """What a read of the unbuilt train loader depends on that a fit's start can change.
+
+    The step and epoch, the budget, gradient accumulation, the devices, the data source and the batch size as a batch
+    size finder sets it (``lightning_setattr``: the module, its ``hparams`` or the datamodule).
+    """
+    module = trainer.lightning_module
+    size = (
+        lightning_getattr(module, "batch_size")
+        if module is not None and lightning_hasattr(module, "batch_size")
+        else None
+    )
+    source = getattr(trainer.fit_loop._data_source, "instance", None)
+    budget = (trainer.max_epochs, trainer.max_steps, trainer.limit_train_batches, trainer.accumulate_grad_batches)
+    return (trainer.global_step, trainer.current_epoch, *budget, trainer.world_size, id(source), size)
+
+
+def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> _T:
+    """``read(trainer)``, for which the fit's train loader may be built, with the fit left as if it never was.
+
+    The read runs under ``isolate_rng`` (building the loader and its iterator, or a sample's transform, draws from the
+    global RNG). Before the fit loop has built its loader, a loader the read built is torn down again, so the fit
+    builds its own exactly as without the read, and the value is kept for the next read of the same ``read`` with the
+    same `_peek_key`, until `forget_peeks` (every lever's ``setup``; a lever that changes the loader or the batch size).
+    """
+    fit_loop = trainer.fit_loop
+    built = fit_loop._combined_loader is not None
+    key = (read, *_peek_key(trainer))
+    peeks = _PEEKS.setdefault(trainer, {})
+    if not built and key in peeks:
+        return peeks[key]  # type: ignore[no-any-return]
+    try:
+        with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
+            value = read(trainer)
+    finally:
+        if not built and fit_loop._combined_loader is not None:
+            if fit_loop._data_fetcher is not None:
+                fit_loop._data_fetcher.teardown()
+                fit_loop._data_fetcher = None
+            fit_loop._combined_loader = None
+    if not built:
+        peeks[key] = value
+    return value
+
+
+def forget_peeks(trainer: pl.Trainer) -> None:
+    """Forget what `peek_train_loader` read for ``trainer``: the next read builds the loader again."""
+    _PEEKS.pop(trainer, None)
 
 
 def run_loaders(trainer: pl.Trainer) -> list[Any]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.decisions import (
     choose_setting,
@@ -19,9 +17,9 @@ from lightning_speedkit.decisions import (
     round_ratios,
     weigh_by_rounds,
 )
-from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.trials.lever import Decision
-from lightning_speedkit.trials.session import LIGHTNING_INFO, TrialSession
+from lightning_speedkit.trials.loaders import peek_train_loader
+from lightning_speedkit.trials.session import TrialSession
 from lightning_speedkit.trials.settings import LeaveOut, Setting, TrialResult
 
 if TYPE_CHECKING:
@@ -30,21 +28,18 @@ if TYPE_CHECKING:
 __all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "measure", "probe_cost", "steps_left"]
 
 
+def _estimated(trainer: pl.Trainer) -> float:
+    return float(trainer.estimated_stepping_batches)
+
+
 def steps_left(trainer: pl.Trainer) -> float:
     """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``.
 
     Estimating builds the train loader and its iterator, which draws from the global RNG; a fit that has not built
-    them yet gets them back unbuilt and its RNG untouched, so asking changes nothing about the run.
+    them yet gets them back unbuilt and its RNG untouched, so asking changes nothing about the run
+    (`lightning_speedkit.trials.loaders.peek_train_loader`, which also keeps the estimate for the next lever).
     """
-    fit_loop = trainer.fit_loop
-    built = fit_loop._combined_loader is not None
-    with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
-        estimated = trainer.estimated_stepping_batches
-    if not built and fit_loop._combined_loader is not None:
-        if fit_loop._data_fetcher is not None:
-            fit_loop._data_fetcher.teardown()
-            fit_loop._data_fetcher = None
-        fit_loop._combined_loader = None
+    estimated = peek_train_loader(trainer, _estimated)
     if math.isinf(estimated):
         return math.inf
     return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches

@@ -21,6 +21,7 @@ its report says why), never a crash. `DecisionMemory.entries` lists what is reme
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import hashlib
 import json
@@ -36,16 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.decisions import outside_band
 from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.report import cache_dir, quiet_logger, write_json_atomic
+from lightning_speedkit.report import cache_dir, write_json_atomic
 from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.counted import queued_steps
 from lightning_speedkit.trials.lever import Decision
-from lightning_speedkit.trials.session import LIGHTNING_INFO
+from lightning_speedkit.trials.loaders import peek_train_loader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -136,34 +136,31 @@ does not make that lever's fingerprint another."""
 
 
 def _loader(trainer: pl.Trainer) -> dict[str, Any]:
-    """The train loader's settings and one sample's shapes (read without drawing from any RNG the run uses)."""
+    """The train loader's settings and one sample's shapes, read without changing the run (`peek_train_loader`)."""
+    return copy.deepcopy(peek_train_loader(trainer, _read_loader))  # the kept read stays as it was read
+
+
+def _read_loader(trainer: pl.Trainer) -> dict[str, Any]:
     fit_loop = trainer.fit_loop
-    built = fit_loop._combined_loader is not None
-    with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
-        if not built:
-            fit_loop.setup_data()
-        combined = fit_loop._combined_loader
-        loaders = list(combined.flattened) if combined is not None else []
-        found: dict[str, Any] = {"loaders": len(loaders)}
-        if loaders:
-            loader = loaders[0]
-            found.update(
-                type=type(loader).__name__,
-                batch_size=getattr(loader, "batch_size", None),
-                num_workers=getattr(loader, "num_workers", None),
-                pin_memory=getattr(loader, "pin_memory", None),
-                persistent_workers=getattr(loader, "persistent_workers", None),
-                prefetch_factor=getattr(loader, "prefetch_factor", None),
-                drop_last=getattr(loader, "drop_last", None),
-                dataset=type(getattr(loader, "dataset", None)).__name__,
-            )
-            found.update(getattr(loader, BUILT_FROM, None) or {})  # the user's settings, under our rebuild
-            found["sample"] = _sample(trainer, getattr(loader, "dataset", None))
-    if not built and fit_loop._combined_loader is not None:
-        if fit_loop._data_fetcher is not None:
-            fit_loop._data_fetcher.teardown()
-            fit_loop._data_fetcher = None
-        fit_loop._combined_loader = None
+    if fit_loop._combined_loader is None:
+        fit_loop.setup_data()
+    combined = fit_loop._combined_loader
+    loaders = list(combined.flattened) if combined is not None else []
+    found: dict[str, Any] = {"loaders": len(loaders)}
+    if loaders:
+        loader = loaders[0]
+        found.update(
+            type=type(loader).__name__,
+            batch_size=getattr(loader, "batch_size", None),
+            num_workers=getattr(loader, "num_workers", None),
+            pin_memory=getattr(loader, "pin_memory", None),
+            persistent_workers=getattr(loader, "persistent_workers", None),
+            prefetch_factor=getattr(loader, "prefetch_factor", None),
+            drop_last=getattr(loader, "drop_last", None),
+            dataset=type(getattr(loader, "dataset", None)).__name__,
+        )
+        found.update(getattr(loader, BUILT_FROM, None) or {})  # the user's settings, under our rebuild
+        found["sample"] = _sample(trainer, getattr(loader, "dataset", None))
     return found
 
 

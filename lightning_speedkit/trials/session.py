@@ -23,7 +23,13 @@ from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import StepTimer
-from lightning_speedkit.trials.loaders import loader_generators, put_back_iterators, run_loaders, set_aside_iterators
+from lightning_speedkit.trials.loaders import (
+    LIGHTNING_INFO,
+    loader_generators,
+    put_back_iterators,
+    run_loaders,
+    set_aside_iterators,
+)
 from lightning_speedkit.trials.replay import fetch_batches, replaying
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
 from lightning_speedkit.trials.snapshot import loop_flags, put_back, restore_loop_flags, take_state
@@ -34,10 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["LIGHTNING_INFO", "TrialSession"]
-
-LIGHTNING_INFO = "lightning.pytorch.utilities.rank_zero"
-"""Lightning's ``rank_zero_info`` logger: quiet (WARNING) during trials, whose every run would otherwise end with
-"`Trainer.fit` stopped: `max_steps=4` reached." and "Loading `train_dataloader` to estimate ..." lines."""
 
 
 class _PeerOutOfMemory(Exception):
