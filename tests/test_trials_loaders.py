@@ -173,5 +173,39 @@ def test_a_peek_leaves_the_run_as_it_was(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=1, limit_val_batches=0).fit(model)
         runs.append(batches.batches[0])
     without, with_reads = runs
-    assert len(without) == 8 and len(with_reads) == 4  # the reads' callback doubled the batch size before the fit
+    assert len(without) == 8  # batches of 8
+    assert len(with_reads) == 4  # the reads' callback doubled the batch size before the fit
     assert torch.equal(torch.cat(without), torch.cat(with_reads))  # the same shuffle of the same samples
+
+
+class _SizesByStage(_CountedHook):
+    """A ``batch_size`` hyperparameter that is a dict (one size per stage): unhashable."""
+
+    def __init__(self) -> None:
+        super().__init__(num_samples=64, batch_size=8)
+        self.batch_size = self.hparams["batch_size"] = {"train": 8, "val": 16}  # type: ignore[assignment]
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        self.calls += 1
+        return DataLoader(self._data(0), batch_size=self.batch_size["train"], shuffle=True)  # type: ignore[index]
+
+
+class _StepsLeftTwice(L.Callback):
+    def __init__(self) -> None:
+        self.left: list[float] = []
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_speedkit.trials import steps_left
+
+        self.left = [steps_left(trainer), steps_left(trainer)]
+
+
+def test_a_batch_size_that_is_not_hashable_is_read_and_kept(tmp_path: Path) -> None:
+    """A dict ``batch_size`` (sizes by stage) keys the kept read by its text: no ``TypeError``, one build, two reads."""
+    reads = _StepsLeftTwice()
+    model = _SizesByStage()
+    tiny_trainer(tmp_path, callbacks=[reads], max_epochs=1, limit_val_batches=0).fit(model)
+    assert reads.left == [8.0, 8.0]
+    assert model.calls == 2  # the read's build, and the fit's own

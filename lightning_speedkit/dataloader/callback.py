@@ -43,6 +43,7 @@ from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import PROBE_ROUNDS, AsIs, Decision, LeaveOut, Lever, Setting, TrialResult
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, CountedTrials, queued_steps
+from lightning_speedkit.trials.loaders import forget_peeks
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,7 @@ class DataLoaderTuner(Lever):
             if self._serving is None:  # a counted epoch's own loader is dropped at its end
                 trainer.fit_loop._combined_loader = None
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+            forget_peeks(trainer)  # a streaming loader's length depends on its workers
 
     @override
     def metrics(self, decision: Decision) -> dict[str, float]:

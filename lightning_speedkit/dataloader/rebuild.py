@@ -146,11 +146,15 @@ def rebuild_dataloader(
         >>> new = rebuild_dataloader(loader, {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4})
         >>> new.num_workers, new.batch_size, new.drop_last, new.sampler is loader.sampler
         (2, 4, True, True)
-        >>> getattr(new, BUILT_FROM)["num_workers"]  # the settings the user built it with, for remembered decisions
-        0
+        >>> getattr(new, BUILT_FROM)["num_workers"], getattr(new, BUILT_FROM)["dataset"]  # the user's, for memory
+        (0, 'list')
     """
     new = _rebuilt(loader, settings, batch_sampler)
-    setattr(new, BUILT_FROM, getattr(loader, BUILT_FROM, None) or loader_settings(loader))  # the user's, for memory
+    built_from = getattr(loader, BUILT_FROM, None) or {
+        **loader_settings(loader),
+        "dataset": type(loader.dataset).__name__,
+    }
+    setattr(new, BUILT_FROM, built_from)  # the user's settings and dataset type, for remembered decisions
     return new
 
 

@@ -8,9 +8,9 @@ loaders, built or not, so the session can put their generators back and keep the
 
 Before the fit builds its train loader (a lever deciding at fit start), reading it means building it: the user's
 ``train_dataloader`` hook runs. `peek_train_loader` builds it for one read, gives the fit its loader back unbuilt and
-its RNG untouched, and remembers the read per Trainer until what it depends on changes: ``preset()``'s levers read the
-loader (the steps left, the fingerprint of a remembered decision) ten times at fit start, and each read called the
-user's hook again.
+the global RNG untouched, and remembers the read per Trainer until what it depends on changes: ``preset()``'s
+levers read the loader (the steps left, the fingerprint of a remembered decision) ten times at fit start, and each
+read called the user's hook again.
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ LIGHTNING_INFO = "lightning.pytorch.utilities.rank_zero"
 "`Trainer.fit` stopped: `max_steps=4` reached." and "Loading `train_dataloader` to estimate ..." lines."""
 
 _T = TypeVar("_T")
-_PEEKS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
-"""Per Trainer, what `peek_train_loader` read of its train loader before the fit built it, by `_peek_key`."""
+_PEEKS: weakref.WeakKeyDictionary[Any, tuple[Any, dict[tuple[Any, ...], Any]]] = weakref.WeakKeyDictionary()
+"""Per Trainer: its data source (a weak reference) and what `peek_train_loader` read before the fit built the loader."""
 
 
 def _peek_key(trainer: pl.Trainer) -> tuple[Any, ...]:
-    """What a read of the unbuilt train loader depends on that a fit's start can change.
+    """What a read of the unbuilt train loader depends on that a fit's start can change (beside the data source).
 
-    The step and epoch, the budget, gradient accumulation, the devices, the data source and the batch size as a batch
-    size finder sets it (``lightning_setattr``: the module, its ``hparams`` or the datamodule).
+    The step and epoch, the budget, gradient accumulation, the devices, and an attribute named ``batch_size`` as
+    Lightning's ``lightning_setattr`` finds it (the module, its ``hparams``, the datamodule); a lever that changes the
+    loader otherwise (`lightning_speedkit.BatchSizeFinder` under another name, `lightning_speedkit.DataLoaderTuner`)
+    calls `forget_peeks`.
     """
     module = trainer.lightning_module
     size = (
@@ -64,37 +66,53 @@ def _peek_key(trainer: pl.Trainer) -> tuple[Any, ...]:
         if module is not None and lightning_hasattr(module, "batch_size")
         else None
     )
-    source = getattr(trainer.fit_loop._data_source, "instance", None)
+    try:
+        hash(size)
+    except TypeError:  # a dict or a list in the hparams: compared by its text
+        size = repr(size)
     budget = (trainer.max_epochs, trainer.max_steps, trainer.limit_train_batches, trainer.accumulate_grad_batches)
-    return (trainer.global_step, trainer.current_epoch, *budget, trainer.world_size, id(source), size)
+    return (trainer.global_step, trainer.current_epoch, *budget, trainer.world_size, size)
 
 
 def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> _T:
     """``read(trainer)``, for which the fit's train loader may be built, with the fit left as if it never was.
 
-    The read runs under ``isolate_rng`` (building the loader and its iterator, or a sample's transform, draws from the
-    global RNG). Before the fit loop has built its loader, a loader the read built is torn down again, so the fit
-    builds its own exactly as without the read, and the value is kept for the next read of the same ``read`` with the
-    same `_peek_key`, until `forget_peeks` (every lever's ``setup``; a lever that changes the loader or the batch size).
+    The read runs under ``isolate_rng`` (building the loader, or a sample's transform, draws from the global RNG).
+    Before the fit loop has built its loader, a loader the read built is torn down again, so the fit builds its own
+    exactly as without the read, and the value is kept for the next read of the same ``read`` with the same data
+    source and `_peek_key`, until `forget_peeks` (every lever's ``setup``; a lever that changes the loader).
     """
     fit_loop = trainer.fit_loop
-    built = fit_loop._combined_loader is not None
+    if fit_loop._combined_loader is not None:  # built: read it as it is
+        with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
+            return read(trainer)
+    source = getattr(fit_loop._data_source, "instance", None)
+    kept = _PEEKS.get(trainer)
+    if kept is None or kept[0]() is not source:  # another source (a new fit's): nothing kept applies
+        kept = (_weak(source), {})
+        _PEEKS[trainer] = kept
     key = (read, *_peek_key(trainer))
-    peeks = _PEEKS.setdefault(trainer, {})
-    if not built and key in peeks:
-        return peeks[key]  # type: ignore[no-any-return]
+    if key in kept[1]:
+        return kept[1][key]  # type: ignore[no-any-return]
     try:
         with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
             value = read(trainer)
     finally:
-        if not built and fit_loop._combined_loader is not None:
+        if fit_loop._combined_loader is not None:
             if fit_loop._data_fetcher is not None:
                 fit_loop._data_fetcher.teardown()
                 fit_loop._data_fetcher = None
             fit_loop._combined_loader = None
-    if not built:
-        peeks[key] = value
+    kept[1][key] = value
     return value
+
+
+def _weak(source: Any) -> Callable[[], Any]:
+    """A weak reference to ``source``, or a strong one where it takes none (None, a list of loaders)."""
+    try:
+        return weakref.ref(source)
+    except TypeError:
+        return lambda: source
 
 
 def forget_peeks(trainer: pl.Trainer) -> None:

@@ -36,7 +36,7 @@ def steps_left(trainer: pl.Trainer) -> float:
     """Training batches left in this fit (``inf`` for an unbounded one), from ``trainer.estimated_stepping_batches``.
 
     Estimating builds the train loader and its iterator, which draws from the global RNG; a fit that has not built
-    them yet gets them back unbuilt and its RNG untouched, so asking changes nothing about the run
+    them yet gets them back unbuilt and the global RNG untouched, so asking changes nothing about the run
     (`lightning_speedkit.trials.loaders.peek_train_loader`, which also keeps the estimate for the next lever).
     """
     estimated = peek_train_loader(trainer, _estimated)
