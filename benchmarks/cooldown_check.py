@@ -23,13 +23,14 @@ import lightning as L
 import torch
 
 from lightning_speedkit.cooldown import check_window
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.schedule import fall, still_falling
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
 from _harness import LossRecorder, print_and_write, quick_args, quiet_trainer
-from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
+from lr_tasks import QUICK_SIZES, TASKS, Task
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_check.json"
 FACTORS = (0.1, 1.0, 10.0)
@@ -74,7 +75,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
         cells = f"{r['task']:<12}{r['factor']:>8g}x{r['seed']:>6}{r['steps']:>7}{r['drop']:>+9.1%}{r['z']:>8.2f}"
         lines.append(f"{cells}  {verdict}")
     settings = {"quick": quick, "cooldown": COOLDOWN, "threads": threads}
-    result = {"settings": settings, "machine": _machine(), "rows": rows}
+    result = {"settings": settings, "machine": cpu_info().machine(), "rows": rows}
     print_and_write("\n".join(lines), result, out)
     return result
 

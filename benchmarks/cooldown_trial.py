@@ -37,13 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from lightning_speedkit.cooldown import TRIAL_COOLED, TRIAL_Z, check_window, paired_gap, trial_holds
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.schedule import cooldown_start, still_falling, warmup_factor
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
 from _harness import LossRecorder, print_and_write, quick_args, quiet_trainer
-from lr_tasks import QUICK_SIZES, TASKS, Task, _machine
+from lr_tasks import QUICK_SIZES, TASKS, Task
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cooldown_trial.json"
 FACTORS = (0.1, 1.0, 10.0)
@@ -193,7 +194,12 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
             f" at most {figures['lost_max']:.3f}, mean {figures['lost_mean']:.4f}"
         )
     settings = {"quick": quick, "cooldown": COOLDOWN, "cooled": TRIAL_COOLED, "trial_steps": TRIAL_STEPS, "z": TRIAL_Z}
-    result = {"settings": settings | {"threads": threads}, "machine": _machine(), "rows": rows, "summary": summary}
+    result = {
+        "settings": settings | {"threads": threads},
+        "machine": cpu_info().machine(),
+        "rows": rows,
+        "summary": summary,
+    }
     print_and_write("\n".join(lines), result, out)
     return result
 

@@ -27,12 +27,13 @@ import lightning as L
 import torch
 
 from lightning_speedkit.demo.run import Timeline
+from lightning_speedkit.hardware import cpu_info
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
 from _harness import QUIET, StepTimes, print_and_write, quick_args, rotated
-from lr_tasks import QUICK_SIZES, TASKS, Task, _machine, _prepare, epoch_to_target, time_to_target, timed_points
+from lr_tasks import QUICK_SIZES, TASKS, Task, _prepare, epoch_to_target, time_to_target, timed_points
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "precision_accuracy.json"
 TARGETS = {"mlp": 0.871, "conv": 0.92, "transformer": 0.943, "demo": 0.833}
@@ -117,7 +118,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
             rows.append(row)
     result = {
         "settings": {"quick": quick, "threads": threads, "targets": TARGETS, "seeds": list(SEEDS)},
-        "machine": _machine(),
+        "machine": cpu_info().machine(),
         "load_average": {"before": load_before, "after": list(os.getloadavg())},
         "rows": rows,
         "summary": summary(rows),

@@ -40,6 +40,7 @@ from torch.utils.data import TensorDataset
 
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo.run import Timeline
+from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import collect_reports
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
@@ -52,7 +53,6 @@ from lr_tasks import (
     Classifier,
     Task,
     TensorData,
-    _machine,
     _prepare,
     epoch_to_target,
     time_to_target,
@@ -211,7 +211,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1, ro
     guard = guard_rows(quick, root, 1 if quick else rounds)
     result = {
         "settings": {"quick": quick, "threads": threads, "rounds": rounds, "targets": TARGETS},
-        "machine": _machine(),
+        "machine": cpu_info().machine(),
         "load_average": {"before": load_before, "after": list(os.getloadavg())},
         "cooldown": cool,
         "guard": guard,
