@@ -6,15 +6,14 @@ The rules every lever follows, in one place (the trials themselves run in `light
   a real step whose work is thrown away). A lever can at best save ``max_gain`` of each remaining step, so it probes
   only when ``max_gain * steps_left >= payback * probe_steps`` (`probe_pays_back`; ``payback=4``, since the best
   case is rarely met). Otherwise the probe is skipped, and the reason is in the lever's ``report()``. The steps left
-  come from ``trainer.estimated_stepping_batches`` (`lightning_speedkit.trials.steps_left`). Every probe's seconds
-  are in its lever's report. So a job of tens of steps is never slowed by probing.
+  come from `lightning_speedkit.trials.steps_left`. Every probe's seconds are in its lever's report. So a job of
+  tens of steps is never slowed by probing; a candidate grossly slower stops early (`cut_short`, `grossly_slower`).
 - **A candidate is kept only when it wins by a margin** over the setting in place, measured in the same run
   (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
 - **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
   batches from the same weights (`loss_is_sound`).
 
-The levers' own arguments are checked with `lightning_speedkit.checks` (`check_margin` and `check_probe_steps` live
-there and are re-exported here).
+Arguments are checked with `lightning_speedkit.checks` (`check_margin` and `check_probe_steps` re-exported here).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from lightning_speedkit.checks import check_margin, check_probe_steps
 
 __all__ = [
+    "CUT_AFTER",
     "DROP_AFTER",
     "GROSSLY",
     "PAYBACK",
@@ -36,6 +36,7 @@ __all__ = [
     "clearly_slower",
     "clearly_slower_bound",
     "counted_cost",
+    "cut_short",
     "fitted_block",
     "grossly_slower",
     "loss_is_sound",
@@ -136,7 +137,6 @@ def paired_ratios(blocks: Sequence[tuple[str, list[float]]], current: str, warmu
 
     A round's ratio is the candidate's block median over ``current``'s block median in the same round (the k-th block
     of each setting is its k-th round; each block's first ``warmup`` steps are left out).
-
     The rounds are the pairs: a load change on a shared machine between rounds moves both blocks of a round alike, so
     the ratio of a round keeps the settings' own difference, where medians pooled over rounds mix quiet and loaded
     rounds. In the AVX-512 demo's bf16 steps, rounds of 21 and 29 ms a step followed each other in one probe.
@@ -211,14 +211,12 @@ def grossly_slower(
     """The candidates whose first block's steps mostly took over ``ratio`` times most of ``current``'s first two.
 
     "Mostly": the candidate block's lower quartile step against the upper quartile of ``current``'s steps.
-
     A counted probe runs ``current``'s second block right after the candidates' first ones. A load change on a shared
     machine that hits one block (`trials.counted.DROP_AFTER` rounds are the rule for that) slows some of its steps,
     or the blocks beside it too; three in four of a candidate's steps far behind three in four of the steps on both
     sides of it is the setting's own slowness, and a second block would only repeat it (bf16 autocast steps of the LR
-    benchmark's small transformer take 2.1-2.8x fp32's on an AVX-512 CPU). The quartiles leave out the odd slow
-    step of a block (a collection, a page fault). Each block's first ``warmup`` steps are left out; before
-    ``current`` has two blocks, none.
+    benchmark's small transformer take 2.1-2.8x fp32's on an AVX-512 CPU, 2.7x on an Intel Xeon). The quartiles
+    leave out the odd slow step (a collection, a page fault); each block's first ``warmup`` steps too.
 
     Example:
         >>> blocks = [("a", [1.0, 1.1, 1.0]), ("b", [2.5, 2.4, 2.6]), ("c", [1.2, 3.0, 3.1]), ("a", [1.0, 3.0, 1.0])]
@@ -229,13 +227,28 @@ def grossly_slower(
     """
     timed: dict[str, list[list[float]]] = {}
     for name, times in blocks:
-        if times[warmup:]:
-            timed.setdefault(name, []).append(times[warmup:])
-    reference = timed.get(current, [])
-    if len(reference) < 2:
+        timed.setdefault(name, []).extend([times[warmup:]] if times[warmup:] else [])
+    if len(reference := timed.get(current, [])) < 2:
         return []
     bound = ratio * _quartiles(reference[0] + reference[1])[1]
-    return [name for name, own in timed.items() if name != current and _quartiles(own[0])[0] > bound]
+    return [name for name, own in timed.items() if name != current and own and _quartiles(own[0])[0] > bound]
+
+
+CUT_AFTER = 3  # timed steps of a candidate's first block after which `cut_short` may end it
+
+
+def cut_short(times: Sequence[float], reference: Sequence[float], warmup: int, ratio: float = GROSSLY) -> bool:
+    """Whether a candidate's first block (``times`` so far) can end: `CUT_AFTER` timed steps, each over ``ratio`` x.
+
+    "x": the upper quartile of ``reference`` (the block in place before it); the first ``warmup`` steps left out.
+    Only the block ends, saving its other steps' extra seconds; `grossly_slower` still decides whether it runs again.
+
+    Example:
+        >>> cut_short([9.0, 2.6, 2.5, 2.7], [1.0, 1.1, 1.0, 1.2], 1), cut_short([9.0, 2.6, 1.2, 2.7], [1.0, 1.1], 1)
+        (True, False)
+    """
+    own, ref = times[warmup:], reference[warmup:]
+    return len(own) >= CUT_AFTER and bool(ref) and min(own) > ratio * _quartiles(ref)[1]
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -328,9 +341,8 @@ def outside_band(live: float, remembered: float, band: float) -> bool:
 DROP_AFTER = 2
 """Rounds in each of which a candidate must be clearly slower (`clearly_slower`) before it gets no more blocks.
 
-One block of ten steps on a shared machine can be hit by a load spike: in the AVX-512 layout stability run
-(`benchmarks/results/avx512/layout_stability.json`) channels_last lost its first block by 18.5% and was dropped after
-it, in a probe whose long timing has it 12% faster. A block of a candidate that is really slower costs only its extra
+A load spike can hit one block of ten steps (`benchmarks/results/avx512/layout_stability.json`: channels_last lost its
+first block by 18.5%, and 12% faster over a long timing); a really slower candidate's block costs only its extra
 seconds, so a second round to confirm is cheap."""
 
 
@@ -342,9 +354,8 @@ def counted_cost(settings: int, steps: int, rounds: int, margin: float) -> int:
     place costs its length; such a candidate is dropped after its first block (`grossly_slower`), one
     `clearly_slower` in each of its first `DROP_AFTER` rounds after those. A candidate that is not dropped is at most
     that bound (`clearly_slower_bound` of ``margin``) slower in most of its rounds. So the worst case is `DROP_AFTER`
-    blocks at full length, and the bound's fraction of each later round's block. Pricing every round at full length
-    (as before) made a probe of many short rounds (`ChannelsLast`: 12) cost four times what it can: a 420-step run
-    could not afford the layout probe that made it 15-30% faster.
+    blocks at full length, and the bound's fraction of each later round's block (every round at full length priced
+    `ChannelsLast`'s 12 short rounds at four times what they can cost).
 
     Example:
         >>> counted_cost(settings=2, steps=10, rounds=3, margin=0.05)

@@ -164,7 +164,9 @@ def plateau(curves: Curves) -> bool:
 def next_scale(curves: Curves, low: float, high: float) -> float | None:
     """The next scale to try, or None when the search is done.
 
-    Up first (x `GRID`), while each step up ends clearly lower than the one before. Down when the user's LR broke
+    Up first (x `GRID`), while each step up ends clearly lower than the one before and the user's LR does under
+    `KEEP` of its progress (at a third or more, progress no longer grows in proportion to the LR: the user's LR is
+    kept, and a trial further up would only cost its steps). Down when the user's LR broke
     (`broke`), or the first step up ended clearly higher or broke and the user's LR did not clearly move the loss
     (`moved`): an LR too high to learn; then while each step down ends clearly lower (or the one above broke).
     ``low``/``high`` bound the scales.
@@ -178,8 +180,10 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
         True
         >>> next_scale({0.0: ref, 1.0: ref, 10.0: [2.0, 2.3, 2.5, 2.9, 3.3, 3.5, 3.7, 4.1]}, 0.01, 100)
         0.1
-        >>> next_scale({0.0: ref, 1.0: mine, 10.0: [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.5, 1.5]}, 0.01, 100)
+        >>> next_scale({0.0: ref, 1.0: mine, 10.0: [2.0, 1.7, 1.5, 1.3, 1.1, 1.0, 0.8, 0.7]}, 0.01, 100)
         100.0
+        >>> next_scale({0.0: ref, 1.0: mine, 10.0: [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.5, 1.5]}, 0.01, 100) is None
+        True
     """
     scales = sorted(scale for scale in curves if scale != REFERENCE)
     top, bottom = scales[-1], scales[0]
@@ -188,7 +192,8 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
     if bottom == 1.0:
         below = max(s for s in scales if s < top)
         if _better(curves, top, below):
-            return _up(top, high)
+            progress = progress_of(curves)
+            return None if math.isfinite(progress[1.0]) and progress[1.0] >= KEEP * progress[top] else _up(top, high)
         worse = broke(curves, top) or _clear(curves, 1.0, top)
         if top == _up(1.0, high) and worse and not moved(curves):
             return _down(1.0, low)

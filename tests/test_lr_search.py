@@ -50,12 +50,14 @@ def test_a_raise_stops_a_decade_below_the_edge() -> None:
 
 
 def test_an_lr_about_right_is_kept() -> None:
-    """Ten times the LR does less than three times the progress: the user's LR is kept (a raise is not free)."""
+    """Ten times the LR does less than three times the progress: the user's LR is kept, and the walk goes no higher."""
     steps = 12
     reference = [2.0] * steps
     mine = [2.0 - 0.05 * t for t in range(steps)]
     faster = [2.0 - 0.09 * t for t in range(steps)]  # 1.8x the progress: more, but not KEEP's 3x
-    scale, why = choose_scale({REFERENCE: reference, 1.0: mine, 10.0: faster})
+    curves = {REFERENCE: reference, 1.0: mine, 10.0: faster}
+    assert next_scale(curves, 0.01, 100) is None  # no trial at x100: its steps would not change the choice here
+    scale, why = choose_scale(curves)
     assert scale == 1.0
     assert why == f"your LR does {0.05 / 0.09:.0%} of the best progress (x10): kept"
 

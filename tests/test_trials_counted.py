@@ -16,7 +16,9 @@ from conftest import IN_EPOCH_LOOP, TinyClassifier, load_benchmark, tiny_trainer
 from typing_extensions import override
 
 from lightning_speedkit import trials
+from lightning_speedkit.compile.counted import CountedCompile
 from lightning_speedkit.dataloader.counted import LoaderTrials
+from lightning_speedkit.decisions import CUT_AFTER
 from lightning_speedkit.trials import AsIs, Decision, Lever, Setting
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, DROP_AFTER, EXTRA_ROUNDS
 
@@ -146,6 +148,26 @@ def test_a_counted_probe_costs_only_the_slower_blocks_extra_seconds(tmp_path: Pa
     assert report["steps"] == 4 * len(blocks)
     assert 0.03 * (4 - 1) <= report["probe_s"] < report["probe_wall_s"]
     assert report["step_ms"]["slow"] > report["step_ms"]["as is"] + 25
+
+
+def test_a_grossly_slower_candidates_first_block_ends_after_cut_after_steps(tmp_path: Path) -> None:
+    """With blocks of 8 steps, the slow setting's first block ends after its warm-up and `CUT_AFTER` steps (4, not 8).
+
+    Every one of them took far over 1.5x the setting in place's (`cut_short`); the setting in place's second block
+    then confirms the drop (`grossly_slower`), so the slow setting costs 3 extra steps of 30 ms, not 7. A loader's
+    and compile's probes never cut a block: a worker's first steps wait for it to start; a compile block is one unit.
+    """
+    lever = _TestLever(probe_steps=8)
+    _fit(tmp_path, [lever], epochs=6)
+    report = lever.report()
+    lengths = [(b["setting"], len(b["step_s"])) for b in report["blocks"]]
+    assert lengths[:4] == [("as is", 8), ("slow", 1 + CUT_AFTER), ("fast", 8), ("as is", 8)]
+    assert "slow" not in [name for name, _ in lengths[4:]]
+    assert "slow dropped: its first block's steps mostly over 1.5x" in report["reason"]
+    assert report["steps"] == sum(n for _, n in lengths)
+    assert 0.03 * CUT_AFTER <= report["probe_s"] < 0.03 * (8 - 1)
+    assert not LoaderTrials.cuts_short
+    assert not CountedCompile.cuts_short
 
 
 class _Slower(_Slow):

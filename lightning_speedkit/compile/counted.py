@@ -35,6 +35,7 @@ class CountedCompile(CountedTrials):
     """
 
     extra_rounds = 0
+    cuts_short = False  # the compiled block's first steps compile; `block_ended` judges the block whole
 
     def __init__(self, callback: Compile, compiled: _Compiled, left: float) -> None:
         super().__init__(trials.AsIs(EAGER), [compiled], callback.probe_steps, callback.margin, warmup=1)

@@ -230,6 +230,7 @@ class LoaderTrials(CountedTrials):
     """
 
     EPOCH_BOUND = True
+    cuts_short = False  # a worker candidate's first steps wait for its workers to start
 
     @override
     def block_ended(self, trainer: pl.Trainer) -> Decision | None:

@@ -9,7 +9,8 @@ gain is under `CONSISTENT` margins must also have won the paired blocks of every
 quarter of many short rounds (`round_wins`: a load change on a shared machine hits one block, not a round); one that
 lost one round too many gets up to `EXTRA_ROUNDS` more rounds to show it, when the steps are free. A candidate gets
 no more blocks only once it lost `DROP_AFTER` rounds clearly, or once three in four steps of its first block took
-over `GROSSLY` times three in four of the setting in place's around it (`grossly_slower`). Nothing is restored and
+over `GROSSLY` times three in four of the setting in place's around it (`grossly_slower`); that first block itself
+ends after `CUT_AFTER` timed steps when each of them is that slow (`cut_short`). Nothing is restored and
 nothing is thrown away: the number of optimizer steps, the epochs, the LR schedule and the sample order are those of
 the run without the probe. The probe's cost is only the extra seconds of the blocks that ran slower than the setting
 kept (``probe_s``), so blocks can be longer, or more, than a restored trial's: steadier on a noisy machine.
@@ -30,12 +31,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.decisions import (
+    CUT_AFTER,
     DROP_AFTER,
     GROSSLY,
     block_medians,
     choose_setting,
     clearly_slower,
     counted_cost,
+    cut_short,
     fitted_block,
     grossly_slower,
     may_lose,
@@ -116,6 +119,9 @@ class CountedTrials:
     """Whether every block must run inside the first epoch (a loader's probe); then no round is added after others."""
     extra_rounds = EXTRA_ROUNDS
     """Rounds a small gain that lost one round may add (`EXTRA_ROUNDS`; 0 for a probe concluded by its own rules)."""
+    cuts_short = True
+    """Whether a candidate's first block ends after `CUT_AFTER` timed steps that are all grossly slower (`cut_short`);
+    False where a setting's first steps may still be ramping up (a loader's workers) or a block is a unit (compile)."""
 
     def __init__(
         self,
@@ -197,8 +203,9 @@ class CountedTrials:
         self.waits[-1].append(self._clock.last_wait)
         self.step_recorded(trainer, outputs)
         self._left -= 1
-        if self._left > 0:
+        if self._left > 0 and not self._ends_early(trainer):
             return None
+        self._left = 0
         name, times = self.blocks[-1]
         self.times[name].extend(times[self.warmup :])
         ended = self.block_ended(trainer)
@@ -213,6 +220,16 @@ class CountedTrials:
         if self._queue:
             return None
         return self._decide(trainer)
+
+    def _ends_early(self, trainer: pl.Trainer) -> bool:
+        """Whether a candidate's first block ends now, `CUT_AFTER` timed steps in (`cut_short`; rank zero decides)."""
+        name, times = self.blocks[-1]
+        if not self.cuts_short or name == self.current.name or len(times) != self.warmup + CUT_AFTER:
+            return False
+        if sum(1 for n, _ in self.blocks if n == name) > 1:
+            return False
+        before = next(t for n, t in reversed(self.blocks) if n == self.current.name)
+        return bool(trainer.strategy.broadcast(cut_short(times, before, self.warmup), src=0))
 
     def block_starting(self, trainer: pl.Trainer, setting: Setting) -> None:
         """Before a block's first step, ``setting`` not yet applied: the seam for what a lever keeps per block."""
