@@ -150,7 +150,39 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
     assert summary["preset_later_than_both_naive_fits"] <= summary["preset_later_than_naive"]
     assert "auto_over_oracle_median_over_tasks" in summary
     assert "lr_free" not in summary  # without --lr-free, the JSON is as before
+    assert "rechecks" not in result  # without --recheck, nothing ran again
+    assert "preset_later_repeated" not in summary
+    assert all("recheck" not in cell for task in result["tasks"].values() for cell in task["cells"])
     assert all("over_oracle_median" not in task for task in result["tasks"].values())
+
+
+def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_repeats(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    """--recheck-from: the cell marked late (preset only) runs naive and preset again; nothing else runs or changes."""
+    first = tmp_path / "lr_tasks.json"
+    bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--out", str(first)])
+    result: dict[str, Any] = json.loads(first.read_text())
+    for index, cell in enumerate(result["tasks"]["mlp"]["cells"]):
+        cell["preset_later"], cell["auto_later"] = index == 1, False  # as if preset was late in the second cell
+    first.write_text(json.dumps(result))
+    out = tmp_path / "rechecked.json"
+    bench.main(["--recheck-from", str(first), "--recheck", "1", "--threads", "1", "--out", str(out)])
+    rechecked: dict[str, Any] = json.loads(out.read_text())
+    assert rechecked["runs"] == result["runs"]
+    late = rechecked["tasks"]["mlp"]["cells"][1]
+    again = rechecked["rechecks"]
+    assert sorted(r["variant"] for r in again) == ["naive", "preset"]
+    assert {(r["factor"], r["seed"], r["recheck"]) for r in again} == {(late["factor"], late["seed"], 0)}
+    assert set(late["recheck"]) == {"naive_s", "preset_s"}
+    assert isinstance(late["preset_later_repeated"], bool)
+    assert "recheck" not in rechecked["tasks"]["mlp"]["cells"][0]
+    summary = rechecked["summary"]
+    assert summary["preset_later_repeated"] == int(late["preset_later_repeated"])
+    assert summary["auto_later_repeated"] == 0
+    assert rechecked["config"]["recheck"] == 1
+    with pytest.raises(SystemExit):
+        bench.main(["--recheck-from", str(first)])  # a re-check needs --recheck N
 
 
 def test_lr_free_run_adds_the_three_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:
