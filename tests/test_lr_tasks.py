@@ -180,6 +180,8 @@ def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_re
     summary = rechecked["summary"]
     assert summary["preset_later_repeated"] == int(late["preset_later_repeated"])
     assert summary["auto_later_repeated"] == 0
+    beyond = late["preset_later_repeated"] and late["preset_later_than_both"]
+    assert summary["preset_later_beyond_noise"] == int(beyond)
     assert rechecked["config"]["recheck"] == 1
     with pytest.raises(SystemExit):
         bench.main(["--recheck-from", str(first)])  # a re-check needs --recheck N
