@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import IN_EPOCH_LOOP, TinyClassifier, load_benchmark, tiny_trainer
+from conftest import IN_EPOCH_LOOP, RankWriter, TinyClassifier, load_benchmark, rank_records, tiny_trainer
 from typing_extensions import override
 
 from lightning_speedkit import trials
@@ -168,6 +168,28 @@ def test_a_grossly_slower_candidates_first_block_ends_after_cut_after_steps(tmp_
     assert 0.03 * CUT_AFTER <= report["probe_s"] < 0.03 * (8 - 1)
     assert not LoaderTrials.cuts_short
     assert not CountedCompile.cuts_short
+
+
+def _lever_blocks(trainer: L.Trainer, pl_module: L.LightningModule) -> list[Any]:
+    """This rank's `_TestLever` blocks: each setting and its number of steps (written by `RankWriter`)."""
+    lever = next(c for c in trainer.callbacks if isinstance(c, _TestLever))  # type: ignore[attr-defined]
+    return [[b["setting"], len(b["step_s"])] for b in lever.report()["blocks"]]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_cut_a_grossly_slower_block_at_the_same_step(tmp_path: Path) -> None:
+    """2-process DDP (gloo): rank zero's timings decide the cut, so both ranks run the same blocks, as long."""
+    L.seed_everything(0, verbose=False)
+    model = _Scheduled(num_samples=1024)
+    callbacks = [_TestLever(probe_steps=8), RankWriter(tmp_path, _lever_blocks)]
+    trainer = tiny_trainer(
+        tmp_path, max_epochs=6, callbacks=callbacks, limit_val_batches=0, strategy="ddp_spawn", devices=2
+    )
+    trainer.fit(model)
+    ranks = rank_records(tmp_path)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][:2] == [["as is", 8], ["slow", 1 + CUT_AFTER]]
 
 
 class _Slower(_Slow):
