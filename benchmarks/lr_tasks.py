@@ -762,28 +762,41 @@ def recheck_file(
 ) -> dict[str, Any]:
     """`recheck_task` on every task of the result at ``path``; the result, with its summary again, to ``out`` (or back).
 
-    Each task is warmed up first (`_warm`), as the first run was; the re-runs are in ``rechecks``.
+    Each task is warmed up first (`_warm`), as the first run was; the re-runs are in ``rechecks``. ``threads``: None
+    for the first run's. A result re-checked already is refused (its re-runs would mix with these).
     """
     result: dict[str, Any] = json.loads(Path(path).read_text())
+    if result.get("rechecks") or result["config"].get("recheck"):
+        raise ValueError(
+            f"{path} was re-checked already ({result['config'].get('recheck')} re-runs): re-check the first"
+        )
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
+    torch.set_num_threads(threads or result["config"].get("torch_threads") or previous)
     root = Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-"))
     try:
         device = result["config"]["device"]
+        result["rechecks"] = []
         for name, summary in result["tasks"].items():
             task = dataclasses.replace(TASKS[name], **result["config"]["tasks"][name])
             _warm(task, root, device)
-            result.setdefault("rechecks", []).extend(recheck_task(task, summary, root, device, repeats))
-            summary["auto_over_oracle_median"] = _number(summary["auto_over_oracle_median"])
+            result["rechecks"] += recheck_task(task, summary, root, device, repeats)
+            _ratios(summary, _number)
         result["summary"] = summarise(result["tasks"])
         for summary in result["tasks"].values():
-            summary["auto_over_oracle_median"] = _finite(summary["auto_over_oracle_median"])
+            _ratios(summary, _finite)
         result["config"]["recheck"] = repeats
         print_and_write(format_tables(result["tasks"], result["runs"], result["summary"]), result, out or path)
     finally:
         torch.set_num_threads(previous)
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _ratios(summary: dict[str, Any], convert: Callable[[Any], Any]) -> None:
+    """Apply ``convert`` to a task summary's time-over-oracle medians (preset_auto's and each opt-in variant's)."""
+    summary["auto_over_oracle_median"] = convert(summary["auto_over_oracle_median"])
+    for variant, ratio in summary.get("over_oracle_median", {}).items():
+        summary["over_oracle_median"][variant] = convert(ratio)
 
 
 def _number(value: float | str | None) -> float:
@@ -816,9 +829,7 @@ def _run(
     rechecks = [r for n, t in chosen.items() for r in recheck_task(t, summaries[n], root, settings["device"], recheck)]
     summary = summarise(summaries)
     for task_summary in summaries.values():
-        task_summary["auto_over_oracle_median"] = _finite(task_summary["auto_over_oracle_median"])
-        for variant, ratio in task_summary.get("over_oracle_median", {}).items():
-            task_summary["over_oracle_median"][variant] = _finite(ratio)
+        _ratios(task_summary, _finite)
     result: dict[str, Any] = {"config": settings, "machine": cpu_info().machine()}
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result |= {"wall_s": time.perf_counter() - started, "runs": runs, "tasks": summaries, "summary": summary}
@@ -837,11 +848,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help=f"the JSON (default {DEFAULT_OUT}; with --quick a temp dir)")
     parser.add_argument("--lr-free", action="store_true", help=f"also run {', '.join(LR_FREE)} in every cell")
     parser.add_argument("--average", action="store_true", help=f"also run {', '.join(AVERAGE)} in every cell")
-    parser.add_argument("--recheck", type=int, default=0, help="re-runs of each cell a preset variant was late in")
+    parser.add_argument(
+        "--recheck", type=int, default=0, help="re-runs of each cell preset or preset_auto was late in (not opt-ins)"
+    )
     parser.add_argument("--recheck-from", default=None, help="a result JSON to re-run the late cells of (--recheck N)")
     args = parser.parse_args(argv)
     if args.recheck < 0 or (args.recheck_from and args.recheck < 1):
         parser.error(f"--recheck must be at least 1 with --recheck-from and never negative, got {args.recheck}")
+    chosen = [f for f, on in (("--quick", args.quick), ("--lr-free", args.lr_free), ("--average", args.average)) if on]
+    chosen += [
+        f
+        for f, v, d in (("--tasks", args.tasks, ",".join(TASKS)), ("--seeds", args.seeds, ",".join(map(str, SEEDS))))
+        if v != d
+    ]
+    if args.recheck_from and chosen:
+        parser.error(f"--recheck-from re-runs the file's own cells; {', '.join(chosen)} cannot change them")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")

@@ -240,8 +240,8 @@ CUT_AFTER = 3  # timed steps of a candidate's first block after which `cut_short
 def cut_short(times: Sequence[float], reference: Sequence[float], warmup: int, ratio: float = GROSSLY) -> bool:
     """Whether a candidate's first block (``times`` so far) can end: `CUT_AFTER` timed steps, each over ``ratio`` x.
 
-    "x": the upper quartile of ``reference`` (the block in place before it); the first ``warmup`` steps left out.
-    Only the block ends, saving its other steps' extra seconds; `grossly_slower` still decides whether it runs again.
+    "x": the upper quartile of ``reference`` (the block in place before it); the first ``warmup`` steps left out. Then
+    `grossly_slower` weighs those steps: unless the next block in place is slow too, it drops the candidate.
 
     Example:
         >>> cut_short([9.0, 2.6, 2.5, 2.7], [1.0, 1.1, 1.0, 1.2], 1), cut_short([9.0, 2.6, 1.2, 2.7], [1.0, 1.1], 1)

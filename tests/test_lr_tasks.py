@@ -165,6 +165,9 @@ def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_re
     result: dict[str, Any] = json.loads(first.read_text())
     for index, cell in enumerate(result["tasks"]["mlp"]["cells"]):
         cell["preset_later"], cell["auto_later"] = index == 1, False  # as if preset was late in the second cell
+        average = "preset_auto_average"  # as if the run had --average, whose medians the JSON holds as text
+        cell |= {f"{average}_s": None, f"{average}_later": False, f"{average}_later_than_both": False}
+    result["tasks"]["mlp"]["over_oracle_median"] = {"preset_auto_average": "inf"}
     first.write_text(json.dumps(result))
     out = tmp_path / "rechecked.json"
     bench.main(["--recheck-from", str(first), "--recheck", "1", "--threads", "1", "--out", str(out)])
@@ -183,8 +186,13 @@ def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_re
     beyond = late["preset_later_repeated"] and late["preset_later_than_both"]
     assert summary["preset_later_beyond_noise"] == int(beyond)
     assert rechecked["config"]["recheck"] == 1
+    assert summary["average"]["preset_auto_average"]["over_oracle_median_over_tasks"] == "inf"
     with pytest.raises(SystemExit):
         bench.main(["--recheck-from", str(first)])  # a re-check needs --recheck N
+    with pytest.raises(SystemExit):
+        bench.main(["--recheck-from", str(first), "--recheck", "1", "--seeds", "0"])  # the file's own cells only
+    with pytest.raises(ValueError, match="re-checked already"):
+        bench.main(["--recheck-from", str(out), "--recheck", "1"])
 
 
 def test_lr_free_run_adds_the_three_optimizers_to_every_cell_and_counts_them(bench: ModuleType, tmp_path: Path) -> None:

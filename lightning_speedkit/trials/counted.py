@@ -120,8 +120,9 @@ class CountedTrials:
     extra_rounds = EXTRA_ROUNDS
     """Rounds a small gain that lost one round may add (`EXTRA_ROUNDS`; 0 for a probe concluded by its own rules)."""
     cuts_short = True
-    """Whether a candidate's first block ends after `CUT_AFTER` timed steps that are all grossly slower (`cut_short`);
-    False where a setting's first steps may still be ramping up (a loader's workers) or a block is a unit (compile)."""
+    """Whether a candidate's first block ends after `CUT_AFTER` timed steps that are all grossly slower (`cut_short`),
+    which in effect drops it: a setting slow for more first steps than ``warmup`` needs a longer ``warmup``, or False
+    here, as where its first steps may still be ramping up (a loader's workers) or a block is one unit (compile)."""
 
     def __init__(
         self,
