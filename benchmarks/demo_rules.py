@@ -199,6 +199,7 @@ def run(
         )
     result = {
         "config": dataclasses.asdict(config),
+        "machine": cpu_info().machine(),
         "seeds": seeds,
         "rows": rows,
         "summary": summary,

@@ -174,6 +174,7 @@ def test_demo_rules_benchmark_runs_every_way_and_restores_the_patched_rules(tmp_
     assert remembered["probe_s"] == 0.0
     assert "probe_s" in remembered["first_run"]
     assert set(result["summary"]) == set(bench.WAYS)
+    assert {"cpu", "isa", "bf16"} <= set(result["machine"])  # the CPU its figures were measured on
     assert json.loads((tmp_path / "rules.json").read_text())["summary"] == result["summary"]
     assert measure_function.__globals__["clearly_slower"] is clearly_slower
     assert session_module.release_memory is release_memory
