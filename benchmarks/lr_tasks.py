@@ -43,6 +43,7 @@ first run's counts stay as they were.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -53,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,13 @@ def _warm(task: Task, root: Path, device: str) -> None:
         fit_one(warm, variant, 1.0, 0, root, device, show=False)
 
 
+def _score(run: dict[str, Any], target: float) -> dict[str, Any]:
+    """Set ``run``'s ``time_to_target_s`` and ``reached`` for ``target``; ``run``."""
+    run["time_to_target_s"] = time_to_target(run["timeline"], target)
+    run["reached"] = run["time_to_target_s"] is not None
+    return run
+
+
 LATE = {"preset": "preset_later", "preset_auto": "auto_later"}
 """The variants a re-run checks, by the key of their lateness in a cell."""
 
@@ -485,9 +493,8 @@ def recheck_task(task: Task, summary: dict[str, Any], root: Path, device: str, r
         times: dict[str, list[float | None]] = {v: [] for v in ("naive", *late)}
         for index in range(repeats):
             for variant in rotated(list(times), index):
-                run = fit_one(task, variant, cell["factor"], cell["seed"], root, device)
-                run["time_to_target_s"] = time_to_target(run["timeline"], summary["target"])
-                run |= {"reached": run["time_to_target_s"] is not None, "recheck": index}
+                run = _score(fit_one(task, variant, cell["factor"], cell["seed"], root, device), summary["target"])
+                run["recheck"] = index
                 times[variant].append(run["time_to_target_s"])
                 runs.append(run)
         cell["recheck"] = {f"{v}_s": t for v, t in times.items()}
@@ -550,8 +557,7 @@ def summarise_task(
     peaks = {g: [_grid_run(runs, g, seed)["peak_val_acc"] for seed in seeds] for g in grid}
     best, target = task_target(peaks)
     for run in runs:
-        run["time_to_target_s"] = time_to_target(run["timeline"], target)
-        run["reached"] = run["time_to_target_s"] is not None
+        _score(run, target)
     oracle = {seed: oracle_time(_grid_run(runs, g, seed)["time_to_target_s"] for g in grid) for seed in seeds}
     ran = {r["variant"] for r in runs}
     opt_in = [v for group in EXTRAS.values() for v in group if v in ran]
@@ -616,21 +622,17 @@ def summarise(tasks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         "preset_later_than_both_naive_fits": sum(c["preset_later_than_both"] for c in cells),
         "auto_later_than_both_naive_fits": sum(c["auto_later_than_both"] for c in cells),
         "auto_over_oracle_median_over_tasks": _median(finite),
-        **(
-            {
-                "preset_later_repeated": sum(c.get("preset_later_repeated", False) for c in cells),
-                "auto_later_repeated": sum(c.get("auto_later_repeated", False) for c in cells),
-                "preset_later_beyond_noise": sum(
-                    c.get("preset_later_repeated", False) and c["preset_later_than_both"] for c in cells
-                ),
-                "auto_later_beyond_noise": sum(
-                    c.get("auto_later_repeated", False) and c["auto_later_than_both"] for c in cells
-                ),
-            }
-            if any("recheck" in c for c in cells)
-            else {}
-        ),
+        **(_rechecked(cells) if any("recheck" in c for c in cells) else {}),
     }
+
+
+def _rechecked(cells: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Per `LATE` key: the cells late again in every re-run (``_repeated``); those also later than both naive fits."""
+    counts: dict[str, int] = {}
+    for key in LATE.values():
+        counts[f"{key}_repeated"] = sum(bool(c.get(f"{key}_repeated")) for c in cells)
+        counts[f"{key}_beyond_noise"] = sum(bool(c.get(f"{key}_repeated")) and c[f"{key}_than_both"] for c in cells)
+    return counts
 
 
 def _median(values: Sequence[float]) -> float | str | None:
@@ -749,10 +751,17 @@ def run(
     ``lr_free``: every cell also runs `LR_FREE`'s variants; ``average``: `AVERAGE`'s. ``recheck``: re-runs of each
     cell a preset variant was late in (`recheck_task`).
     """
+    with _torch_threads(threads):
+        return _run(quick, tasks, seeds, out, lr_free, average, recheck)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Torch's intra-op threads set to ``threads`` (None: as they are) inside, put back after."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _run(quick, tasks, seeds, out, lr_free, average, recheck)
+        yield
     finally:
         torch.set_num_threads(previous)
 
@@ -770,11 +779,12 @@ def recheck_file(
         raise ValueError(
             f"{path} was re-checked already ({result['config'].get('recheck')} re-runs): re-check the first"
         )
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or result["config"].get("torch_threads") or previous)
-    root = Path(tempfile.mkdtemp(prefix="speedkit-lr-tasks-"))
-    try:
-        device = result["config"]["device"]
+    threads = threads or result["config"].get("torch_threads")
+    with (
+        tempfile.TemporaryDirectory(prefix="speedkit-lr-tasks-", ignore_cleanup_errors=True) as tmp,
+        _torch_threads(threads),
+    ):
+        root, device = Path(tmp), result["config"]["device"]
         result["rechecks"] = []
         for name, summary in result["tasks"].items():
             task = dataclasses.replace(TASKS[name], **result["config"]["tasks"][name])
@@ -786,9 +796,6 @@ def recheck_file(
             _ratios(summary, _finite)
         result["config"]["recheck"] = repeats
         print_and_write(format_tables(result["tasks"], result["runs"], result["summary"]), result, out or path)
-    finally:
-        torch.set_num_threads(previous)
-        shutil.rmtree(root, ignore_errors=True)
     return result
 
 
@@ -855,12 +862,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.recheck < 0 or (args.recheck_from and args.recheck < 1):
         parser.error(f"--recheck must be at least 1 with --recheck-from and never negative, got {args.recheck}")
-    chosen = [f for f, on in (("--quick", args.quick), ("--lr-free", args.lr_free), ("--average", args.average)) if on]
-    chosen += [
-        f
-        for f, v, d in (("--tasks", args.tasks, ",".join(TASKS)), ("--seeds", args.seeds, ",".join(map(str, SEEDS))))
-        if v != d
-    ]
+    given = ("quick", "lr_free", "average", "tasks", "seeds")
+    chosen = [f"--{name.replace('_', '-')}" for name in given if getattr(args, name) != parser.get_default(name)]
     if args.recheck_from and chosen:
         parser.error(f"--recheck-from re-runs the file's own cells; {', '.join(chosen)} cannot change them")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]

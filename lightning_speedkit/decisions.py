@@ -226,12 +226,12 @@ def grossly_slower(
         []
     """
     timed: dict[str, list[list[float]]] = {}
-    for name, times in blocks:
-        timed.setdefault(name, []).extend([times[warmup:]] if times[warmup:] else [])
+    for name, times in ((name, times[warmup:]) for name, times in blocks if times[warmup:]):
+        timed.setdefault(name, []).append(times)
     if len(reference := timed.get(current, [])) < 2:
         return []
     bound = ratio * _quartiles(reference[0] + reference[1])[1]
-    return [name for name, own in timed.items() if name != current and own and _quartiles(own[0])[0] > bound]
+    return [name for name, own in timed.items() if name != current and _quartiles(own[0])[0] > bound]
 
 
 CUT_AFTER = 3  # timed steps of a candidate's first block after which `cut_short` may end it
