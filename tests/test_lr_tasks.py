@@ -67,6 +67,41 @@ def test_speedup_and_later_count_a_miss_as_infinitely_long(
     assert bench.later(naive, variant, noise=0.10) is is_later
 
 
+@pytest.mark.parametrize(
+    ("naive", "variant", "is_later"),
+    [
+        ([1.0, 1.1], 1.2, False),  # within 10% of the slower naive fit
+        ([1.0, 1.1], 1.3, True),
+        ([1.1, 1.1, 1.5, 1.5], 1.4, False),  # re-runs nudged 2 and 3 ulps crossed an epoch later: within the noise
+        ([1.0, None], None, False),  # a naive fit that missed: nothing is later than the noise
+        ([1.0, 1.0], None, True),  # a miss is later than every naive fit that reached
+    ],
+)
+def test_later_than_every_compares_with_the_slowest_naive_fit(
+    bench: ModuleType, naive: list[float | None], variant: float | None, is_later: bool
+) -> None:
+    """Beyond the noise means later than the slowest of every naive fit (a miss among them: never)."""
+    assert bench.later_than_every(naive, variant) is is_later
+
+
+def test_nudge_by_more_ulps_moves_further_from_the_same_start(bench: ModuleType) -> None:
+    """Each re-run's nudge is another rounding-level start: n ulps up is n steps of nextafter."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    one, three = nn.Linear(3, 2), nn.Linear(3, 2)
+    three.load_state_dict(one.state_dict())
+    start = one.weight.detach().clone()
+    bench.nudge_weights(one)
+    bench.nudge_weights(three, ulps=3)
+    up = torch.nextafter(start, torch.full_like(start, math.inf))
+    assert torch.equal(one.weight, up)
+    for _ in range(2):
+        up = torch.nextafter(up, torch.full_like(up, math.inf))
+    assert torch.equal(three.weight, up)
+
+
 def test_oracle_is_the_fastest_grid_lr_that_reached_and_over_handles_misses(bench: ModuleType) -> None:
     """The oracle ignores grid LRs that missed; auto/oracle is infinite for a missed auto run."""
     assert bench.oracle_time([None, 3.0, 2.5, None]) == 2.5
@@ -159,7 +194,10 @@ def test_quick_run_records_every_variant_with_its_timeline_and_the_summary(bench
 def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_repeats(
     bench: ModuleType, tmp_path: Path
 ) -> None:
-    """--recheck-from: the cell marked late (preset only) runs naive and preset again; nothing else runs or changes."""
+    """--recheck-from: the late cell (preset only) runs naive, naive nudged 2 ulps and preset again; nothing else runs.
+
+    The lateness counts beyond the noise only when it is also later than every naive fit.
+    """
     first = tmp_path / "lr_tasks.json"
     bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--out", str(first)])
     result: dict[str, Any] = json.loads(first.read_text())
@@ -175,15 +213,18 @@ def test_recheck_fits_only_the_late_cells_again_and_says_whether_the_lateness_re
     assert rechecked["runs"] == result["runs"]
     late = rechecked["tasks"]["mlp"]["cells"][1]
     again = rechecked["rechecks"]
-    assert sorted(r["variant"] for r in again) == ["naive", "preset"]
+    assert sorted(r["variant"] for r in again) == ["naive", "naive_nudged", "preset"]
+    assert [r["nudge_ulps"] for r in again if r["variant"] == "naive_nudged"] == [2]  # not the first run's nudge
     assert {(r["factor"], r["seed"], r["recheck"]) for r in again} == {(late["factor"], late["seed"], 0)}
-    assert set(late["recheck"]) == {"naive_s", "preset_s"}
+    assert set(late["recheck"]) == {"naive_s", "naive_nudged_s", "preset_s"}
     assert isinstance(late["preset_later_repeated"], bool)
+    naive = [late["naive_s"], late["naive_nudged_s"], *late["recheck"]["naive_s"], *late["recheck"]["naive_nudged_s"]]
+    assert late["preset_later_than_every"] == bench.later_than_every(naive, late["preset_s"])
     assert "recheck" not in rechecked["tasks"]["mlp"]["cells"][0]
     summary = rechecked["summary"]
     assert summary["preset_later_repeated"] == int(late["preset_later_repeated"])
     assert summary["auto_later_repeated"] == 0
-    beyond = late["preset_later_repeated"] and late["preset_later_than_both"]
+    beyond = late["preset_later_repeated"] and late["preset_later_than_every"]
     assert summary["preset_later_beyond_noise"] == int(beyond)
     assert rechecked["config"]["recheck"] == 1
     assert summary["average"]["preset_auto_average"]["over_oracle_median_over_tasks"] == "inf"
