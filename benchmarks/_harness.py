@@ -25,8 +25,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,6 +55,7 @@ __all__ = [
     "sync",
     "table",
     "timed_fit",
+    "torch_threads",
     "train_step",
 ]
 
@@ -185,6 +186,17 @@ _DECISIONS: Path | None = None
 def _remove_decisions() -> None:
     if _DECISIONS is not None:
         shutil.rmtree(_DECISIONS, ignore_errors=True)
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Torch's intra-op threads set to ``threads`` (None: as they are) inside, put back after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def fresh_decisions() -> Path:

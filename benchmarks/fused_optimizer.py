@@ -39,7 +39,7 @@ from lightning_speedkit.hardware import cpu_info
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from _harness import Column, alternated, interleaved_ms, print_and_write, quiet_trainer, table
+from _harness import Column, alternated, interleaved_ms, print_and_write, quiet_trainer, table, torch_threads
 from lr_tasks import QUICK_SIZES, TASKS, Task, peak_acc
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "fused_optimizer.json"
@@ -134,20 +134,18 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int | None = None) -> dict[str, Any]:
     """Time every step and fit, print the tables and write the JSON."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    tasks, settings = _settings(quick)
-    settings["torch_threads"] = torch.get_num_threads()
-    root = Path(tempfile.mkdtemp(prefix="speedkit-fused-"))
-    load_before, started = os.getloadavg(), time.perf_counter()
-    try:
-        steps = [step_times(task, root, settings["rounds"], settings["step_repeats"]) for task in tasks.values()]
-        runs = [fit_once(task, variant, root)
-                for task in tasks.values() for index in range(settings["repeats"])
-                for variant in alternated(("plain", "fused_optimizer"), index)]  # fmt: skip
-    finally:
-        torch.set_num_threads(previous)
-        shutil.rmtree(root, ignore_errors=True)
+    with torch_threads(threads):
+        tasks, settings = _settings(quick)
+        settings["torch_threads"] = torch.get_num_threads()
+        root = Path(tempfile.mkdtemp(prefix="speedkit-fused-"))
+        load_before, started = os.getloadavg(), time.perf_counter()
+        try:
+            steps = [step_times(task, root, settings["rounds"], settings["step_repeats"]) for task in tasks.values()]
+            runs = [fit_once(task, variant, root)
+                    for task in tasks.values() for index in range(settings["repeats"])
+                    for variant in alternated(("plain", "fused_optimizer"), index)]  # fmt: skip
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {"settings": settings, "machine": cpu_info().machine()}
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     result |= {"wall_s": time.perf_counter() - started, "steps": steps, "runs": runs, "fits": summarise(runs)}

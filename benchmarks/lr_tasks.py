@@ -45,7 +45,6 @@ stay as they were.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -56,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when 
     sys.path.append(str(Path(__file__).resolve().parent))
 
 import _lr_free
-from _harness import QUIET, Column, fresh_decisions, print_and_write, quiet_trainer, rotated, table
+from _harness import QUIET, Column, fresh_decisions, print_and_write, quiet_trainer, rotated, table, torch_threads
 from _models import TextEncoder, text_data
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "lr_tasks.json"
@@ -220,7 +219,7 @@ def nudge_weights(module: nn.Module, ulps: int = 1) -> nn.Module:
     with torch.no_grad():
         for parameter in module.parameters():
             if parameter.is_floating_point():
-                up = parameter.detach().clone()
+                up = parameter
                 for _ in range(ulps):
                     up = torch.nextafter(up, torch.full_like(up, math.inf))
                 parameter.copy_(torch.where(parameter != 0, up, parameter))
@@ -641,10 +640,9 @@ def _rechecked(cells: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Per `LATE` key: the cells late again in every re-run (``_repeated``); those also later than every naive fit."""
     counts: dict[str, int] = {}
     for key in LATE.values():
-        counts[f"{key}_repeated"] = sum(bool(c.get(f"{key}_repeated")) for c in cells)
-        counts[f"{key}_beyond_noise"] = sum(
-            bool(c.get(f"{key}_repeated")) and bool(c.get(f"{key}_than_every")) for c in cells
-        )
+        repeated = [c for c in cells if c.get(f"{key}_repeated")]
+        counts[f"{key}_repeated"] = len(repeated)
+        counts[f"{key}_beyond_noise"] = sum(bool(c.get(f"{key}_than_every")) for c in repeated)
     return counts
 
 
@@ -764,19 +762,8 @@ def run(
     ``lr_free``: every cell also runs `LR_FREE`'s variants; ``average``: `AVERAGE`'s. ``recheck``: re-runs of each
     cell a preset variant was late in (`recheck_task`).
     """
-    with _torch_threads(threads):
+    with torch_threads(threads):
         return _run(quick, tasks, seeds, out, lr_free, average, recheck)
-
-
-@contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    """Torch's intra-op threads set to ``threads`` (None: as they are) inside, put back after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def recheck_file(
@@ -795,7 +782,7 @@ def recheck_file(
     threads = threads or result["config"].get("torch_threads")
     with (
         tempfile.TemporaryDirectory(prefix="speedkit-lr-tasks-", ignore_cleanup_errors=True) as tmp,
-        _torch_threads(threads),
+        torch_threads(threads),
     ):
         root, device = Path(tmp), result["config"]["device"]
         result["rechecks"] = []

@@ -292,3 +292,20 @@ def test_average_run_adds_the_averaged_variant_to_every_cell_and_counts_it(bench
     counts = result["summary"]["average"]["preset_auto_average"]
     assert {"later_than_naive", "later_than_preset_auto"} <= set(counts)
     assert "lr_free" not in result["summary"]
+
+
+def test_torch_threads_are_put_back_even_when_the_run_fails(bench: ModuleType) -> None:
+    """The harness's `torch_threads` (lr_tasks' and fused_optimizer's --threads) restores torch's threads on errors."""
+    import torch
+
+    def failing_fit() -> None:
+        with bench.torch_threads(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("a fit failed")
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="a fit failed"):
+        failing_fit()
+    assert torch.get_num_threads() == before
+    with bench.torch_threads(None):  # None: as they are
+        assert torch.get_num_threads() == before
