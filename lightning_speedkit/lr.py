@@ -31,11 +31,13 @@ __all__ = [
     "param_group_lrs",
     "range_test_factors",
     "rescale_run_lrs",
+    "rises",
     "scale_lrs",
     "scale_trainer_lrs",
     "smooth_losses",
     "suggest_lr",
     "valley_index",
+    "warmup_start",
     "warmups",
 ]
 
@@ -68,6 +70,40 @@ def param_group_lrs(optimizers: Iterable[Optimizer]) -> list[list[float]]:
         [[0.1, 0.5]]
     """
     return [[float(group["lr"]) for group in opt.param_groups] for opt in optimizers]
+
+
+def warmup_start(optimizers: Iterable[Optimizer]) -> tuple[float, float] | None:
+    """``(lr, initial_lr)`` of the first param group a scheduler holds below the LR it started from; else None.
+
+    A torch scheduler records each group's ``initial_lr`` when it is made; at fit start a group's ``lr`` below it is
+    a warmup's first step (``LinearLR``, ``ConstantLR``, a warming ``LambdaLR``, a ``SequentialLR`` that opens with
+    one), whose LR rises to ``initial_lr`` later. Groups without ``initial_lr`` (no scheduler) never count.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+        >>> warmup_start([opt]) is None
+        True
+        >>> _ = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=10)
+        >>> warmup_start([opt])
+        (0.025, 0.1)
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            lr, initial = group.get("lr"), group.get("initial_lr")
+            if is_number(lr) and is_number(initial) and float(lr) < float(initial) * (1 - 1e-9):
+                return float(lr), float(initial)
+    return None
+
+
+def rises(lrs: Sequence[float]) -> bool:
+    """Whether a run of step LRs goes above its first (by more than a millionth): a warmup or a cycle's rise.
+
+    Example:
+        >>> rises([0.1, 0.1, 0.09]), rises([0.01, 0.02, 0.03]), rises([])
+        (False, True, False)
+    """
+    return bool(lrs) and max(lrs) > lrs[0] * (1 + 1e-6)
 
 
 def scale_lrs(factor: float, optimizers: Iterable[Optimizer], schedulers: Iterable[object] = ()) -> None:

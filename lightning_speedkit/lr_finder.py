@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, ClassVar
 
@@ -16,8 +17,10 @@ from lightning_speedkit.lr import (
     param_group_lrs,
     range_test_factors,
     rescale_run_lrs,
+    rises,
     smooth_losses,
     suggest_lr,
+    warmup_start,
 )
 from lightning_speedkit.lr_search import REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, walk
 from lightning_speedkit.lr_trial import RangeTest, Scaled
@@ -62,7 +65,10 @@ class LRFinder(trials.Lever):
     the loss breaks. Rank zero's losses decide (they are broadcast), so every rank applies the same scale. The result
     is in ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state); the life
     cycle is `lightning_speedkit.trials.Lever`'s. An optimizer without an ``lr`` in its param groups (an LR-free one)
-    is left as it is, and the report says so.
+    is left as it is, and the report says so. So is a run whose own scheduler starts below the LR it was given (a
+    warmup: `lightning_speedkit.lr.warmup_start`), with no search, or raises the LR under the trial at the user's LR
+    (``OneCycleLR``, ``CyclicLR``: `lightning_speedkit.lr.rises`), where the walk stops: trials at fit start would
+    measure the schedule's first, lowest LRs, and a scale of them would multiply the whole schedule, its peak too.
 
     Args:
         method: ``"trials"`` or ``"range"`` (`METHODS`).
@@ -153,6 +159,15 @@ class LRFinder(trials.Lever):
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped("x1", resumed, scale=1.0)
+        start = warmup_start(trainer.optimizers)
+        if start is not None:
+            reason = (
+                f"skipped: your LR scheduler starts the LR at {start[0]:.3g}, below the {start[1]:.3g} it was given (a"
+                " warmup): a search now would try the warmup's LR, and its scale would multiply your whole schedule;"
+                " the run is left as it is"
+            )
+            rank_zero_warn(f"LRFinder: {reason}.")
+            return trials.Decision.skipped("x1", reason, scale=1.0, steps=0)
         left = trials.steps_left(trainer)
         price, what = self._price(left)
         if left * self.max_fraction < price:
@@ -208,16 +223,20 @@ class LRFinder(trials.Lever):
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
         k = self._trial_steps(left)
         budget = self.max_fraction * left
-        curves, probe_s = self._walk(trainer, k, _fits(budget, k))
+        curves, probe_s, rise = self._walk(trainer, k, _fits(budget, k))
         used = _steps(curves)
-        chosen, why = choose_scale(curves)
+        if rise:
+            chosen, why = 1.0, _rise_reason(rise)
+            rank_zero_warn(f"LRFinder: {why}.")
+        else:
+            chosen, why = choose_scale(curves)
         room = min(budget - used, _PLATEAU_SHARE * left)
-        if plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
-            curves, seconds = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, four times as long
+        if not rise and plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
+            curves, seconds, _ = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, 4 times as long
             used, probe_s = used + _steps(curves), probe_s + seconds
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
-        unwalked = next_scale(curves, self.min_scale, self.max_scale)
+        unwalked = None if rise else next_scale(curves, self.min_scale, self.max_scale)
         if unwalked is not None:  # the walk stopped at its share of the run, not where the losses stopped it
             why += f" (x{unwalked:.4g} not tried: the search's share of the run was spent)"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
@@ -235,20 +254,33 @@ class LRFinder(trials.Lever):
             "reason": why,
         }
 
-    def _walk(self, trainer: pl.Trainer, steps: int, most: float) -> tuple[dict[float, list[float]], float]:
-        """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds."""
+    def _walk(
+        self, trainer: pl.Trainer, steps: int, most: float
+    ) -> tuple[dict[float, list[float]], float, list[float]]:
+        """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds.
+
+        The third item is the step LRs of the trial at the user's LR when the user's schedule rose under it
+        (`lightning_speedkit.lr.rises`): the walk stops there, with the trials run so far; else empty.
+        """
+        curves: dict[float, list[float]] = {}
+        rise: list[float] = []
         with TrialSession(trainer, steps, warmup=0, replay=True) as session:
             batches = session.batches_per_epoch()
             ceiling = [math.inf]  # once the reference ran: a trial over it has broken, and stops there (`Scaled`)
 
             def trial(scale: float) -> list[float]:
-                losses = _losses(session.run(Scaled(scale, ceiling[0]), max_batches=batches))
+                setting = Scaled(scale, ceiling[0])
+                curves[scale] = _losses(session.run(setting, max_batches=batches))
                 if scale == REFERENCE:
-                    ceiling[0] = broke_ceiling(losses)
-                return losses
+                    ceiling[0] = broke_ceiling(curves[scale])
+                elif scale == 1.0 and rises(setting.lrs):
+                    rise.extend(setting.lrs)
+                    raise _Rose
+                return curves[scale]
 
-            curves = walk(trial, most, self.min_scale, self.max_scale)
-        return curves, session.elapsed_s
+            with contextlib.suppress(_Rose):
+                walk(trial, most, self.min_scale, self.max_scale)
+        return curves, session.elapsed_s, rise
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
@@ -273,6 +305,18 @@ class LRFinder(trials.Lever):
         clamp = "" if scale == raw else f"; clamped from x{raw:.3g} to [{self.min_scale:g}, {self.max_scale:g}]"
         report.update(suggested_lr=suggested, chosen_lr=user_lr * scale, scale=scale, reason=why + clamp)
         return report
+
+
+class _Rose(Exception):
+    """The user's schedule rose under the trial at their LR: the walk stops (`LRFinder._walk`)."""
+
+
+def _rise_reason(lrs: list[float]) -> str:
+    """Why the LR is kept when the user's schedule rose under the trial at their LR (``lrs``: its step LRs)."""
+    return (
+        f"your LR scheduler raised the LR from {lrs[0]:.3g} to {max(lrs):.3g} over the {len(lrs)} steps of the trial"
+        " at your LR (a warmup or a cycle): the trials measured its rise, not your LR; kept"
+    )
 
 
 def _fits(budget: float, steps: int) -> float:

@@ -104,6 +104,7 @@ class Scaled(trials.Setting):
     def __init__(self, scale: float, ceiling: float = math.inf) -> None:
         self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
         self.ceiling = ceiling
+        self.lrs: list[float] = []  # the first param group's LR at each step (not the reference's)
         self._was: list[list[Any]] = []
         self._hooks: dict[str, Any] = {}
         self._defaults: list[Any] = []
@@ -140,7 +141,27 @@ class Scaled(trials.Setting):
     def callbacks(self) -> Sequence[Callback]:
         if self.scale == REFERENCE:
             return (_AtZero(),)
-        return () if math.isinf(self.ceiling) else (_StopWhen(broke_after(self.ceiling)),)
+        trace = _Trace(self.lrs)
+        return (trace,) if math.isinf(self.ceiling) else (trace, _StopWhen(broke_after(self.ceiling)))
+
+
+class _Trace(Callback):
+    """Keeps the first param group's LR at each step's start: the LR the step trains at.
+
+    The user's schedulers step after the update, so a trial at the user's LR shows whether their schedule rises under
+    it (`lightning_speedkit.lr.rises`).
+    """
+
+    def __init__(self, lrs: list[float]) -> None:
+        self.lrs = lrs
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
+        if groups:
+            self.lrs.append(float(groups[0]["lr"]))
 
 
 class _AtZero(Callback):

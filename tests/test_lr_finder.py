@@ -292,6 +292,79 @@ def test_a_trial_keeps_its_scale_under_a_schedule_computed_from_base_lrs(tmp_pat
     assert trials.defaults == 0.01
 
 
+class _Scheduled(TinyClassifier):
+    """Adam with the user's own schedule, stepped every step.
+
+    ``"warmup"`` (`LinearLR` from a tenth over 40 steps), ``"onecycle"`` (`OneCycleLR` peaking at ``lr``: its LR
+    starts at ``lr / 25`` and rises) or ``"cosine"``.
+    """
+
+    def __init__(self, schedule: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.schedule = schedule
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        if self.schedule == "warmup":
+            schedule: Any = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=40)
+        elif self.schedule == "onecycle":
+            schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=total)
+        else:
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _scheduled(schedule: str, lr: float = 1e-4) -> _Scheduled:
+    L.seed_everything(0, verbose=False)
+    return _Scheduled(schedule, lr=lr, optimizer="adam", num_samples=256, batch_size=16)
+
+
+@pytest.mark.parametrize("method", ["trials", "range"])
+def test_a_warmup_schedule_at_fit_start_skips_the_search(tmp_path: Path, method: str) -> None:
+    """The user's scheduler starts the LR at a tenth of what it was given (a warmup): no search, and a warning.
+
+    The run's LRs are the user's schedule's: a search would try the warmup's first LR and scale the whole schedule by
+    it (x10 on an MLP under a linear warmup, before this check).
+    """
+    finder = LRFinder(method=method, max_fraction=1.0)
+    with pytest.warns(UserWarning, match="a warmup"):
+        trainer = _fit(tmp_path, _scheduled("warmup"), finder, max_epochs=3)
+    report = finder.report()
+    assert (report["source"], report["scale"], report["probed"]) == ("skipped", 1.0, False)
+    assert "starts the LR at 1e-05, below the 0.0001 it was given" in report["reason"]
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [1e-4]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)  # 48 steps: past its 40-step warmup
+
+
+def test_a_schedule_that_rises_under_the_trial_at_your_lr_keeps_it(tmp_path: Path) -> None:
+    """`OneCycleLR` rises under the trial at the user's LR: the walk stops after it and the LR is kept.
+
+    Its LR starts at the ``initial_lr`` it records, so only the trial shows the rise; before this check the trials
+    measured the rise as the user's LR and raised it tenfold, peak and all.
+    """
+    finder = LRFinder(**FINDER)
+    with pytest.warns(UserWarning, match="raised the LR from"):
+        trainer = _fit(tmp_path, _scheduled("onecycle"), finder, max_epochs=3)
+    report = finder.report()
+    assert (report["scale"], report["probed"]) == (1.0, True)
+    assert "a warmup or a cycle" in report["reason"]
+    assert report["trials"]["scales"] == [0.0, 1.0]  # the reference and the user's LR, no higher one
+    assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(1e-4)
+
+
+def test_a_decaying_schedule_is_searched_and_scaled_whole(tmp_path: Path) -> None:
+    """A cosine schedule starts at the user's LR, so the trials try it: Adam at 1e-4 (100x too low) is raised.
+
+    The schedule's base LRs are scaled with it.
+    """
+    finder = LRFinder(**FINDER)
+    trainer = _fit(tmp_path, _scheduled("cosine"), finder)
+    report = finder.report()
+    assert report["scale"] >= 10.0, report["reason"]
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(1e-4 * report["scale"])]
+
+
 class _Plateau(L.LightningModule):
     """Loss ``(1 - w)^2`` from ``w = 0``, reported to three decimals, at SGD 5e-6: a loss on a plateau.
 
