@@ -30,6 +30,11 @@ EPYC cores at one thread: mlp 3 s (preset 5 s), conv 5 s (8 s), transformer 6 s 
     python benchmarks/lr_tasks.py --quick                      # a smoke run for the tests (JSON to a temp dir)
     python benchmarks/lr_tasks.py --threads 1 --average        # also preset(lr="auto", average=True) in every cell
     python benchmarks/lr_tasks.py --threads 1 --recheck 2      # each cell a preset variant was late in: again, twice
+    python benchmarks/lr_tasks.py --threads 1 --schedule linear  # every fit with the user's own LR schedule
+
+With ``--schedule linear`` (or ``cosine``) every fit, the plain ones and the grid's included, trains under the user's
+own LR schedule (`SCHEDULES`): a fine-tune's warmup and decay, which ``preset()``'s schedule multiplies on top of and
+whose first steps ``lr="auto"`` would otherwise search at.
 
 A cell's verdict rests on one fit of each variant, and a load spike on a shared machine can slow the one epoch a
 target falls in (0.17 s of a 1.4-s time to target, once, on the Intel Xeon), while one nudge is one sample of the
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -101,8 +107,52 @@ NOISE = 0.10
 """A variant counts as later than naive only when its time to target is more than this share above naive's (and, in
 the counts beyond the measured noise, above the slowest of the naive fits': `later_than_every`)."""
 QUICK_FACTORS, QUICK_GRID = (0.1, 1.0), (1.0,)
+SCHEDULES = ("constant", "linear", "cosine")
+"""The user's own LR schedule (``--schedule``), stepped every step, in every fit alike: none (``"constant"``), Hugging
+Face's ``get_linear_schedule_with_warmup`` (`WARMUP_SHARE` of the steps up from 0, then linearly down to 0: a
+fine-tune's) or ``CosineAnnealingLR`` over the run."""
+WARMUP_SHARE = 0.06
+"""The ``"linear"`` schedule's warmup, as a share of the run's steps."""
 
 # ---------------------------------------------------------------------------------------------- pure functions
+
+
+def linear_with_warmup(step: int, warmup: int, total: int) -> float:
+    """The LR factor of Hugging Face's ``get_linear_schedule_with_warmup`` at ``step`` (0 at step 0).
+
+    Example:
+        >>> [round(linear_with_warmup(s, 2, 6), 2) for s in range(7)]
+        [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
+    """
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def with_schedule(model: L.LightningModule, schedule: str) -> L.LightningModule:
+    """``model`` whose ``configure_optimizers`` adds the user's ``schedule`` (`SCHEDULES`), stepped every step.
+
+    The schedule is sized from ``trainer.estimated_stepping_batches`` when the fit asks for the optimizer.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    if schedule == "constant":
+        return model
+    own = model.configure_optimizers
+
+    def configure() -> Any:
+        optimizer = own()
+        total = max(1, int(model.trainer.estimated_stepping_batches))
+        if schedule == "linear":
+            warmup = math.ceil(WARMUP_SHARE * total)
+            factor = functools.partial(linear_with_warmup, warmup=warmup, total=total)
+            scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        else:
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    model.configure_optimizers = configure  # type: ignore[method-assign]
+    return model
 
 
 def time_to_target(timeline: Sequence[Mapping[str, float]], target: float) -> float | None:
@@ -318,7 +368,7 @@ class Task:
 
     The budget is ``max_epochs`` over ``samples`` (train and validation) in batches of ``batch_size``, validated every
     epoch. ``make_data(task, seed, root)`` gives the data module (``root`` for files), ``make_model(task, lr)`` the
-    model.
+    model; ``schedule`` is the user's LR schedule (`SCHEDULES`, `with_schedule`).
     """
 
     name: str
@@ -329,6 +379,7 @@ class Task:
     batch_size: int
     make_data: Callable[[Task, int, Path], L.LightningDataModule]
     make_model: Callable[[Task, float], L.LightningModule]
+    schedule: str = "constant"
 
     def as_dict(self) -> dict[str, Any]:
         """The task's settings, for the JSON."""
@@ -426,7 +477,7 @@ def fit_one(
     data = task.make_data(task, seed, root)
     L.seed_everything(seed, verbose=False)  # the same initial weights and batch order for every variant
     lr = task.right_lr * factor
-    model = task.make_model(task, lr)
+    model = with_schedule(task.make_model(task, lr), task.schedule)
     if variant == "naive_nudged":
         nudge_weights(model, nudge)
     if variant in LR_FREE:
@@ -717,16 +768,21 @@ def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], s
 
 
 def _settings(
-    quick: bool, names: Sequence[str], seeds: Sequence[int], lr_free: bool = False, average: bool = False
+    quick: bool,
+    names: Sequence[str],
+    seeds: Sequence[int],
+    lr_free: bool = False,
+    average: bool = False,
+    schedule: str = "constant",
 ) -> tuple[dict[str, Task], dict[str, Any]]:
-    """The tasks to run (``--quick``: `QUICK_SIZES`) and the run's settings (factors, grid, seeds...)."""
-    tasks = {name: TASKS[name] for name in names}
+    """The tasks to run (``--quick``: `QUICK_SIZES`; ``schedule``: the user's) and the run's settings (factors...)."""
+    tasks = {name: dataclasses.replace(TASKS[name], schedule=schedule) for name in names}
     if quick:
         tasks = {
             n: dataclasses.replace(t, max_epochs=QUICK_SIZES[n][0], samples=QUICK_SIZES[n][1]) for n, t in tasks.items()
         }
     factors, grid = (QUICK_FACTORS, QUICK_GRID) if quick else (tuple(FACTORS), GRID)
-    settings = {"quick": quick, "tasks": {n: t.as_dict() for n, t in tasks.items()}}
+    settings = {"quick": quick, "schedule": schedule, "tasks": {n: t.as_dict() for n, t in tasks.items()}}
     settings |= {
         "factors": {str(f): FACTORS[f] for f in factors},
         "grid": list(grid),
@@ -754,16 +810,17 @@ def run(
     lr_free: bool = False,
     average: bool = False,
     recheck: int = 0,
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     """Fit every task, variant, user LR and seed, summarise, print the tables and write the JSON to ``out``.
 
     ``quick``: tiny budgets, seed 0 only, user LRs 0.1x and 1x, grid 1x; without ``out`` the JSON goes to a temp dir
     (never over the committed result). ``threads``: torch's intra-op threads during the run (None: torch's default).
     ``lr_free``: every cell also runs `LR_FREE`'s variants; ``average``: `AVERAGE`'s. ``recheck``: re-runs of each
-    cell a preset variant was late in (`recheck_task`).
+    cell a preset variant was late in (`recheck_task`). ``schedule``: the user's LR schedule in every fit (`SCHEDULES`).
     """
     with torch_threads(threads):
-        return _run(quick, tasks, seeds, out, lr_free, average, recheck)
+        return _run(quick, tasks, seeds, out, lr_free, average, recheck, schedule)
 
 
 def recheck_file(
@@ -819,9 +876,10 @@ def _run(
     lr_free: bool,
     average: bool,
     recheck: int = 0,
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     """`run` at the threads set."""
-    chosen, settings = _settings(quick, tasks, seeds, lr_free, average)
+    chosen, settings = _settings(quick, tasks, seeds, lr_free, average, schedule)
     settings["recheck"] = recheck
     factors, grid, seeds = [float(f) for f in settings["factors"]], settings["grid"], settings["seeds"]
     out = out_path(out, quick)
@@ -859,13 +917,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--recheck", type=int, default=0, help="re-runs of each cell preset or preset_auto was late in (not opt-ins)"
     )
     parser.add_argument("--recheck-from", default=None, help="a result JSON to re-run the late cells of (--recheck N)")
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="constant", help="the user's own LR schedule in every fit, per step"
+    )
     args = parser.parse_args(argv)
     if args.recheck < 0 or (args.recheck_from and args.recheck < 1):
         parser.error(f"--recheck must be at least 1 with --recheck-from and never negative, got {args.recheck}")
-    given = ("quick", "lr_free", "average", "tasks", "seeds")
+    given = ("quick", "lr_free", "average", "tasks", "seeds", "schedule")
     chosen = [f"--{name.replace('_', '-')}" for name in given if getattr(args, name) != parser.get_default(name)]
     if args.recheck_from and chosen:
         parser.error(f"--recheck-from re-runs the file's own cells; {', '.join(chosen)} cannot change them")
+    if args.lr_free and args.schedule != "constant":
+        parser.error(
+            f"--lr-free swaps the optimizer a schedule is built on; it runs with no --schedule, got {args.schedule}"
+        )
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
@@ -873,7 +938,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.recheck_from:
         return recheck_file(args.recheck_from, args.recheck, args.out, args.threads)
     seeds = parse_seeds(args.seeds)
-    options = {"lr_free": args.lr_free, "average": args.average, "recheck": args.recheck}
+    options = {"lr_free": args.lr_free, "average": args.average, "recheck": args.recheck, "schedule": args.schedule}
     return run(quick=args.quick, tasks=tasks, seeds=seeds, out=args.out, threads=args.threads, **options)
 
 

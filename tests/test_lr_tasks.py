@@ -309,3 +309,56 @@ def test_torch_threads_are_put_back_even_when_the_run_fails(bench: ModuleType) -
     assert torch.get_num_threads() == before
     with bench.torch_threads(None):  # None: as they are
         assert torch.get_num_threads() == before
+
+
+def test_schedule_run_trains_every_fit_under_the_users_schedule(bench: ModuleType, tmp_path: Path) -> None:
+    """--schedule linear: every fit trains under Hugging Face's linear warmup and decay, and the JSON says so.
+
+    `lr="auto"` leaves such a run's LR as it is (the schedule starts at 0, a warmup: `LRFinder` skips its search).
+    """
+    out = tmp_path / "linear.json"
+    bench.main(["--quick", "--tasks", "mlp", "--threads", "1", "--schedule", "linear", "--out", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["config"]["schedule"] == "linear"
+    assert result["config"]["tasks"]["mlp"]["schedule"] == "linear"
+    auto = [r for r in result["runs"] if r["variant"] == "preset_auto"]
+    assert len(auto) == 2
+    for run in auto:
+        finder = run["decisions"]["lr_finder"]
+        assert (finder["scale"], finder["probed"]) == (1.0, False)
+        assert "a warmup" in finder["reason"]
+
+
+def test_with_schedule_steps_the_users_lr_every_step(bench: ModuleType, tmp_path: Path) -> None:
+    """The "linear" schedule rises from 0 over its warmup, then falls; "cosine" falls from the LR.
+
+    "constant" is the model as it was; an unknown one is refused.
+    """
+    import lightning as L
+
+    task = bench.TASKS["mlp"]
+    seen: dict[str, list[float]] = {}
+
+    class Lrs(L.Callback):
+        def __init__(self, name: str) -> None:
+            self.lrs = seen.setdefault(name, [])
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    for name in ("linear", "cosine"):
+        small = bench.dataclasses.replace(task, samples=400, max_epochs=2)
+        model = bench.with_schedule(task.make_model(task, 0.02), name)
+        trainer = bench.quiet_trainer("cpu", devices=1, max_epochs=2, callbacks=[Lrs(name)], limit_val_batches=0)
+        trainer.fit(model, small.make_data(small, 0, tmp_path))
+    linear, cosine = seen["linear"], seen["cosine"]
+    assert len(linear) == len(cosine) == 10  # 320 training samples in batches of 64, twice
+    assert linear[0] == 0.0  # a 1-step warmup (6% of 10, rounded up)
+    assert linear[1] == pytest.approx(0.02)
+    assert linear[1:] == sorted(linear[1:], reverse=True)
+    assert cosine[0] == pytest.approx(0.02)
+    assert cosine == sorted(cosine, reverse=True)
+    model = task.make_model(task, 0.02)
+    assert bench.with_schedule(model, "constant") is model
+    with pytest.raises(ValueError, match="`schedule` must be one of constant, linear, cosine, got 'step'"):
+        bench.with_schedule(model, "step")
