@@ -98,13 +98,14 @@ class Scaled(trials.Setting):
     ``backward``, ``optimizer_step`` and ``lr_scheduler_step`` hooks, for this trial only), a third of a step's cost
     instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) Under manual
     optimization its steps run in full, each at LR 0 (`_AtZero`). A trial at another scale ends at the first step
-    whose loss is over ``ceiling`` (`broke_after`): it has broken already.
+    whose loss is over ``ceiling`` (`broke_after`): it has broken already. It keeps the LR each of its steps trained
+    at (the first param group's) in ``lrs``: the user's schedule steps inside it (`lightning_speedkit.lr.rises`).
     """
 
     def __init__(self, scale: float, ceiling: float = math.inf) -> None:
         self.scale, self.name = scale, "reference (LR 0)" if scale == REFERENCE else f"x{scale:.4g}"
         self.ceiling = ceiling
-        self.lrs: list[float] = []  # the first param group's LR at each step (not the reference's)
+        self.lrs: list[float] = []
         self._was: list[list[Any]] = []
         self._hooks: dict[str, Any] = {}
         self._defaults: list[Any] = []

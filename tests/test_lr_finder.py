@@ -251,23 +251,6 @@ class _LambdaSchedule(TinyClassifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class _SeenLRs(L.Callback):
-    def __init__(self) -> None:
-        self.lrs: list[float] = []
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
-
-
-class _ScaledSeen(Scaled):
-    def __init__(self, scale: float) -> None:
-        super().__init__(scale)
-        self.seen = _SeenLRs()
-
-    def callbacks(self) -> list[L.Callback]:
-        return [self.seen]
-
-
 def test_a_trial_keeps_its_scale_under_a_schedule_computed_from_base_lrs(tmp_path: Path) -> None:
     """Under a `LambdaLR` stepped every step, the x10 trial trains every step at ten times the LR, not only its first.
 
@@ -277,7 +260,7 @@ def test_a_trial_keeps_its_scale_under_a_schedule_computed_from_base_lrs(tmp_pat
 
     class Trials(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-            self.trials = [_ScaledSeen(1.0), _ScaledSeen(10.0)]
+            self.trials = [Scaled(1.0), Scaled(10.0)]  # each keeps its steps' LRs
             with TrialSession(trainer, 4, warmup=0, replay=True) as session:
                 for setting in self.trials:
                     session.run(setting)
@@ -286,8 +269,8 @@ def test_a_trial_keeps_its_scale_under_a_schedule_computed_from_base_lrs(tmp_pat
 
     trials = Trials()
     _fit(tmp_path, _LambdaSchedule(lr=0.01, optimizer="adam", num_samples=256, batch_size=16), trials, max_epochs=1)
-    assert trials.trials[0].seen.lrs == pytest.approx([0.01] * 4)
-    assert trials.trials[1].seen.lrs == pytest.approx([0.1] * 4)
+    assert trials.trials[0].lrs == pytest.approx([0.01] * 4)
+    assert trials.trials[1].lrs == pytest.approx([0.1] * 4)
     assert trials.after == [0.01, 0.01]
     assert trials.defaults == 0.01
 
