@@ -86,7 +86,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
     Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("compile", lambda: Compile, False, lever=True),
-    Slot("warmup", lambda: WarmupScheduler, True, options=(("cooldown_check", "trial"),)),
+    Slot("warmup", lambda: WarmupScheduler, True, options=(("decay", "auto"), ("cooldown_check", "trial"))),
     Slot("guard", lambda: TrainingGuard, True),
     Slot("average", lambda: WeightAverage, False),
     Slot("monitor", lambda: UtilizationMonitor, True),

@@ -175,7 +175,8 @@ def preset(
       as torch's fused kernel, kept only when real steps are faster), ``tune_data`` (`DataLoaderTuner`), ``warmup``
       (`WarmupScheduler`: warmup-stable-decay, the user's LR from the first step (a raised LR is ramped up to over
       5% of the steps left), held, and cooled down over the last 20% of the budget unless a trial at the start of
-      the epoch in which the cool-down begins finds the held LR clearly better: ``cooldown_check="trial"``), ``guard``
+      the epoch in which the cool-down begins finds the held LR clearly better: ``cooldown_check="trial"``; with an
+      LR scheduler of the user's own, that schedule alone, no decay on top: ``decay="auto"``), ``guard``
       (`TrainingGuard`: a last-good snapshot, rolled back at half the LR on a NaN or a loss spike) and ``monitor``
       (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`), ``lr`` (`LRFinder`; ``lr="auto"``
       or ``True``: short LR trials at fit start keep the user's LR unless another is clearly and much better, then

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
+    "AUTO",
     "DECAYS",
     "TIME_EVERY",
     "budget_timer",
@@ -32,6 +33,7 @@ __all__ = [
     "decay_progress",
     "factor_at",
     "fall",
+    "resolve_decay",
     "still_falling",
     "time_fraction",
     "warmup_factor",
@@ -40,6 +42,10 @@ __all__ = [
 DECAYS = ("wsd", "constant", "cosine", "linear")
 """The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept; the first is the
 default."""
+
+AUTO = "auto"
+"""``decay="auto"`` (`lightning_speedkit.preset`'s): ``"wsd"``, or ``"constant"`` under an LR scheduler of the user's
+own (`resolve_decay`)."""
 
 _BUDGETED = ("wsd", "cosine", "linear")
 
@@ -79,20 +85,47 @@ def check_schedule(
     start_factor: float,
     warmup_name: str = "warmup_steps",
     cooldown: float = 0.2,
+    decays: Sequence[str] = DECAYS,
 ) -> None:
-    """Raise ``ValueError`` naming the argument and its value if the schedule is not valid."""
+    """Raise ``ValueError`` naming the argument and its value if the schedule is not valid (``decay`` of ``decays``)."""
     if not is_int(warmup_steps, low=0):
         raise ValueError(f"`{warmup_name}` must be a non-negative int, got {warmup_steps!r}.")
     if total_steps is not None and not is_int(total_steps, low=1):
         raise ValueError(f"`total_steps` must be a positive int or None, got {total_steps!r}.")
     if total_steps is not None and warmup_steps > total_steps:
         raise ValueError(f"`{warmup_name}` must not exceed `total_steps` ({total_steps}), got {warmup_steps}.")
-    check_choice("decay", decay, DECAYS)
+    check_choice("decay", decay, decays)
     if not is_number(min_lr_ratio, 0, 1):
         raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}.")
     if not is_number(start_factor, 0, 1):
         raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
     check_cooldown(cooldown)
+
+
+def resolve_decay(decay: str, schedulers: Sequence[str]) -> tuple[str, str]:
+    """The decay to run on top of the user's own LR ``schedulers`` (their class names), and a warning ("" for none).
+
+    ``"auto"`` runs ``"wsd"``, or ``"constant"`` when the user has a scheduler: theirs sets the LR after the warmup,
+    and a cool-down multiplied on top would take it below the LR they scheduled (on ``benchmarks/lr_tasks.py
+    --schedule linear`` the transformer's trajectory at its right LR under `lightning_speedkit.preset`, seed 2, was
+    the plain loop's until the cool-down began, and then crossed the target an epoch later). Another decay is run as
+    asked; on top of a scheduler, unless ``"constant"``, the two multiply and the warning says so.
+
+    Example:
+        >>> resolve_decay("auto", []), resolve_decay("auto", ["LambdaLR"]), resolve_decay("cosine", [])
+        (('wsd', ''), ('constant', ''), ('cosine', ''))
+        >>> resolve_decay("wsd", ["StepLR"])[1].split(";")[0]
+        'the wsd decay multiplies on top of your scheduler(s) StepLR'
+    """
+    if decay == AUTO:
+        return ("constant" if schedulers else "wsd"), ""
+    if schedulers and decay != "constant":
+        names = ", ".join(schedulers)
+        return decay, (
+            f"the {decay} decay multiplies on top of your scheduler(s) {names}; pass decay='auto' to keep only yours"
+            " after the warmup"
+        )
+    return decay, ""
 
 
 def cooldown_start(warmup_steps: int, total_steps: int, cooldown: float) -> int:

@@ -16,6 +16,7 @@ from lightning_speedkit.lr import scale_trainer_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.schedule import (
+    AUTO,
     DECAYS,
     budget_timer,
     check_cooldown,
@@ -23,6 +24,7 @@ from lightning_speedkit.schedule import (
     check_warmup,
     cooldown_start,
     factor_at,
+    resolve_decay,
     time_fraction,
     warmup_factor,
 )
@@ -57,18 +59,17 @@ class WarmupScheduler(LeanCallback):
     manual optimization, checkpoints, ``LearningRateMonitor``) the groups hold your own scheduled LR, untouched.
     So the effective LR is ``your_lr(step) * factor(step)``: a chainable ``StepLR``/``ExponentialLR`` and a
     closed-form ``LambdaLR``/``OneCycleLR`` both keep their own curve and never see ours. If your scheduler already
-    decays, pass ``decay="constant"`` to add only the warmup; otherwise the two decays multiply, and a one-line
-    warning says so. If something else writes a group's LR *during* ``optimizer.step()``, its value is kept (not
-    overwritten) and a warning says so.
+    decays, pass ``decay="constant"`` (or ``"auto"``, preset's) to add only the warmup; otherwise the two decays
+    multiply, and a one-line warning says so. If something else writes a group's LR *during* ``optimizer.step()``,
+    its value is kept (not overwritten) and a warning says so.
 
     Cooperation (for other callbacks, found by type in ``trainer.callbacks``): `rescale_base_lrs` multiplies every
     LR of the optimizers and their schedulers (through `lightning_speedkit.lr`), `set_warmup_steps` changes the
     warmup length, `restart` starts a new warmup and decay from the next batch (for fine-tuning after pruning).
     Call them from ``on_fit_start`` or later, outside ``optimizer.step()`` (not from ``on_before_optimizer_step``):
     each fit starts again from the constructor arguments at ``setup``, and a resume continues the schedule saved in
-    the checkpoint (``state_dict``: the resolved warmup and total steps and the step the schedule started at). The
-    base LRs themselves are never stored here: they are the optimizers' and schedulers' own, checkpointed by
-    Lightning, and they hold no multiplier outside ``optimizer.step()``.
+    the checkpoint (``state_dict``: the resolved warmup and total steps and the step the schedule started at). Base
+    LRs are not stored here: Lightning checkpoints them, and they hold no multiplier outside ``optimizer.step()``.
 
     Args:
         warmup: Warmup length: an int (optimizer steps, 0 for none) or a float in (0, 1) (fraction of total steps,
@@ -76,23 +77,18 @@ class WarmupScheduler(LeanCallback):
             ramp only lowers the mean LR); a callback that raises the LR (`LRFinder`, `BatchSizeFinder`) gives the
             raised peak a ramp of at least `lightning_speedkit.lr.RAISED_RAMP` of the steps left.
         decay: After warmup: ``"wsd"`` (hold the LR, then cool down over the last ``cooldown`` of the budget;
-            `lightning_speedkit.schedule`), ``"cosine"``, ``"linear"`` or ``"constant"``.
+            `lightning_speedkit.schedule`), ``"cosine"``, ``"linear"``, ``"constant"``, or ``"auto"``: ``"wsd"``, and
+            ``"constant"`` when the run has an LR scheduler of yours (`lightning_speedkit.schedule.resolve_decay`).
         total_steps: Steps of warmup plus decay; None for the Trainer's estimate of the remaining steps.
         min_lr_ratio: Floor of the decay as a fraction of the base LR, in [0, 1].
         cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
         start_factor: Multiplier at the first warmup step, in [0, 1].
         cooldown_check: For ``"wsd"`` with a step budget, whether to hold the LR to the end instead of cooling down
-            when the run is still limited by its LR (cooling down would slow it; held, the run at your LR is the
-            constant-LR run). ``"trial"``: at the start of the epoch in which the cool-down begins, `TRIAL_STEPS`
-            real steps at the peak LR and the same batches at a third of it, from the same state and put back
-            afterwards (`lightning_speedkit.cooldown.trial_plan` says when it runs: it costs at most half the
-            cool-down's steps); the LR is held when the peak's loss is clearly lower (`trial_holds`). ``"loss"``
-            (or True): hold when the training loss still falls over as many steps as the cool-down takes
-            (`lightning_speedkit.schedule.still_falling`). ``report()["cooldown_check"]`` says what it found. Off
-            by default. On ``benchmarks/cooldown_trial.py`` the trial's verdict picked the better continuation in
-            26 of 30 cases and the loss check in 21; the loss check held the LR on ``speedkit demo --quick`` (a run
-            still learning, 40% lower loss over the window), where the final val_acc then swung to 0.37-0.48
-            against 0.99 with the cool-down.
+            while the run is still limited by its LR (held, the run at your LR is the constant-LR run). ``"trial"``:
+            real steps at the peak LR and at a third of it, from the same state and put back afterwards, at the start
+            of the epoch holding the cool-down's start (`lightning_speedkit.cooldown.trial_plan`, `trial_holds`);
+            ``"loss"`` (or True): the training loss still falls over as many steps as the cool-down takes
+            (`lightning_speedkit.schedule.still_falling`). Off by default; ``report()["cooldown_check"]``.
 
     Raises:
         ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
@@ -122,10 +118,13 @@ class WarmupScheduler(LeanCallback):
         self._method = check_method(cooldown_check)
         self.cooldown_check = cooldown_check
         steps = warmup if isinstance(warmup, int) else 0
-        check_schedule(steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown))
+        check_schedule(
+            steps, total_steps, decay, min_lr_ratio, start_factor, "warmup", check_cooldown(cooldown), (*DECAYS, AUTO)
+        )
         self.cooldown = float(cooldown)
         self._time_fraction: float | None = None
         self.warmup, self.decay, self.total_steps = warmup, decay, total_steps
+        self._decay = decay  # the decay run: "auto" resolved at fit start (`resolve_decay`)
         self.min_lr_ratio, self.start_factor = min_lr_ratio, start_factor
         self._warmup_spec = warmup
         self._total_spec = total_steps
@@ -171,6 +170,13 @@ class WarmupScheduler(LeanCallback):
             self._warned_overwrite = False
             self._check = CooldownCheck()
             self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        self._decay, warning = resolve_decay(self.decay, names)  # a resume resolves it as its first fit did
+        if warning:
+            rank_zero_warn(f"WarmupScheduler: {warning}.")
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -245,7 +251,8 @@ class WarmupScheduler(LeanCallback):
     def report(self) -> dict[str, Any]:
         """The schedule as a plain dict: what was asked and, once resolved, the steps it runs.
 
-        Keys: ``warmup`` and ``total_steps`` (as asked, or as set by a finder or pruning), ``decay``,
+        Keys: ``warmup`` and ``total_steps`` (as asked, or as set by a finder or pruning), ``decay`` (``decay_used``:
+        what ``"auto"`` resolved to at fit start),
         ``min_lr_ratio``, ``start_factor``, ``resolved`` (``warmup_steps``, ``total_steps``, ``start_step``; None
         before the first training batch), ``cooldown_check`` (`lightning_speedkit.cooldown.CooldownCheck.report`:
         ``enabled``, ``method``; ``held``: None until decided, then whether the LR is held to the end; the loss
@@ -256,6 +263,7 @@ class WarmupScheduler(LeanCallback):
             "warmup": self._warmup_spec,
             "total_steps": self._total_spec,
             "decay": self.decay,
+            "decay_used": None if self._decay == AUTO else self._decay,
             "min_lr_ratio": self.min_lr_ratio,
             "start_factor": self.start_factor,
             "cooldown": self.cooldown,
@@ -275,7 +283,7 @@ class WarmupScheduler(LeanCallback):
             max(0, step - s.start_step),
             s.warmup_steps,
             s.total_steps,
-            self.decay,
+            self._decay,
             self.min_lr_ratio,
             self.start_factor,
             0.0 if self._check.held else self.cooldown,  # held: the LR stays at its peak to the end
@@ -313,7 +321,7 @@ class WarmupScheduler(LeanCallback):
         s = self._schedule
         if self._method is None or self._check.held is not None or s is None or s.total_steps is None:
             return None
-        if self.decay != "wsd" or self._time_fraction is not None:
+        if self._decay != "wsd" or self._time_fraction is not None:
             return None
         if trial:  # `trial_plan` says why a trial does not run, however short the cool-down
             begin = cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
@@ -341,25 +349,19 @@ class WarmupScheduler(LeanCallback):
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
             warmup = math.ceil(warmup * total)
         timed = budget_timer(trainer) is not None
-        if total is None and self.decay != "constant" and not timed:
+        if total is None and self._decay != "constant" and not timed:
             raise ValueError(
-                f"`total_steps` is needed for decay={self.decay!r}, got None, and the Trainer cannot estimate it"
+                f"`total_steps` is needed for decay={self._decay!r}, got None, and the Trainer cannot estimate it"
                 " (max_steps=-1 with an endless dataloader and no max_time): pass total_steps, max_steps or max_time."
             )
-        check_schedule(int(warmup), total, self.decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
+        check_schedule(int(warmup), total, self._decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
         self._schedule = _Schedule(int(warmup), total, start)
         budget = f"{total} steps" + (" or the time budget, whichever ends first" if timed else "")
-        shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self.decay == "wsd" else self.decay
+        shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self._decay == "wsd" else self._decay
         rank_zero_info(
             f"WarmupScheduler: {int(warmup)} warmup steps, then {shape} decay over {budget}"
             f" (floor {self.min_lr_ratio} x base LR), from global step {start}."
         )
-        names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
-        if names and self.decay != "constant":
-            rank_zero_warn(
-                f"WarmupScheduler: the {self.decay} decay multiplies on top of your scheduler(s) {', '.join(names)};"
-                " pass decay='constant' to keep only your decay after the warmup."
-            )
 
     def _before_step(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._schedule is None:

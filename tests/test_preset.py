@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, callback_of, load_benchmark, short_job_reason
+from conftest import ROOT, TinyClassifier, callback_of, load_benchmark, short_job_reason
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
@@ -328,6 +328,32 @@ def test_preset_decides_the_cool_down_by_a_trial_unless_told_otherwise(tmp_path:
     assert callback_of(asked, speedkit.WarmupScheduler).cooldown_check is False
     mine = speedkit.WarmupScheduler()
     assert callback_of(preset(warmup=mine, **common), speedkit.WarmupScheduler).cooldown_check is False
+
+
+def test_preset_adds_no_decay_to_a_users_own_scheduler(tmp_path: Path) -> None:
+    """The warmup of `preset` asks for ``decay="auto"``: no cool-down on top of the user's own LR scheduler.
+
+    A module with its own scheduler runs that schedule alone; one without keeps warmup-stable-decay; a dict may ask for
+    the decay on top anyway (and is warned that the two multiply).
+    """
+
+    class Scheduled(TinyClassifier):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)}
+
+    common: dict[str, Any] = {"logger": False, "verbose": False, "default_root_dir": tmp_path, "max_epochs": 2}
+    common |= {"enable_checkpointing": False, "enable_progress_bar": False, "limit_val_batches": 0}
+    used = {}
+    for name, model, warmup in [("scheduled", Scheduled(), True), ("plain", TinyClassifier(), True)]:
+        trainer = preset(warmup=warmup, **common)
+        trainer.fit(model)
+        used[name] = callback_of(trainer, speedkit.WarmupScheduler).report()["decay_used"]
+    assert used == {"scheduled": "constant", "plain": "wsd"}
+    trainer = preset(warmup={"decay": "wsd"}, **common)
+    with pytest.warns(UserWarning, match="the wsd decay multiplies on top of your scheduler"):
+        trainer.fit(Scheduled())
+    assert callback_of(trainer, speedkit.WarmupScheduler).report()["decay_used"] == "wsd"
 
 
 _CPU_DDP_RUN = """

@@ -184,7 +184,7 @@ def test_warmup_factor_rejects_bad_arguments(kwargs: dict[str, Any], match: str)
         ({"min_lr_ratio": -0.5}, "`min_lr_ratio` must be in \\[0, 1\\], got -0.5"),
         ({"min_lr_ratio": 2}, "`min_lr_ratio` must be in \\[0, 1\\], got 2"),
         ({"min_lr_ratio": True}, "`min_lr_ratio` must be in \\[0, 1\\], got True"),
-        ({"decay": "step"}, "`decay` must be one of 'wsd', 'constant', 'cosine', 'linear', got 'step'"),
+        ({"decay": "step"}, "`decay` must be one of 'wsd', 'constant', 'cosine', 'linear', 'auto', got 'step'"),
         ({"cooldown": 1.5}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got 1.5"),
         ({"cooldown": "0.2"}, "`cooldown` must be a fraction of the budget in \\[0, 1\\), got '0.2'"),
         ({"start_factor": 1.5}, "`start_factor` must be in \\[0, 1\\], got 1.5"),
@@ -326,6 +326,45 @@ def test_warns_when_two_decays_multiply(tmp_path: Path) -> None:
         fit(tmp_path, ScheduledClassifier(), WarmupScheduler(warmup=2), recorder)
     expected = [user_lr(k) * warmup_factor(k, 2, 8) for k in range(8)]
     assert recorder.lrs() == pytest.approx(expected)
+
+
+@pytest.mark.filterwarnings("error:WarmupScheduler")
+def test_auto_leaves_a_users_scheduler_alone_and_cools_down_without_one(
+    tmp_path: Path, tiny_model: TinyClassifier
+) -> None:
+    """``decay="auto"`` (preset's): no decay on top of the user's own scheduler; without one, warmup-stable-decay.
+
+    Under the scheduler the LRs are the user's curve step for step, with no warning.
+    """
+    recorder, warmup = LRRecorder(), WarmupScheduler(decay="auto")
+    assert warmup.report()["decay_used"] is None  # resolved at fit start
+    fit(tmp_path, ScheduledClassifier(), warmup, recorder)
+    assert warmup.report()["decay"] == "auto"
+    assert warmup.report()["decay_used"] == "constant"
+    assert recorder.lrs() == pytest.approx([user_lr(k) for k in range(8)])
+    recorder, warmup = LRRecorder(), WarmupScheduler(decay="auto")
+    fit(tmp_path, tiny_model, warmup, recorder, max_epochs=5)
+    assert warmup.report()["decay_used"] == "wsd"
+    assert recorder.lrs()[:32] == pytest.approx([BASE_LR] * 32)
+    assert recorder.lrs()[-1] < BASE_LR / 2  # cooled down over the last fifth
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+def test_auto_resolves_the_same_way_on_a_resume(tmp_path: Path) -> None:
+    """A fit resumed from a checkpoint resolves ``"auto"`` again from the same scheduler: the uninterrupted LRs."""
+
+    def model() -> L.LightningModule:
+        L.seed_everything(0, verbose=False)
+        return ScheduledClassifier()
+
+    full = [WarmupScheduler(warmup=2, decay="auto"), LRRecorder()]
+    checkpoint = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    fit(tmp_path, model(), *full, checkpoint, max_epochs=2, enable_checkpointing=True)
+    resumed = [WarmupScheduler(warmup=2, decay="auto"), LRRecorder()]
+    fit(tmp_path, model(), *resumed, max_epochs=2, ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
+    assert resumed[1].steps == full[1].steps[3:]  # type: ignore[attr-defined]
+    assert resumed[0].report()["decay_used"] == "constant"  # type: ignore[attr-defined]
 
 
 class TwoOptimizerManual(TinyClassifier):

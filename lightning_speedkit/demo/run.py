@@ -280,10 +280,11 @@ def _choices(trainer: L.Trainer, config: DemoConfig) -> dict[str, Any]:
     warmup = next((c for c in ours if isinstance(c, WarmupScheduler)), None)
     schedule = "constant"
     if warmup is not None:
-        asked, resolved = warmup.report()["warmup"], warmup.schedule  # as set by a finder that raised the LR, if so
+        report, resolved = warmup.report(), warmup.schedule  # as set by a finder that raised the LR, if so
+        asked, decay = report["warmup"], report["decay_used"] or report["decay"]
         length = f"{asked:.0%}" if isinstance(asked, float) else f"{asked} steps"
         length = f"{resolved[0]} steps" if resolved is not None else length
-        decay = describe(warmup.report()["cooldown_check"], warmup.cooldown) if warmup.decay == "wsd" else warmup.decay
+        decay = describe(report["cooldown_check"], warmup.cooldown) if decay == "wsd" else decay
         schedule = f"warmup {length}, {decay}"
     layout = reports.get("ChannelsLast", {})
     paid = {n: float(r["probe_s"]) for n, r in reports.items() if r.get("probe_s") and r.get("source") != "remembered"}
