@@ -27,6 +27,7 @@ __all__ = [
     "LR_GROUP_KEYS",
     "LR_SCHEDULER_ATTRS",
     "WarmupLike",
+    "cyclic",
     "diverged",
     "param_group_lrs",
     "range_test_factors",
@@ -90,20 +91,47 @@ def warmup_start(optimizers: Iterable[Optimizer]) -> tuple[float, float] | None:
     """
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            lr, initial = group.get("lr"), group.get("initial_lr")
-            if is_number(lr) and is_number(initial) and float(lr) < float(initial) * (1 - 1e-9):
-                return float(lr), float(initial)
+            lr, initial = _number(group.get("lr")), _number(group.get("initial_lr"))
+            if lr is not None and initial is not None and lr < initial * (1 - 1e-9):
+                return lr, initial
     return None
 
 
+def cyclic(schedulers: Iterable[object]) -> str | None:
+    """The class name of a scheduler that cycles the LR up to a maximum (``OneCycleLR``, ``CyclicLR``), else None.
+
+    Such a schedule rises after fit start from the LR it starts at, which `warmup_start` cannot see; the LR trials
+    see the rise under their steps (`rises`), a range test (which sets every step's LR itself) does not.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+        >>> cyclic([torch.optim.lr_scheduler.StepLR(opt, 5)])
+        >>> cyclic([torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)])
+        'OneCycleLR'
+    """
+    for scheduler in schedulers:
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
+        if hasattr(scheduler, "max_lrs") or any("max_lr" in group for group in groups):
+            return type(scheduler).__name__
+    return None
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float: a finite number or a one-element tensor (a capturable optimizer's LR), else None."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    return float(value) if is_number(value) else None
+
+
 def rises(lrs: Sequence[float]) -> bool:
-    """Whether a run of step LRs goes above its first (by more than a millionth): a warmup or a cycle's rise.
+    """Whether a run of step LRs goes above its first (by more than a billionth): a warmup or a cycle's rise.
 
     Example:
         >>> rises([0.1, 0.1, 0.09]), rises([0.01, 0.02, 0.03]), rises([])
         (False, True, False)
     """
-    return bool(lrs) and max(lrs) > lrs[0] * (1 + 1e-6)
+    return bool(lrs) and max(lrs) > lrs[0] * (1 + 1e-9)
 
 
 def scale_lrs(factor: float, optimizers: Iterable[Optimizer], schedulers: Iterable[object] = ()) -> None:

@@ -14,6 +14,7 @@ from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_choice, check_number, check_probe_steps
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
+    cyclic,
     param_group_lrs,
     range_test_factors,
     rescale_run_lrs,
@@ -67,8 +68,9 @@ class LRFinder(trials.Lever):
     cycle is `lightning_speedkit.trials.Lever`'s. An optimizer without an ``lr`` in its param groups (an LR-free one)
     is left as it is, and the report says so. So is a run whose own scheduler starts below the LR it was given (a
     warmup: `lightning_speedkit.lr.warmup_start`), with no search, or raises the LR under the trial at the user's LR
-    (``OneCycleLR``, ``CyclicLR``: `lightning_speedkit.lr.rises`), where the walk stops: trials at fit start would
-    measure the schedule's first, lowest LRs, and a scale of them would multiply the whole schedule, its peak too.
+    (``OneCycleLR``, ``CyclicLR``: `lightning_speedkit.lr.rises`), where the walk stops (a range test, which sets
+    every step's LR itself, skips such a cycle: `lightning_speedkit.lr.cyclic`): trials at fit start would measure
+    the schedule's first, lowest LRs, and a scale of them would multiply the whole schedule, its peak too.
 
     Args:
         method: ``"trials"`` or ``"range"`` (`METHODS`).
@@ -159,13 +161,8 @@ class LRFinder(trials.Lever):
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped("x1", resumed, scale=1.0)
-        start = warmup_start(trainer.optimizers)
-        if start is not None:
-            reason = (
-                f"skipped: your LR scheduler starts the LR at {start[0]:.3g}, below the {start[1]:.3g} it was given (a"
-                " warmup): a search now would try the warmup's LR, and its scale would multiply your whole schedule;"
-                " the run is left as it is"
-            )
+        reason = _schedule_rules_out(trainer, self.method)
+        if reason:
             rank_zero_warn(f"LRFinder: {reason}.")
             return trials.Decision.skipped("x1", reason, scale=1.0, steps=0)
         left = trials.steps_left(trainer)
@@ -225,20 +222,20 @@ class LRFinder(trials.Lever):
         budget = self.max_fraction * left
         curves, probe_s, rise = self._walk(trainer, k, _fits(budget, k))
         used = _steps(curves)
+        room = min(budget - used, _PLATEAU_SHARE * left)
+        retry = not rise and plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room
+        if retry:
+            curves, seconds, rise = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, 4 times as long
+            used, probe_s = used + _steps(curves), probe_s + seconds
         if rise:
             chosen, why = 1.0, _rise_reason(rise)
             rank_zero_warn(f"LRFinder: {why}.")
         else:
             chosen, why = choose_scale(curves)
-        room = min(budget - used, _PLATEAU_SHARE * left)
-        if not rise and plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room:
-            curves, seconds, _ = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, 4 times as long
-            used, probe_s = used + _steps(curves), probe_s + seconds
-            chosen, why = choose_scale(curves)
-            why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})"
-        unwalked = None if rise else next_scale(curves, self.min_scale, self.max_scale)
-        if unwalked is not None:  # the walk stopped at its share of the run, not where the losses stopped it
-            why += f" (x{unwalked:.4g} not tried: the search's share of the run was spent)"
+            why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})" if retry else ""
+            unwalked = next_scale(curves, self.min_scale, self.max_scale)
+            if unwalked is not None:  # the walk stopped at its share of the run, not where the losses stopped it
+                why += f" (x{unwalked:.4g} not tried: the search's share of the run was spent)"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
         tried = sorted(curves)
         return {
@@ -309,6 +306,29 @@ class LRFinder(trials.Lever):
 
 class _Rose(Exception):
     """The user's schedule rose under the trial at their LR: the walk stops (`LRFinder._walk`)."""
+
+
+def _schedule_rules_out(trainer: pl.Trainer, method: str) -> str:
+    """Why the user's own LR schedule rules a search at fit start out ("" when it does not).
+
+    A warmup's first LR (`lightning_speedkit.lr.warmup_start`) is not the user's, and a scale chosen there multiplies
+    the whole schedule; so does a range test's under a cycle (`lightning_speedkit.lr.cyclic`), whose rise the trials
+    see under their steps (`lightning_speedkit.lr.rises`) and a range test, setting every step's LR, does not.
+    """
+    start = warmup_start(trainer.optimizers)
+    if start is not None:
+        return (
+            f"skipped: your LR scheduler starts the LR at {start[0]:.3g}, below the {start[1]:.3g} it was given (a"
+            " warmup): a search now would try the warmup's LR, and its scale would multiply your whole schedule; the"
+            " run is left as it is"
+        )
+    cycle = cyclic(config.scheduler for config in trainer.lr_scheduler_configs) if method == "range" else None
+    if cycle:
+        return (
+            f"skipped: your LR scheduler {cycle} raises the LR after fit start, which a range test (it sets every"
+            " step's LR) cannot see, and its scale would multiply your whole cycle; the run is left as it is"
+        )
+    return ""
 
 
 def _rise_reason(lrs: list[float]) -> str:

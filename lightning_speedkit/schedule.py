@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 DECAYS = ("wsd", "constant", "cosine", "linear")
-"""The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept; the first is the
-default."""
+"""The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept (the callback takes
+`AUTO` too, resolved to one of these); the first is the default."""
 
 AUTO = "auto"
 """``decay="auto"`` (`lightning_speedkit.preset`'s): ``"wsd"``, or ``"constant"`` under an LR scheduler of the user's

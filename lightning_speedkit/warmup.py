@@ -142,7 +142,7 @@ class WarmupScheduler(LeanCallback):
         return cached_state_key(
             self,
             warmup=self.warmup,
-            decay=self.decay,
+            decay="wsd" if self.decay == AUTO else self.decay,  # preset's checkpoints from before "auto" resume
             total_steps=self.total_steps,
             min_lr_ratio=self.min_lr_ratio,
             start_factor=self.start_factor,

@@ -279,7 +279,7 @@ class _Scheduled(TinyClassifier):
     """Adam with the user's own schedule, stepped every step.
 
     ``"warmup"`` (`LinearLR` from a tenth over 40 steps), ``"onecycle"`` (`OneCycleLR` peaking at ``lr``: its LR
-    starts at ``lr / 25`` and rises) or ``"cosine"``.
+    starts at ``lr / 25`` and rises), ``"cosine"`` or ``"none"`` (the optimizer alone).
     """
 
     def __init__(self, schedule: str, **kwargs: Any) -> None:
@@ -289,6 +289,8 @@ class _Scheduled(TinyClassifier):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         total = int(self.trainer.estimated_stepping_batches)
+        if self.schedule == "none":
+            return optimizer
         if self.schedule == "warmup":
             schedule: Any = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=40)
         elif self.schedule == "onecycle":
@@ -334,6 +336,31 @@ def test_a_schedule_that_rises_under_the_trial_at_your_lr_keeps_it(tmp_path: Pat
     assert "a warmup or a cycle" in report["reason"]
     assert report["trials"]["scales"] == [0.0, 1.0]  # the reference and the user's LR, no higher one
     assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(1e-4)
+
+
+def test_a_range_test_skips_a_cycle_it_cannot_see(tmp_path: Path) -> None:
+    """A range test sets every step's LR, so it cannot see `OneCycleLR` rise: it skips the search, with a warning."""
+    finder = LRFinder(**RANGE)
+    with pytest.warns(UserWarning, match="OneCycleLR raises the LR after fit start"):
+        trainer = _fit(tmp_path, _scheduled("onecycle"), finder, max_epochs=3)
+    assert (finder.report()["source"], finder.report()["scale"]) == ("skipped", 1.0)
+    assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(1e-4)
+
+
+def test_a_decision_remembered_without_a_schedule_is_not_applied_under_one(tmp_path: Path) -> None:
+    """The LR scale found for a job with no scheduler is remembered, and not applied under a cosine schedule.
+
+    The same model under a schedule is another job (the fingerprint holds the schedulers' classes): it searches afresh.
+    """
+    first = LRFinder(**FINDER)
+    _fit(tmp_path / "a", _scheduled("none"), first)
+    assert first.report()["source"] == "measured"
+    again = LRFinder(**FINDER)
+    _fit(tmp_path / "b", _scheduled("none"), again)
+    assert again.report()["source"] == "remembered"
+    scheduled = LRFinder(**FINDER)
+    _fit(tmp_path / "c", _scheduled("cosine"), scheduled)
+    assert scheduled.report()["source"] == "measured"
 
 
 def test_a_decaying_schedule_is_searched_and_scaled_whole(tmp_path: Path) -> None:

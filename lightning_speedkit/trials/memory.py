@@ -7,6 +7,7 @@ device and configuration; this does the same for speedkit's decisions. A decisio
 - the model's structure (module types, parameter names, shapes and dtypes);
 - the batch (the shapes and dtypes of one training sample, and the batch size);
 - the loader's settings, the number of devices and nodes, the precision (as built) and gradient accumulation;
+- the optimizers' and LR schedulers' classes (a schedule of the user's own changes what an LR decision means);
 - the device: the CPU model and its ISA as torch dispatches it (a forced ISA included), the GPU name and compute
   capability;
 - the torch, Lightning and speedkit versions;
@@ -175,6 +176,8 @@ def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
         "devices": {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes},
         "precision": _BUILT_PRECISION.setdefault(trainer, str(trainer.precision)),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
+        "schedulers": [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs],
         "device": _device(trainer),
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "speedkit": __version__},
     }
