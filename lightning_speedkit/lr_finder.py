@@ -45,8 +45,9 @@ class LRFinder(trials.Lever):
     ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
     same batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten
     times it; up by decades while each ends clearly lower on the same batches and the user's LR does under a third of
-    its progress; down (x0.1, x0.01) when ten times breaks or ends higher and the user's LR does not clearly lower
-    the loss. A trial that breaks (a loss half again
+    its progress; down a decade when the user's LR breaks, or ten times it breaks and the user's LR does not clearly
+    lower the loss (lower only past LRs that broke: a loss that ends higher without breaking is no evidence). A trial
+    that breaks (a loss half again
     over the reference's highest, `lightning_speedkit.lr_search.broke`) stops at that step: it has broken however it
     ends. The user's LR is kept unless another does at least three times its progress
     (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
