@@ -194,9 +194,7 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
         if _better(curves, top, below):
             progress = progress_of(curves)
             return None if math.isfinite(progress[1.0]) and progress[1.0] >= KEEP * progress[top] else _up(top, high)
-        if top == _up(1.0, high) and broke(curves, top) and not moved(curves):
-            return _down(1.0, low)
-        return None
+        return _down(1.0, low) if top == _up(1.0, high) and _goes_down(curves) else None
     return _down(bottom, low) if all(broke(curves, s) for s in scales if s <= 1.0) else None
 
 
@@ -253,15 +251,16 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
     Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least three
-    times the user's progress (`KEEP`; below a user's LR that broke, any that did not break will do). Down, only the
-    first LR below the user's that did not break (`_step_down`), never a lower one that ends lower than it: over a few
-    steps a lower LR can look better on noise or through a higher one's first transient, and it is the one that learns
-    ten times slower for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise
-    and missed its target; the demo's ResNet at 10x too high took x0.01 for ending 0.008 lower than its right LR, whose
-    6 steps rose first, and missed too). Up, one decade below the edge: the highest LR that still ended clearly lower
-    than the one below it. Over a few steps a higher LR nearly always looks better (early progress grows with the LR,
-    for SGD in proportion), so the edge is where the short trials stop telling, and a run at the edge is the run that
-    can miss its target; a decade below it is what a range test's rule of thumb picks too (a tenth of the divergence).
+    times the user's progress (`KEEP`; below a user's LR that broke, any that did not break will do). Down (only on a
+    blow-up, `_goes_down`), only the first LR below the user's that did not break (`_step_down`), never a lower one that
+    ends lower than it: over a few steps a lower LR can look better on noise or through a higher one's first transient,
+    and it is the one that learns ten times slower for the whole run (the conv net at 10x too high, on a plateau over 7
+    steps, took x0.01 on noise and missed its target; the demo's ResNet at 10x too high took x0.01 for ending 0.008
+    below the reference, where its right LR, whose 6 steps rose first, ended 0.044 above it, and missed too). Up, one
+    decade below the edge: the highest LR that still ended clearly lower than the one below it. Over a few steps a
+    higher LR nearly always looks better (early progress grows with the LR, for SGD in proportion), so the edge is where
+    the short trials stop telling, and a run at the edge is the run that can miss its target; a decade below it is what
+    a range test's rule of thumb picks too (a tenth of the divergence).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -279,7 +278,7 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     progress = progress_of(curves)
     mine = progress[1.0]
     steps = max(len(losses) for losses in curves.values())  # a trial's length (one that broke may have stopped)
-    mine_text = f"{mine:.2g}" if math.isfinite(mine) else "nothing (it broke)"
+    mine_text = "nothing (it broke)" if broke(curves, 1.0) else f"{mine:.2g}"
     down = _step_down(curves)
     if down is not None:
         return _choose_down(curves, down, progress, f"in {steps} steps, your LR by {mine_text}")
@@ -305,19 +304,31 @@ def _choose_down(curves: Curves, chosen: float, progress: Mapping[float, float],
     mine = progress[1.0]
     if not broke(curves, 1.0) and progress[chosen] > 0 and mine >= KEEP * progress[chosen]:
         share = mine / progress[chosen]
-        return 1.0, f"your LR does {share:.0%} of the progress of x{chosen:.4g}, the best below it: kept"
+        return 1.0, f"your LR does {share:.0%} of the progress of x{chosen:.4g}, the first LR below it: kept"
     if not moved(curves, chosen):
         why = "did not blow the loss up" if broke(curves, 1.0) else "ended clearly lower than yours"
         return chosen, f"x{chosen:.4g} is the highest LR below yours that {why}"
     return chosen, f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} {tail}"
 
 
+def _goes_down(curves: Curves) -> bool:
+    """Whether the search goes below the user's LR: it blew the loss up, or ten times it did and it did not move it.
+
+    A loss that ends higher without blowing up is no reason (`next_scale`).
+    """
+    tenfold = grid_scale(1)
+    return broke(curves, 1.0) or (tenfold in curves and broke(curves, tenfold) and not moved(curves))
+
+
 def _step_down(curves: Curves) -> float | None:
     """The LR below the user's that the walk down reached, or None: the first that did not break (`broke`).
 
-    Every LR from the user's down to it broke, or it is the next below the user's LR and ended clearly lower than
-    it (`_better`); a lower LR that broke under one that did not ends the walk with none (the trials disagree).
+    Only when the search goes down at all (`_goes_down`). Every LR from the user's down to it broke, or it is the next
+    below the user's LR and ended clearly lower than it (`_better`); a lower LR that broke under one that did not ends
+    the walk with none (the trials disagree).
     """
+    if not _goes_down(curves):
+        return None
     above = 1.0
     for scale in sorted((s for s in curves if REFERENCE < s < 1.0), reverse=True):
         if not broke(curves, scale):

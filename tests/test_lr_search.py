@@ -6,7 +6,7 @@ import math
 import random
 
 from lightning_speedkit.lr import MIN_SIGNAL, curve_signal
-from lightning_speedkit.lr_search import REFERENCE, broke, choose_scale, moved, next_scale, paired_gain, plateau
+from lightning_speedkit.lr_search import CLEAR, REFERENCE, broke, choose_scale, moved, next_scale, paired_gain, plateau
 
 
 def _plateau_curves(drift_per_lr: float, scales: tuple[float, ...], steps: int = 16) -> dict[float, list[float]]:
@@ -81,7 +81,7 @@ def test_going_down_passes_only_lrs_that_broke() -> None:
     assert next_scale(curves, 0.01, 100) == 0.01
     curves[0.01] = [2.0 - 0.01 * t for t in range(8)]
     assert next_scale(curves, 0.01, 100) is None
-    assert choose_scale(curves) == (0.01, "x0.01 lowers the loss by 0.15 in 8 steps, your LR by -6.9")
+    assert choose_scale(curves) == (0.01, "x0.01 lowers the loss by 0.15 in 8 steps, your LR by nothing (it broke)")
 
 
 def test_going_down_stops_where_the_evidence_does() -> None:
@@ -120,10 +120,14 @@ def test_a_higher_loss_without_a_blow_up_does_not_walk_down() -> None:
     it: the run then missed the target the plain loop reaches.
     """
     curves = {REFERENCE: _DEMO_REFERENCE, 1.0: _DEMO_RIGHT, 10.0: _DEMO_TENFOLD}
+    gain, error = paired_gain(curves[1.0], curves[10.0])
+    assert gain < -CLEAR * error  # ten times ends clearly higher than yours...
+    assert not broke(curves, 10.0)  # ...without blowing up
     assert not moved(curves)
-    assert not broke(curves, 10.0)
     assert next_scale(curves, 0.01, 100) is None
     assert choose_scale(curves) == (1.0, "no LR clearly better than yours (tried x1, x10)")
+    curves[0.1] = _DEMO_TENTH  # even where such a trial was run, the choice does not go down
+    assert choose_scale(curves) == (1.0, "no LR clearly better than yours (tried x0.1, x1, x10)")
 
 
 def test_going_down_takes_the_first_lr_below_a_blow_up() -> None:
@@ -146,29 +150,33 @@ def _noisy(reference: list[float], drift: float, phase: int) -> list[float]:
     return [r - drift * t + 0.001 * ((t * phase) % 3 - 1) for t, r in enumerate(reference)]
 
 
-def test_going_down_the_choice_and_its_checks_come_from_the_descent() -> None:
-    """The LR below yours that the descent reaches is the one checked and chosen, not a lower one ahead on noise.
+def test_going_down_the_choice_and_its_checks_are_the_first_lr_below() -> None:
+    """The first LR below yours that did not break is the one checked and chosen; the walk tries none lower.
 
-    Your LR neither moves the loss nor breaks, ten times breaks: x0.1 ends clearly lower than yours, x0.01 a little
-    lower than x0.1 but not clearly. x0.1 is chosen (the check against yours is x0.1's, not x0.01's); and an LR below
-    yours must do three times your progress to be chosen, as one above must.
+    Your LR neither moves the loss nor breaks, ten times breaks: x0.1 ends clearly lower than yours and is chosen
+    (a lower LR would not be tried, and would not be chosen if it were); and an LR below yours must do three times
+    your progress to be chosen, as one above must.
     """
     reference = [2.0 + 0.01 * (-1) ** t for t in range(8)]
     curves = {REFERENCE: reference, 1.0: _noisy(reference, 0.0, 7), 10.0: [2.01, 9.0]}
     curves[0.1] = _noisy(reference, 0.003, 5)
     assert next_scale(curves, 0.01, 100) is None
-    curves[0.01] = _noisy(reference, 0.0031, 7)
+    curves[0.01] = _noisy(reference, 0.05, 7)  # far lower: still not chosen
     assert choose_scale(curves) == (0.1, "x0.1 lowers the loss by 0.021 in 8 steps, your LR by 0.0001")
-    curves = {REFERENCE: reference, 1.0: _noisy(reference, 0.001, 7), 10.0: [2.01, 9.0]}
-    curves[0.1] = _noisy(reference, 0.002, 5)  # twice your progress: not three times
-    assert choose_scale(curves) == (1.0, "your LR does 51% of the progress of x0.1, the best below it: kept")
+    # Your LR drifts down too, within its noise (it did not clearly move the loss, so the search went down), and
+    # x0.1 does 2.6 times its progress: not three times.
+    mine = [r - 0.001 * t + 0.01 * ((t * 7) % 3 - 1) for t, r in enumerate(reference)]
+    curves = {REFERENCE: reference, 1.0: mine, 10.0: [2.01, 9.0], 0.1: _noisy(reference, 0.003, 5)}
+    assert not moved(curves)
+    assert choose_scale(curves) == (1.0, "your LR does 38% of the progress of x0.1, the first LR below it: kept")
 
 
 def test_a_trial_that_broke_is_not_a_step_down() -> None:
-    """A lower LR that blew the loss up (and came back lower) ends the descent: neither it nor any below is chosen.
+    """A lower LR that blew the loss up (and came back lower) under one of yours that did not: no LR is chosen.
 
     Your LR neither moves the loss nor breaks, ten times breaks; x0.1 spikes past the reference, then ends far
-    lower than yours (clearly lower, so only its breaking keeps it out).
+    lower than yours (clearly lower, so only its breaking keeps it out). The walk stops there (the trials disagree),
+    and an x0.01 below it is not chosen either.
     """
     reference = [2.0] * 8
     curves = {
@@ -180,6 +188,7 @@ def test_a_trial_that_broke_is_not_a_step_down() -> None:
     }
     assert broke(curves, 0.1)
     assert not broke(curves, 1.0)
+    assert next_scale({s: c for s, c in curves.items() if s != 0.01}, 0.01, 100) is None
     assert choose_scale(curves)[0] == 1.0
 
 
