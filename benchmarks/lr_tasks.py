@@ -444,7 +444,7 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
     return speedkit.preset(lr="auto", average=average, verbose=False, **QUIET, **options), "auto"
 
 
-def _decisions(trainer: L.Trainer) -> dict[str, Any]:
+def decisions_of(trainer: L.Trainer) -> dict[str, Any]:
     """What preset's levers decided: ``trainer.speedkit.decisions()``, the LR finder's and the warmup's reports."""
     reports, _ = collect_reports(trainer.callbacks)  # type: ignore[attr-defined]
     finder = reports.get("LRFinder")
@@ -467,12 +467,21 @@ def _chosen_lr(lr: float, finder: Mapping[str, Any] | None) -> float:
 
 
 def fit_one(
-    task: Task, variant: str, factor: float, seed: int, root: Path, device: str, show: bool = True, nudge: int = 1
+    task: Task,
+    variant: str,
+    factor: float,
+    seed: int,
+    root: Path,
+    device: str,
+    show: bool = True,
+    nudge: int = 1,
+    callbacks: Sequence[L.Callback] = (),
 ) -> dict[str, Any]:
     """Train ``task`` for its whole budget as ``variant`` at ``factor`` x its right LR; the run's record.
 
     The clock starts just before ``trainer.fit``, so set-up and every probe preset runs at fit start are counted.
-    ``show`` prints a line when the fit ends; ``nudge``: the ulps ``naive_nudged`` moves the weights up by.
+    ``show`` prints a line when the fit ends; ``nudge``: the ulps ``naive_nudged`` moves the weights up by;
+    ``callbacks`` are added to the fit's (`lr_decisions` stops it with one).
     """
     data = task.make_data(task, seed, root)
     L.seed_everything(seed, verbose=False)  # the same initial weights and batch order for every variant
@@ -484,7 +493,7 @@ def fit_one(
         _lr_free.swap_optimizer(model, variant)
     timeline = Timeline(verbose=False)
     options = {"max_epochs": task.max_epochs, "num_sanity_val_steps": 0, "default_root_dir": str(root / "fits")}
-    trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline]})
+    trainer, lr_argument = _trainer(variant, device, {**options, "callbacks": [timeline, *callbacks]})
     seconds, points = timed_points(trainer, model, data, timeline)
     record: dict[str, Any] = {"task": task.name, "variant": variant, "factor": factor, "lr": lr, "seed": seed}
     record |= {"nudge_ulps": nudge} if variant == "naive_nudged" else {}
@@ -492,7 +501,7 @@ def fit_one(
     record |= {"peak_val_acc": peak_acc(points), "final_val_acc": points[-1]["val_acc"] if points else None}
     record |= {"fit_s": seconds, "steps": trainer.global_step}
     if lr_argument is not None:
-        decisions = _decisions(trainer)
+        decisions = decisions_of(trainer)
         finder = decisions["lr_finder"]
         record |= {"lr_argument": lr_argument, "decisions": decisions}
         record["chosen_lr"] = _chosen_lr(lr, finder)

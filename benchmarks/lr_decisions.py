@@ -1,0 +1,176 @@
+"""The LR search's decision in every cell of `lr_tasks`, and nothing after it: a change to the search checked fast.
+
+`lr_tasks.py` fits every cell for its whole budget (half an hour on 2 CPU cores). A change to the LR trials
+(`lightning_speedkit.lr_search`, `lightning_speedkit.LRFinder`) first changes what they decide, and that can be read
+without the fits: here each task, user LR and seed starts ``preset(lr="auto")`` exactly as `lr_tasks.fit_one` does
+(the same data, seed, initial weights and user schedule, every decision afresh) and stops the fit at its first
+training step, when every fit-start decision is made (`StopAfterDecisions`). Each cell's record is the LR finder's
+report: its scale, chosen LR, steps, seconds and reason. ``--compare A B`` lists the cells whose scale differs
+between two such files (a change that decides every cell alike needs no new time-to-target run to stay as safe).
+
+    python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: about 3 minutes, 2 cores
+    python benchmarks/lr_decisions.py --threads 1 --tasks mlp --schedule cosine --out /tmp/after.json
+    python benchmarks/lr_decisions.py --compare /tmp/before.json /tmp/after.json
+
+The seconds here are not a benchmark's (no warm-up fit, first-call costs included): read them as the trials' order
+of magnitude only; `lr_tasks.py` times them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
+
+from lightning_speedkit.demo.run import parse_seeds
+from lightning_speedkit.hardware import cpu_info
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+import lr_tasks
+from _harness import Column, print_and_write, table, torch_threads
+
+
+class Decided(Exception):
+    """Raised by `StopAfterDecisions` at a fit's first training step: every fit-start decision is made."""
+
+
+class StopAfterDecisions(L.Callback):
+    """Ends the fit at its first training step (`Decided`), keeping the trainer to read the decisions from."""
+
+    def __init__(self) -> None:
+        self.trainer: L.Trainer | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.trainer = trainer
+        raise Decided
+
+
+def decide_one(task: lr_tasks.Task, factor: float, seed: int, root: Path, device: str) -> dict[str, Any]:
+    """``preset(lr="auto")``'s LR decision on ``task`` at ``factor`` x its right LR for ``seed``; the cell's record.
+
+    Raises:
+        RuntimeError: If the fit ended before its first training step (nothing was decided).
+    """
+    stop = StopAfterDecisions()
+    with contextlib.suppress(Decided):
+        lr_tasks.fit_one(task, "preset_auto", factor, seed, root, device, show=False, callbacks=[stop])
+    if stop.trainer is None:
+        raise RuntimeError(f"{task.name} x{factor:g} seed {seed}: the fit ended before its first training step")
+    finder = lr_tasks.decisions_of(stop.trainer)["lr_finder"] or {}
+    record = {"task": task.name, "factor": factor, "seed": seed, "lr": task.right_lr * factor}
+    return record | {"stopped_at_step": stop.trainer.global_step} | finder
+
+
+def run(
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    out: str | Path,
+    schedule: str = "constant",
+    threads: int | None = None,
+    factors: Sequence[float] = tuple(lr_tasks.FACTORS),
+) -> dict[str, Any]:
+    """Every cell's decision at the tasks' full budgets (the search's length depends on them); printed, written."""
+    chosen, settings = lr_tasks._settings(False, tasks, seeds, schedule=schedule)
+    config = {"tasks": settings["tasks"], "factors": list(factors), "seeds": list(seeds), "schedule": schedule}
+    started, decisions = time.perf_counter(), []
+    with torch_threads(threads), tempfile.TemporaryDirectory(prefix="speedkit-lr-decisions-") as tmp:
+        config |= {"device": settings["device"], "torch_threads": settings["torch_threads"]}
+        for task in chosen.values():
+            for factor in factors:
+                for seed in seeds:
+                    decisions.append(decide_one(task, factor, seed, Path(tmp), settings["device"]))
+    result = {"config": config, "machine": cpu_info().machine(), "wall_s": time.perf_counter() - started}
+    result["decisions"] = decisions
+    print_and_write(format_decisions(decisions), result, out)
+    return result
+
+
+_COLUMNS = (
+    Column("task", 12, "task", align="<"),
+    Column("user LR", 10, lambda r: lr_tasks.FACTORS.get(r["factor"], f"x{r['factor']:g}"), align="<"),
+    Column("seed", 5, "seed"),
+    Column("scale", 8, lambda r: f"x{r['scale']:g}" if r.get("scale") is not None else None),
+    Column("steps", 7, "steps"),
+    Column("s", 7, "probe_s", ".3f"),
+    Column("  reason", 100, lambda r: f"  {r.get('reason') or ''}"[:100], align="<"),
+)
+
+
+def format_decisions(decisions: Sequence[Mapping[str, Any]]) -> str:
+    """One line per cell: task, user LR, seed, the scale chosen, the search's steps and seconds, the reason."""
+    return table(_COLUMNS, decisions, rule=True)
+
+
+def _key(record: Mapping[str, Any]) -> tuple[str, float, int]:
+    return record["task"], float(record["factor"]), int(record["seed"])
+
+
+def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The cells of both results and those whose scale differs (each with both records); cells in one only, apart.
+
+    Example:
+        >>> a = {"decisions": [{"task": "mlp", "factor": 0.1, "seed": 0, "scale": 10.0}]}
+        >>> b = {"decisions": [{"task": "mlp", "factor": 0.1, "seed": 0, "scale": 1.0}]}
+        >>> summary = compare(a, b)
+        >>> summary["cells"], summary["same_scale"], summary["differ"][0]["after"]["scale"]
+        (1, 0, 1.0)
+    """
+    old = {_key(r): r for r in before["decisions"]}
+    new = {_key(r): r for r in after["decisions"]}
+    both = [key for key in old if key in new]
+    differ = [{"before": old[key], "after": new[key]} for key in both if old[key].get("scale") != new[key].get("scale")]
+    only = [list(key) for key in (old.keys() ^ new.keys())]
+    return {"cells": len(both), "same_scale": len(both) - len(differ), "differ": differ, "in_one_only": sorted(only)}
+
+
+def _compare_files(before: str, after: str) -> dict[str, Any]:
+    """`compare` of two files, printed: the count, then both records of each cell that differs."""
+    summary = compare(json.loads(Path(before).read_text()), json.loads(Path(after).read_text()))
+    print(f"the same scale in {summary['same_scale']} of {summary['cells']} cells")
+    for pair in summary["differ"]:
+        print(format_decisions([pair["before"], pair["after"]]))
+    if summary["in_one_only"]:
+        print(f"in one file only: {summary['in_one_only']}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(lr_tasks.TASKS), help=f"of {', '.join(lr_tasks.TASKS)}")
+    parser.add_argument("--seeds", default=",".join(map(str, lr_tasks.SEEDS)), help="e.g. 0,1,2 or 0-4")
+    parser.add_argument("--factors", default=",".join(map(str, lr_tasks.FACTORS)), help="user LRs, x the right one")
+    parser.add_argument("--schedule", choices=lr_tasks.SCHEDULES, default="constant", help="the user's own schedule")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
+    parser.add_argument("--out", default=None, help="the JSON (default: a new temp dir)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two results: the cells that differ")
+    args = parser.parse_args(argv)
+    if args.compare:
+        return _compare_files(*args.compare)
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not tasks or any(name not in lr_tasks.TASKS for name in tasks):
+        parser.error(f"--tasks must name some of {', '.join(lr_tasks.TASKS)}, got {args.tasks!r}")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    out = args.out or Path(tempfile.mkdtemp(prefix="speedkit-lr-decisions-")) / "lr_decisions.json"
+    factors = [float(f) for f in args.factors.split(",") if f.strip()]
+    if not factors or any(f <= 0 for f in factors):
+        parser.error(f"--factors must be positive multiples of the right LR, got {args.factors!r}")
+    return run(tasks, parse_seeds(args.seeds), out, args.schedule, args.threads, factors)
+
+
+if __name__ == "__main__":
+    main()
