@@ -5,10 +5,11 @@
 without the fits: here each task, user LR and seed starts ``preset(lr="auto")`` exactly as `lr_tasks.fit_one` does
 (the same data, seed, initial weights and user schedule, every decision afresh) and stops the fit at its first
 training step, when every fit-start decision is made (`StopAfterDecisions`). Each cell's record is the LR finder's
-report: its scale, chosen LR, steps, seconds and reason. ``--compare A B`` lists the cells whose scale differs
-between two such files (a change that decides every cell alike needs no new time-to-target run to stay as safe).
+report: its scale, chosen LR, steps, seconds, reason and every trial's losses. ``--compare A B`` lists the cells
+whose scale differs between two such files (a change that decides every cell alike needs no new time-to-target run
+to stay as safe).
 
-    python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: about 3 minutes, 2 cores
+    python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: under a minute on 2 cores
     python benchmarks/lr_decisions.py --threads 1 --tasks mlp --schedule cosine --out /tmp/after.json
     python benchmarks/lr_decisions.py --compare /tmp/before.json /tmp/after.json
 
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 from lightning_speedkit.demo.run import parse_seeds
 from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.report import collect_reports
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -72,8 +74,10 @@ def decide_one(task: lr_tasks.Task, factor: float, seed: int, root: Path, device
     if stop.trainer is None:
         raise RuntimeError(f"{task.name} x{factor:g} seed {seed}: the fit ended before its first training step")
     finder = lr_tasks.decisions_of(stop.trainer)["lr_finder"] or {}
+    reports, _ = collect_reports(stop.trainer.callbacks)  # type: ignore[attr-defined]
     record = {"task": task.name, "factor": factor, "seed": seed, "lr": task.right_lr * factor}
-    return record | {"stopped_at_step": stop.trainer.global_step} | finder
+    record |= {"stopped_at_step": stop.trainer.global_step} | finder
+    return record | {"trials": reports.get("LRFinder", {}).get("trials")}
 
 
 def run(

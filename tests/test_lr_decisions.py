@@ -39,6 +39,8 @@ def test_each_cell_records_the_lr_finder_decision_and_stops_before_the_first_ste
         assert cell["scale"] in (0.01, 0.1, 1.0, 10.0, 100.0)
         assert cell["chosen_lr"] == pytest.approx(cell["lr"] * cell["scale"])
         assert cell["reason"]
+        assert 0.0 in cell["trials"]["scales"]  # the reference trial, with its losses
+        assert len(cell["trials"]["losses"]) == len(cell["trials"]["scales"])
 
 
 def test_compare_counts_the_same_scales_and_lists_the_cells_that_differ(
