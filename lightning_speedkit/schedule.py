@@ -34,6 +34,7 @@ __all__ = [
     "factor_at",
     "fall",
     "resolve_decay",
+    "scheduler_names",
     "still_falling",
     "time_fraction",
     "warmup_factor",
@@ -100,6 +101,11 @@ def check_schedule(
     if not is_number(start_factor, 0, 1):
         raise ValueError(f"`start_factor` must be in [0, 1], got {start_factor!r}.")
     check_cooldown(cooldown)
+
+
+def scheduler_names(trainer: pl.Trainer) -> list[str]:
+    """The class names of the trainer's LR schedulers, in order (what `resolve_decay` and a decision's key read)."""
+    return [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
 
 
 def resolve_decay(decay: str, schedulers: Sequence[str]) -> tuple[str, str]:

@@ -25,6 +25,7 @@ from lightning_speedkit.schedule import (
     cooldown_start,
     factor_at,
     resolve_decay,
+    scheduler_names,
     time_fraction,
     warmup_factor,
 )
@@ -173,8 +174,7 @@ class WarmupScheduler(LeanCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
-        self._decay, warning = resolve_decay(self.decay, names)  # a resume resolves it as its first fit did
+        self._decay, warning = resolve_decay(self.decay, scheduler_names(trainer))  # as its first fit did, on a resume
         if warning:
             rank_zero_warn(f"WarmupScheduler: {warning}.")
 

@@ -8,8 +8,7 @@ device and configuration; this does the same for speedkit's decisions. A decisio
 - the batch (the shapes and dtypes of one training sample, and the batch size);
 - the loader's settings, the number of devices and nodes, the precision (as built) and gradient accumulation;
 - the optimizers' and LR schedulers' classes (a schedule of the user's own changes what an LR decision means);
-- the device: the CPU model and its ISA as torch dispatches it (a forced ISA included), the GPU name and compute
-  capability;
+- the device: the CPU model and its ISA as torch dispatches it (a forced ISA too), the GPU name and capability;
 - the torch, Lightning and speedkit versions;
 - the lever and its arguments.
 
@@ -43,6 +42,7 @@ from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.decisions import outside_band
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.report import cache_dir, write_json_atomic
+from lightning_speedkit.schedule import scheduler_names
 from lightning_speedkit.timing import StepClock
 from lightning_speedkit.trials.counted import queued_steps
 from lightning_speedkit.trials.lever import Decision
@@ -177,7 +177,7 @@ def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
         "precision": _BUILT_PRECISION.setdefault(trainer, str(trainer.precision)),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
-        "schedulers": [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs],
+        "schedulers": scheduler_names(trainer),
         "device": _device(trainer),
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "speedkit": __version__},
     }
