@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -65,6 +66,9 @@ class StopAfterDecisions(L.Callback):
 def decide_one(task: lr_tasks.Task, factor: float, seed: int, root: Path, device: str) -> dict[str, Any]:
     """``preset(lr="auto")``'s LR decision on ``task`` at ``factor`` x its right LR for ``seed``; the cell's record.
 
+    The record: the cell (``task``, ``factor``, ``seed``, ``lr``), ``stopped_at_step`` and the LR finder's report
+    (`lightning_speedkit.LRFinder.report`: ``scale``, ``chosen_lr``, ``steps``, ``probe_s``, ``reason``, ``trials``...).
+
     Raises:
         RuntimeError: If the fit ended before its first training step (nothing was decided).
     """
@@ -73,11 +77,9 @@ def decide_one(task: lr_tasks.Task, factor: float, seed: int, root: Path, device
         lr_tasks.fit_one(task, "preset_auto", factor, seed, root, device, show=False, callbacks=[stop])
     if stop.trainer is None:
         raise RuntimeError(f"{task.name} x{factor:g} seed {seed}: the fit ended before its first training step")
-    finder = lr_tasks.decisions_of(stop.trainer)["lr_finder"] or {}
     reports, _ = collect_reports(stop.trainer.callbacks)  # type: ignore[attr-defined]
     record = {"task": task.name, "factor": factor, "seed": seed, "lr": task.right_lr * factor}
-    record |= {"stopped_at_step": stop.trainer.global_step} | finder
-    return record | {"trials": reports.get("LRFinder", {}).get("trials")}
+    return record | {"stopped_at_step": stop.trainer.global_step} | reports.get("LRFinder", {})
 
 
 def run(
@@ -88,11 +90,20 @@ def run(
     threads: int | None = None,
     factors: Sequence[float] = tuple(lr_tasks.FACTORS),
 ) -> dict[str, Any]:
-    """Every cell's decision at the tasks' full budgets (the search's length depends on them); printed, written."""
-    chosen, settings = lr_tasks._settings(False, tasks, seeds, schedule=schedule)
-    config = {"tasks": settings["tasks"], "factors": list(factors), "seeds": list(seeds), "schedule": schedule}
+    """Every cell's decision (`decide_one`) at the tasks' full budgets; the result, printed and written to ``out``.
+
+    Args:
+        tasks: Names of `lr_tasks.TASKS`.
+        seeds: The seeds of every task and user LR.
+        out: The JSON written.
+        schedule: The user's own LR schedule in every fit (`lr_tasks.SCHEDULES`).
+        threads: Torch's intra-op threads during the run (None: as they are).
+        factors: The user's LRs, as multiples of each task's right LR.
+    """
     started, decisions = time.perf_counter(), []
     with torch_threads(threads), tempfile.TemporaryDirectory(prefix="speedkit-lr-decisions-") as tmp:
+        chosen, settings = lr_tasks.run_settings(False, tasks, seeds, schedule=schedule)  # full budgets, threads set
+        config = {"tasks": settings["tasks"], "factors": list(factors), "seeds": list(seeds), "schedule": schedule}
         config |= {"device": settings["device"], "torch_threads": settings["torch_threads"]}
         for task in chosen.values():
             for factor in factors:
@@ -115,42 +126,78 @@ _COLUMNS = (
 )
 
 
-def format_decisions(decisions: Sequence[Mapping[str, Any]]) -> str:
-    """One line per cell: task, user LR, seed, the scale chosen, the search's steps and seconds, the reason."""
-    return table(_COLUMNS, decisions, rule=True)
+def format_decisions(decisions: Sequence[Mapping[str, Any]], which: bool = False) -> str:
+    """One line per cell: task, user LR, seed, the scale chosen, the search's steps and seconds, the reason.
+
+    ``which``: a first column with each row's ``which`` (``before``/``after``, `compare`'s pairs).
+    """
+    columns = (Column("", 7, "which", align="<"), *_COLUMNS) if which else _COLUMNS
+    return table(columns, decisions, rule=True)
 
 
 def _key(record: Mapping[str, Any]) -> tuple[str, float, int]:
     return record["task"], float(record["factor"]), int(record["seed"])
 
 
+COMPARED = ("schedule", "tasks", "device")
+"""The config that must match for two results' cells to be the same cells (`compare` names any that differs)."""
+
+
 def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
-    """The cells of both results and those whose scale differs (each with both records); cells in one only, apart.
+    """The cells of both results, those whose scale differs (both records each), those in one only, and what differs.
+
+    ``config_differs`` names the `COMPARED` config entries and the machine's ISA where the two results differ: their
+    cells are then not the same jobs (another schedule, budget or device), and a difference may be that.
 
     Example:
         >>> a = {"decisions": [{"task": "mlp", "factor": 0.1, "seed": 0, "scale": 10.0}]}
         >>> b = {"decisions": [{"task": "mlp", "factor": 0.1, "seed": 0, "scale": 1.0}]}
         >>> summary = compare(a, b)
-        >>> summary["cells"], summary["same_scale"], summary["differ"][0]["after"]["scale"]
-        (1, 0, 1.0)
+        >>> summary["cells"], summary["same_scale"], summary["differ"][0]["after"]["scale"], summary["config_differs"]
+        (1, 0, 1.0, [])
     """
     old = {_key(r): r for r in before["decisions"]}
     new = {_key(r): r for r in after["decisions"]}
     both = [key for key in old if key in new]
     differ = [{"before": old[key], "after": new[key]} for key in both if old[key].get("scale") != new[key].get("scale")]
-    only = [list(key) for key in (old.keys() ^ new.keys())]
-    return {"cells": len(both), "same_scale": len(both) - len(differ), "differ": differ, "in_one_only": sorted(only)}
+    configs = before.get("config", {}), after.get("config", {})
+    differs = [name for name in COMPARED if configs[0].get(name) != configs[1].get(name)]
+    if before.get("machine", {}).get("isa") != after.get("machine", {}).get("isa"):
+        differs.append("machine isa")
+    return {
+        "cells": len(both),
+        "same_scale": len(both) - len(differ),
+        "differ": differ,
+        "before_only": sorted(list(key) for key in old.keys() - new.keys()),
+        "after_only": sorted(list(key) for key in new.keys() - old.keys()),
+        "config_differs": differs,
+    }
 
 
 def _compare_files(before: str, after: str) -> dict[str, Any]:
-    """`compare` of two files, printed: the count, then both records of each cell that differs."""
+    """`compare` of two files, printed: what differs in their configs, the count, and each differing cell twice."""
     summary = compare(json.loads(Path(before).read_text()), json.loads(Path(after).read_text()))
+    if summary["config_differs"]:
+        print(f"warning: the two results differ in {', '.join(summary['config_differs'])}: not the same jobs")
     print(f"the same scale in {summary['same_scale']} of {summary['cells']} cells")
-    for pair in summary["differ"]:
-        print(format_decisions([pair["before"], pair["after"]]))
-    if summary["in_one_only"]:
-        print(f"in one file only: {summary['in_one_only']}")
+    if summary["differ"]:
+        rows = [{**pair[which], "which": which} for pair in summary["differ"] for which in ("before", "after")]
+        print(format_decisions(rows, which=True))
+    for which in ("before_only", "after_only"):
+        if summary[which]:
+            print(f"in {which.removesuffix('_only')} only: {summary[which]}")
     return summary
+
+
+def _numbers(parser: argparse.ArgumentParser, option: str, text: str) -> list[float]:
+    """The positive finite numbers of a comma-separated option, or a parser error naming it and the value."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        parser.error(f"{option} must be positive multiples of the right LR, comma-separated, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -168,12 +215,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in lr_tasks.TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(lr_tasks.TASKS)}, got {args.tasks!r}")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        parser.error(f"--seeds: {exc}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    factors = _numbers(parser, "--factors", args.factors)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     out = args.out or Path(tempfile.mkdtemp(prefix="speedkit-lr-decisions-")) / "lr_decisions.json"
-    factors = [float(f) for f in args.factors.split(",") if f.strip()]
-    if not factors or any(f <= 0 for f in factors):
-        parser.error(f"--factors must be positive multiples of the right LR, got {args.factors!r}")
-    return run(tasks, parse_seeds(args.seeds), out, args.schedule, args.threads, factors)
+    return run(tasks, seeds, out, args.schedule, args.threads, factors)
 
 
 if __name__ == "__main__":

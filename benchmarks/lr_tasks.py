@@ -444,7 +444,7 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
     return speedkit.preset(lr="auto", average=average, verbose=False, **QUIET, **options), "auto"
 
 
-def decisions_of(trainer: L.Trainer) -> dict[str, Any]:
+def _decisions(trainer: L.Trainer) -> dict[str, Any]:
     """What preset's levers decided: ``trainer.speedkit.decisions()``, the LR finder's and the warmup's reports."""
     reports, _ = collect_reports(trainer.callbacks)  # type: ignore[attr-defined]
     finder = reports.get("LRFinder")
@@ -501,7 +501,7 @@ def fit_one(
     record |= {"peak_val_acc": peak_acc(points), "final_val_acc": points[-1]["val_acc"] if points else None}
     record |= {"fit_s": seconds, "steps": trainer.global_step}
     if lr_argument is not None:
-        decisions = decisions_of(trainer)
+        decisions = _decisions(trainer)
         finder = decisions["lr_finder"]
         record |= {"lr_argument": lr_argument, "decisions": decisions}
         record["chosen_lr"] = _chosen_lr(lr, finder)
@@ -776,7 +776,7 @@ def format_tables(tasks: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], s
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def _settings(
+def run_settings(
     quick: bool,
     names: Sequence[str],
     seeds: Sequence[int],
@@ -888,7 +888,7 @@ def _run(
     schedule: str = "constant",
 ) -> dict[str, Any]:
     """`run` at the threads set."""
-    chosen, settings = _settings(quick, tasks, seeds, lr_free, average, schedule)
+    chosen, settings = run_settings(quick, tasks, seeds, lr_free, average, schedule)
     settings["recheck"] = recheck
     factors, grid, seeds = [float(f) for f in settings["factors"]], settings["grid"], settings["seeds"]
     out = out_path(out, quick)

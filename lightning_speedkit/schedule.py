@@ -104,7 +104,16 @@ def check_schedule(
 
 
 def scheduler_names(trainer: pl.Trainer) -> list[str]:
-    """The class names of the trainer's LR schedulers, in order (what `resolve_decay` and a decision's key read)."""
+    """The class names of the trainer's LR schedulers, in order (what `resolve_decay` and a decision's key read).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> config = SimpleNamespace(scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=10))
+        >>> scheduler_names(SimpleNamespace(lr_scheduler_configs=[config]))
+        ['StepLR']
+    """
     return [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
 
 
