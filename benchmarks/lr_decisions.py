@@ -9,7 +9,7 @@ report: its scale, chosen LR, steps, seconds, reason and every trial's losses. `
 whose scale differs between two such files (a change that decides every cell alike needs no new time-to-target run
 to stay as safe).
 
-    python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: under a minute on 2 cores
+    python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: about a minute on 2 cores
     python benchmarks/lr_decisions.py --threads 1 --tasks mlp --schedule cosine --out /tmp/after.json
     python benchmarks/lr_decisions.py --compare /tmp/before.json /tmp/after.json
 
