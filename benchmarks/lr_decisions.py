@@ -12,6 +12,7 @@ to stay as safe).
     python benchmarks/lr_decisions.py --threads 1 --out /tmp/before.json   # every cell: about a minute on 2 cores
     python benchmarks/lr_decisions.py --threads 1 --tasks mlp --schedule cosine --out /tmp/after.json
     python benchmarks/lr_decisions.py --compare /tmp/before.json /tmp/after.json
+    python benchmarks/lr_decisions.py --quick                     # the MLP at two user LRs: a smoke run
 
 The seconds here are not a benchmark's (no warm-up fit, first-call costs included): read them as the trials' order
 of magnitude only; `lr_tasks.py` times them.
@@ -189,6 +190,10 @@ def _compare_files(before: str, after: str) -> dict[str, Any]:
     return summary
 
 
+QUICK = {"tasks": "mlp", "seeds": "0", "factors": "0.1,1"}
+"""``--quick``: the MLP at 10x too low and at its right LR, seed 0 (a few seconds)."""
+
+
 def _numbers(parser: argparse.ArgumentParser, option: str, text: str) -> list[float]:
     """The positive finite numbers of a comma-separated option, or a parser error naming it and the value."""
     try:
@@ -209,9 +214,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
     parser.add_argument("--out", default=None, help="the JSON (default: a new temp dir)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two results: the cells that differ")
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK} (speedkit bench --quick)")
     args = parser.parse_args(argv)
     if args.compare:
         return _compare_files(*args.compare)
+    if args.quick:
+        given = [f"--{name}" for name in QUICK if getattr(args, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"--quick sets {', '.join(QUICK)} itself; drop {', '.join(given)}")
+        args.tasks, args.seeds, args.factors = QUICK["tasks"], QUICK["seeds"], QUICK["factors"]
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks or any(name not in lr_tasks.TASKS for name in tasks):
         parser.error(f"--tasks must name some of {', '.join(lr_tasks.TASKS)}, got {args.tasks!r}")

@@ -26,7 +26,7 @@ def test_each_cell_records_the_lr_finder_decision_and_stops_before_the_first_ste
     The task's full budget (a second or two): the search's length depends on the steps left.
     """
     out = tmp_path / "decisions.json"
-    bench.main(["--tasks", "mlp", "--seeds", "0", "--factors", "0.1,1", "--threads", "1", "--out", str(out)])
+    bench.main(["--quick", "--threads", "1", "--out", str(out)])  # what `speedkit bench --quick` runs
     result: dict[str, Any] = json.loads(out.read_text())
     assert result["config"]["factors"] == [0.1, 1.0]
     assert result["config"]["seeds"] == [0]
@@ -94,6 +94,7 @@ def test_a_fit_that_ends_before_its_first_step_is_an_error(bench: ModuleType, tm
         (["--factors", "nan"], "--factors must be positive"),
         (["--seeds", "2-1"], "--seeds:"),
         (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--quick", "--seeds", "1"], "--quick sets tasks, seeds, factors itself; drop --seeds"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(
