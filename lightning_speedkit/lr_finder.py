@@ -45,8 +45,8 @@ class LRFinder(trials.Lever):
     ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
     same batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten
     times it; up by decades while each ends clearly lower on the same batches and the user's LR does under a third of
-    its progress; down a decade when the user's LR breaks, or ten times it breaks and the user's LR does not clearly
-    lower the loss (lower only past LRs that broke: a loss that ends higher without breaking is no evidence). A trial
+    its progress; down a decade only when the user's LR breaks (lower only past LRs that broke: neither a loss that
+    ends higher without breaking nor ten times breaking is evidence, `lightning_speedkit.lr_search.next_scale`). A trial
     that breaks (a loss half again
     over the reference's highest, `lightning_speedkit.lr_search.broke`) stops at that step: it has broken however it
     ends. The user's LR is kept unless another does at least three times its progress

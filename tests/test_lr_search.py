@@ -130,19 +130,29 @@ def test_a_higher_loss_without_a_blow_up_does_not_walk_down() -> None:
     assert choose_scale(curves) == (1.0, "no LR clearly better than yours (tried x0.1, x1, x10)")
 
 
-def test_going_down_takes_the_first_lr_below_a_blow_up() -> None:
-    """Ten times too high, with a hundred times breaking: the walk goes down once, to the right LR, and stops.
+def test_ten_times_blowing_up_is_no_reason_to_walk_down() -> None:
+    """Ten times blows the loss up and your LR does not clearly move it: your LR is kept, nothing lower is tried.
 
-    The right LR's 6 steps rose first, so a tenth of it ends lower than it; the search used to walk on and choose
-    that tenth (x0.01 of the user's), and the run missed its target.
+    The demo's ResNet at 10x too high (here the search used to go down, and a tenth reached the target) and a conv
+    net with BatchNorm and SGD at its best LR look alike over a few steps: at an SGD net's best LR ten times blows up
+    (the edge of stability), and its own LR's first steps jump about. On the conv net (seed 0, its 7-step trials) a
+    tenth of the LR ended 0.52 lower and used to be chosen; it misses the target on two seeds of three.
     """
-    curves = {REFERENCE: _DEMO_REFERENCE, 1.0: _DEMO_TENFOLD, 10.0: [2.43, 5.8]}
-    assert next_scale(curves, 0.01, 100) == 0.1
-    curves[0.1] = _DEMO_RIGHT
-    assert next_scale(curves, 0.01, 100) is None
-    assert choose_scale(curves) == (0.1, "x0.1 is the highest LR below yours that ended clearly lower than yours")
-    curves[0.01] = _DEMO_TENTH
-    assert choose_scale(curves)[0] == 0.1
+    demo = {REFERENCE: _DEMO_REFERENCE, 1.0: _DEMO_TENFOLD, 10.0: [2.43, 5.8]}
+    sgd_bn = {REFERENCE: _BN_REFERENCE, 1.0: _BN_RIGHT, 10.0: [1.598, 14.761]}
+    for curves in (demo, sgd_bn):
+        assert broke(curves, 10.0)
+        assert not broke(curves, 1.0)
+        assert not moved(curves)
+        assert next_scale(curves, 0.01, 100) is None
+        assert choose_scale(curves) == (1.0, "no LR clearly better than yours (tried x1, x10)")
+    sgd_bn[0.1] = _BN_TENTH  # a trial the walk no longer runs: even given it, the search keeps your LR
+    assert choose_scale(sgd_bn) == (1.0, "no LR clearly better than yours (tried x0.1, x1, x10)")
+
+
+_BN_REFERENCE = [1.598, 1.465, 1.748, 1.674, 1.88, 2.041, 1.678]
+_BN_RIGHT = [1.598, 1.361, 1.567, 2.087, 1.573, 1.717, 1.967]
+_BN_TENTH = [1.598, 1.431, 1.611, 1.439, 1.451, 1.363, 1.388]
 
 
 def _noisy(reference: list[float], drift: float, phase: int) -> list[float]:
@@ -150,33 +160,23 @@ def _noisy(reference: list[float], drift: float, phase: int) -> list[float]:
     return [r - drift * t + 0.001 * ((t * phase) % 3 - 1) for t, r in enumerate(reference)]
 
 
-def test_going_down_the_choice_and_its_checks_are_the_first_lr_below() -> None:
-    """The first LR below yours that did not break is the one checked and chosen; the walk tries none lower.
+def test_going_down_the_choice_is_the_first_lr_below_that_did_not_break() -> None:
+    """Your LR blows the loss up: the first LR below it that did not break is chosen; the walk tries none lower.
 
-    Your LR neither moves the loss nor breaks, ten times breaks: x0.1 ends clearly lower than yours and is chosen
-    (a lower LR would not be tried, and would not be chosen if it were); and an LR below yours must do three times
-    your progress to be chosen, as one above must.
+    A lower LR would not be tried, and would not be chosen if it were, even one that ends far lower over the trials.
     """
     reference = [2.0 + 0.01 * (-1) ** t for t in range(8)]
-    curves = {REFERENCE: reference, 1.0: _noisy(reference, 0.0, 7), 10.0: [2.01, 9.0]}
-    curves[0.1] = _noisy(reference, 0.003, 5)
+    curves = {REFERENCE: reference, 1.0: [2.01, 9.0], 0.1: _noisy(reference, 0.003, 5)}
     assert next_scale(curves, 0.01, 100) is None
     curves[0.01] = _noisy(reference, 0.05, 7)  # far lower: still not chosen
-    assert choose_scale(curves) == (0.1, "x0.1 lowers the loss by 0.021 in 8 steps, your LR by 0.0001")
-    # Your LR drifts down too, within its noise (it did not clearly move the loss, so the search went down), and
-    # x0.1 does 2.6 times its progress: not three times.
-    mine = [r - 0.001 * t + 0.01 * ((t * 7) % 3 - 1) for t, r in enumerate(reference)]
-    curves = {REFERENCE: reference, 1.0: mine, 10.0: [2.01, 9.0], 0.1: _noisy(reference, 0.003, 5)}
-    assert not moved(curves)
-    assert choose_scale(curves) == (1.0, "your LR does 38% of the progress of x0.1, the first LR below it: kept")
+    assert choose_scale(curves) == (0.1, "x0.1 lowers the loss by 0.021 in 8 steps, your LR by nothing (it broke)")
 
 
 def test_a_trial_that_broke_is_not_a_step_down() -> None:
-    """A lower LR that blew the loss up (and came back lower) under one of yours that did not: no LR is chosen.
+    """Under a user's LR that did not break, no LR below it is chosen, one that broke and came back lower included.
 
     Your LR neither moves the loss nor breaks, ten times breaks; x0.1 spikes past the reference, then ends far
-    lower than yours (clearly lower, so only its breaking keeps it out). The walk stops there (the trials disagree),
-    and an x0.01 below it is not chosen either.
+    lower than yours, and x0.01 ends lower too: trial sets the walk does not make, and the search keeps your LR.
     """
     reference = [2.0] * 8
     curves = {
