@@ -24,9 +24,10 @@ seeds of its best grid LR (the highest mean peak); a run's time to target is the
 grid's best time (the grid's own cost not counted). Every fit decides afresh (`_harness.fresh_decisions`).
 
 On a shared machine pass ``--threads 1``: two OpenMP threads on busy cores made a 1.5 s fit take 30 s. One fit on 2
-EPYC cores at one thread: mlp 3 s (preset 5 s), conv 5 s (8 s), transformer 6 s (8 s), demo 33 s (36 s); 216 fits.
+EPYC cores at one thread: mlp 3 s (preset 5 s), conv 5 s (8 s), transformer 6 s (8 s), demo 33 s (36 s); 216 fits
+for those four. ``conv_bn`` adds 54 fits of about 3 s (the Intel Xeon).
 
-    python benchmarks/lr_tasks.py --threads 1                  # about 45 minutes on 2 busy CPU cores
+    python benchmarks/lr_tasks.py --threads 1                  # about 50 minutes on 2 busy CPU cores
     python benchmarks/lr_tasks.py --tasks mlp,conv --seeds 0   # a part of it
     python benchmarks/lr_tasks.py --quick                      # a smoke run for the tests (JSON to a temp dir)
     python benchmarks/lr_tasks.py --threads 1 --average        # also preset(lr="auto", average=True) in every cell

@@ -136,7 +136,7 @@ def test_ten_times_blowing_up_is_no_reason_to_walk_down() -> None:
     The demo's ResNet at 10x too high (here the search used to go down, and a tenth reached the target) and a conv
     net with BatchNorm and SGD at its best LR look alike over a few steps: at an SGD net's best LR ten times blows up
     (the edge of stability), and its own LR's first steps jump about. On the conv net (seed 0, its 7-step trials) a
-    tenth of the LR ended 0.52 lower and used to be chosen; it misses the target on two seeds of three.
+    tenth of the LR ended 0.52 lower and used to be chosen; `preset()` at that tenth misses the target on seed 0.
     """
     demo = {REFERENCE: _DEMO_REFERENCE, 1.0: _DEMO_TENFOLD, 10.0: [2.43, 5.8]}
     sgd_bn = {REFERENCE: _BN_REFERENCE, 1.0: _BN_RIGHT, 10.0: [1.598, 14.761]}
