@@ -223,9 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if given:
             parser.error(f"--quick sets {', '.join(QUICK)} itself; drop {', '.join(given)}")
         args.tasks, args.seeds, args.factors = QUICK["tasks"], QUICK["seeds"], QUICK["factors"]
-    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    if not tasks or any(name not in lr_tasks.TASKS for name in tasks):
-        parser.error(f"--tasks must name some of {', '.join(lr_tasks.TASKS)}, got {args.tasks!r}")
+    tasks = lr_tasks.task_names(parser, args.tasks)
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:

@@ -929,6 +929,14 @@ def _run(
     return result
 
 
+def task_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The `TASKS` named by a comma-separated ``--tasks``, or a parser error naming the option and the value."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in TASKS for name in names):
+        parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny budgets, seed 0, two user LRs: a smoke run")
@@ -956,9 +964,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(
             f"--lr-free swaps the optimizer a schedule is built on; it runs with no --schedule, got {args.schedule}"
         )
-    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    if not tasks or any(name not in TASKS for name in tasks):
-        parser.error(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
+    tasks = task_names(parser, args.tasks)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no device banner for each of ~170 fits
     if args.recheck_from:
         return recheck_file(args.recheck_from, args.recheck, args.out, args.threads)
