@@ -197,7 +197,6 @@ def next_scale(curves: Curves, low: float, high: float) -> float | None:
         if _better(curves, top, below):
             progress = progress_of(curves)
             return None if math.isfinite(progress[1.0]) and progress[1.0] >= KEEP * progress[top] else _up(top, high)
-        return _down(1.0, low) if broke(curves, 1.0) else None
     return _down(bottom, low) if all(broke(curves, s) for s in scales if s <= 1.0) else None
 
 
@@ -259,11 +258,11 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     look better on noise or through a higher one's first transient, and it is the one that learns ten times slower
     for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise and missed its
     target; the demo's ResNet at 10x too high took x0.01 for ending 0.008 below the reference, where its right LR,
-    whose 6 steps rose first, ended 0.044 above it, and missed too). Up, one
-    decade below the edge: the highest LR that still ended clearly lower than the one below it. Over a few steps a
-    higher LR nearly always looks better (early progress grows with the LR, for SGD in proportion), so the edge is where
-    the short trials stop telling, and a run at the edge is the run that can miss its target; a decade below it is what
-    a range test's rule of thumb picks too (a tenth of the divergence).
+    whose 6 steps rose first, ended 0.044 above it, and missed too). Up, one decade below the edge: the highest LR that
+    still ended clearly lower than the one below it. Over a few steps a higher LR nearly always looks better (early
+    progress grows with the LR, for SGD in proportion), so the edge is where the short trials stop telling, and a run
+    at the edge is the run that can miss its target; a decade below it is what a range test's rule of thumb picks too
+    (a tenth of the divergence).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
