@@ -262,7 +262,9 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     still ended clearly lower than the one below it. Over a few steps a higher LR nearly always looks better (early
     progress grows with the LR, for SGD in proportion), so the edge is where the short trials stop telling, and a run
     at the edge is the run that can miss its target; a decade below it is what a range test's rule of thumb picks too
-    (a tenth of the divergence).
+    (a tenth of the divergence). The edge itself when the LR tried above it did not blow the loss up: the divergence
+    is then above that LR, so a tenth of it is above the edge (the MLP's right SGD LR has x100 blow up on every seed
+    and stays; the transformer at 10x too low has x100 only end no lower than x10, and is raised to its right LR).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -270,7 +272,9 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         (1.0, 'your LR does 89% of the best progress (x10): kept')
         >>> slow = [2.0, 2.0, 1.99, 1.99]
         >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 9.0, 9.0, 9.0]})
-        (1.0, 'x10 is the highest LR that helped (x100 did not): one decade below it is yours, kept')
+        (1.0, 'x10 is the highest LR that helped (x100 blew the loss up): one decade below it is yours, kept')
+        >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 1.95, 1.85, 1.75]})[0]
+        10.0
         >>> choose_scale({0.0: ref, 1.0: slow, 10.0: [2.0, 1.9, 1.8, 1.7], 100.0: [2.0, 1.7, 1.5, 1.4]})
         (10.0, 'x10 lowers the loss by 0.3 in 4 steps, your LR by 0.011; x100 helped more, but is the edge')
         >>> flat = [2.0, 2.01, 1.99, 2.0]  # x0.1 did not move the loss, but it stopped the blow-up
@@ -291,9 +295,14 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
     edge, higher = _edge(curves)
+    if edge > 1.0 and higher is not None and not broke(curves, higher):  # divergence above `higher`: a tenth, above
+        return edge, (
+            f"x{edge:.4g} lowers the loss by {progress[edge]:.2g} in {steps} steps, your LR by {mine_text};"
+            f" x{higher:.4g} did no better and did not blow the loss up"
+        )
     chosen = max(1.0, grid_scale(_index(edge) - 1))
     if chosen == 1.0:
-        after = f" (x{higher:.4g} did not)" if higher is not None else ""
+        after = f" (x{higher:.4g} blew the loss up)" if higher is not None else ""
         return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
     return chosen, (
         f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"

@@ -46,7 +46,37 @@ def test_a_raise_stops_a_decade_below_the_edge() -> None:
     assert next_scale(curves, 0.01, 100) is None
     scale, why = choose_scale(curves)
     assert scale == 1.0
-    assert why.startswith("x10 is the highest LR that helped (x100 did not)")
+    assert why.startswith("x10 is the highest LR that helped (x100 blew the loss up)")
+
+
+def test_a_raise_goes_to_the_edge_when_the_lr_above_it_did_not_blow_up() -> None:
+    """x10 helps much and x100 does no better without blowing the loss up: x10 is chosen, not the user's LR.
+
+    A tenth of the divergence is the rule; when x100 did not diverge, a tenth of it is above x10. Real losses
+    (`benchmarks/lr_decisions.py`, the Xeon): the transformer (AdamW) at 10x too low, seed 1, where x10 is its right
+    LR, and the MLP (SGD) at its right LR, seed 2, where x100 blew up and the user's LR is kept.
+    """
+    transformer = {
+        REFERENCE: [1.483, 1.478, 1.48, 1.525, 1.458, 1.481, 1.547],
+        1.0: [1.483, 1.471, 1.466, 1.5, 1.434, 1.452, 1.493],
+        10.0: [1.483, 1.415, 1.356, 1.324, 1.295, 1.328, 1.211],
+        100.0: [1.483, 1.311, 1.297, 1.211, 1.2, 1.42, 1.259],
+    }
+    assert not broke(transformer, 100.0)
+    scale, why = choose_scale(transformer)
+    assert scale == 10.0
+    assert why.endswith("x100 did no better and did not blow the loss up")
+    mlp = {
+        REFERENCE: [1.379, 1.4, 1.39, 1.398, 1.387, 1.389, 1.399, 1.379, 1.386, 1.402, 1.386, 1.407, 1.392, 1.397],
+        1.0: [1.379, 1.401, 1.387, 1.395, 1.379, 1.38, 1.393, 1.356, 1.363, 1.373, 1.356, 1.384, 1.339, 1.353],
+        10.0: [1.379, 1.406, 1.369, 1.372, 1.325, 1.313, 1.339, 1.212, 1.208, 1.163, 1.126, 1.039, 0.902, 0.863],
+        100.0: [1.379, 1.561, 1.364, 1.279, 1.278, 2.114],  # stopped at the step it broke
+    }
+    assert broke(mlp, 100.0)
+    assert choose_scale(mlp) == (
+        1.0,
+        "x10 is the highest LR that helped (x100 blew the loss up): one decade below it is yours, kept",
+    )
 
 
 def test_an_lr_about_right_is_kept() -> None:
