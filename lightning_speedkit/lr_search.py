@@ -262,9 +262,11 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     still ended clearly lower than the one below it. Over a few steps a higher LR nearly always looks better (early
     progress grows with the LR, for SGD in proportion), so the edge is where the short trials stop telling, and a run
     at the edge is the run that can miss its target; a decade below it is what a range test's rule of thumb picks too
-    (a tenth of the divergence). The edge itself when the LR tried above it did not blow the loss up: the divergence
-    is then above that LR, so a tenth of it is above the edge (the MLP's right SGD LR has x100 blow up on every seed
-    and stays; the transformer at 10x too low has x100 only end no lower than x10, and is raised to its right LR).
+    (a tenth of the divergence), also when the search stopped before trying the LR above it. The edge itself when
+    the LR tried above it did not blow the loss up (`broke`: no loss half again over the reference's highest, though
+    it may end higher than the edge): the divergence is taken to be above that LR, so a tenth of it is above the edge
+    (the MLP's right SGD LR has x100 blow up on every seed and stays; the transformer at 10x too low has x100 end
+    not clearly lower than x10, and is raised to its right LR).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -298,11 +300,13 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     if edge > 1.0 and higher is not None and not broke(curves, higher):  # divergence above `higher`: a tenth, above
         return edge, (
             f"x{edge:.4g} lowers the loss by {progress[edge]:.2g} in {steps} steps, your LR by {mine_text};"
-            f" x{higher:.4g} did no better and did not blow the loss up"
+            f" x{higher:.4g} was not clearly better and did not blow the loss up"
         )
     chosen = max(1.0, grid_scale(_index(edge) - 1))
     if chosen == 1.0:
-        after = f" (x{higher:.4g} blew the loss up)" if higher is not None else ""
+        after = (
+            "" if higher is None else f" (x{higher:.4g} {'blew the loss up' if broke(curves, higher) else 'did not'})"
+        )
         return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
     return chosen, (
         f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"
