@@ -297,16 +297,15 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"
     edge, higher = _edge(curves)
-    if edge > 1.0 and higher is not None and not broke(curves, higher):  # divergence above `higher`: a tenth, above
+    blew = higher is not None and broke(curves, higher)
+    if edge > 1.0 and higher is not None and not blew:  # the divergence is above `higher`; a tenth of it, above `edge`
         return edge, (
             f"x{edge:.4g} lowers the loss by {progress[edge]:.2g} in {steps} steps, your LR by {mine_text};"
             f" x{higher:.4g} was not clearly better and did not blow the loss up"
         )
     chosen = max(1.0, grid_scale(_index(edge) - 1))
     if chosen == 1.0:
-        after = (
-            "" if higher is None else f" (x{higher:.4g} {'blew the loss up' if broke(curves, higher) else 'did not'})"
-        )
+        after = "" if higher is None else f" (x{higher:.4g} {'blew the loss up' if blew else 'did not'})"
         return 1.0, f"x{edge:.4g} is the highest LR that helped{after}: one decade below it is yours, kept"
     return chosen, (
         f"x{chosen:.4g} lowers the loss by {progress[chosen]:.2g} in {steps} steps, your LR by {mine_text};"

@@ -50,7 +50,7 @@ def test_a_raise_stops_a_decade_below_the_edge() -> None:
 
 
 def test_a_raise_goes_to_the_edge_when_the_lr_above_it_did_not_blow_up() -> None:
-    """x10 helps much and x100 does no better without blowing the loss up: x10 is chosen, not the user's LR.
+    """x10 helps much and x100 is not clearly better, without blowing the loss up: x10 is chosen, not the user's LR.
 
     A tenth of the divergence is the rule; when x100 did not diverge, a tenth of it is above x10. Real losses
     (`benchmarks/lr_decisions.py`, the Xeon): the transformer (AdamW) at 10x too low, seed 1, where x10 is its right
