@@ -23,7 +23,7 @@ from lightning_speedkit.lr import (
     suggest_lr,
     warmup_start,
 )
-from lightning_speedkit.lr_search import REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, walk
+from lightning_speedkit.lr_search import GRID, REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, walk
 from lightning_speedkit.lr_trial import RangeTest, Scaled
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
@@ -42,19 +42,18 @@ METHODS = ("trials", "range")
 class LRFinder(trials.Lever):
     """Choose the peak LR at fit start by short trials (or a range test), and scale the user's LRs to it.
 
-    ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the
-    same batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten
-    times it; up by decades while each ends clearly lower on the same batches and the user's LR does under a third of
-    its progress; down a decade only when the user's LR breaks (lower only past LRs that broke: neither a loss that
-    ends higher without breaking nor ten times breaking is evidence, `lightning_speedkit.lr_search.next_scale`). A trial
-    that breaks (a loss half again
-    over the reference's highest, `lightning_speedkit.lr_search.broke`) stops at that step: it has broken however it
-    ends. The user's LR is kept unless another does at least three times its progress
-    (`lightning_speedkit.lr_search.choose_scale`). Because the trials see the
-    same batches, their step-by-step difference carries no batch noise, so the search tells LRs apart on a plateau
-    where a range test's single curve shows only noise; when no LR moved the loss at all and the run is long enough
-    (the longer trials take at most 10% of it), the search runs again with trials four times as long, walking up (or
-    down) as far as that share allows.
+    ``method="trials"`` (the default): trials of ``trial_steps`` real steps each (`lightning_speedkit.trials`: the same
+    batches from the same weights, everything restored afterwards): a reference at LR 0, the user's LR, ten times it; up
+    by decades (to one over ``max_scale``) while each ends clearly lower on the same batches and the user's LR does
+    under a third of its progress; down a decade only when the user's LR breaks (lower only past LRs that broke: neither
+    a loss that ends higher without breaking nor ten times breaking is evidence,
+    `lightning_speedkit.lr_search.next_scale`). A trial that breaks (a loss half again over the reference's highest,
+    `lightning_speedkit.lr_search.broke`) stops at that step: it has broken however it ends. The user's LR is kept
+    unless another does at least three times its progress (`lightning_speedkit.lr_search.choose_scale`). Because the
+    trials see the same batches, their step-by-step difference carries no batch noise, so the search tells LRs apart on
+    a plateau where a range test's single curve shows only noise; when no LR moved the loss at all and the run is long
+    enough (the longer trials take at most 10% of it), the search runs again with trials four times as long, walking up
+    (or down) as far as that share allows.
     ``method="range"``: an LR range test over ``steps`` steps from ``start_factor`` to ``end_factor`` times the
     user's LR, fastai's "valley" rule on the smoothed
     curve (`lightning_speedkit.lr.suggest_lr`).
@@ -80,7 +79,9 @@ class LRFinder(trials.Lever):
         start_factor: First LR of the range test, as a multiple of the user's LR.
         end_factor: Last LR of the range test, as a multiple of the user's LR.
         min_scale: Lowest multiple of the user's LR that may be chosen (or tried).
-        max_scale: Highest multiple of the user's LR that may be chosen (or tried).
+        max_scale: Highest multiple of the user's LR that may be chosen. Over 1, the trials go one decade higher:
+            whether ``max_scale`` is the edge of the search up is told by the LR above it
+            (`lightning_speedkit.lr_search.choose_scale`), which is never chosen.
         divergence: The range test stops when the smoothed loss exceeds this multiple of its minimum.
         smoothing: The range test's exponential smoothing of the loss, in [0, 1).
         max_fraction: The most of the steps left the search may take, in (0, 1].
@@ -234,7 +235,7 @@ class LRFinder(trials.Lever):
         else:
             chosen, why = choose_scale(curves)
             why += f" (tried again over {4 * k} steps: no LR moved the loss in {k})" if retry else ""
-            unwalked = next_scale(curves, self.min_scale, self.max_scale)
+            unwalked = next_scale(curves, self.min_scale, self._highest_tried)
             if unwalked is not None:  # the walk stopped at its share of the run, not where the losses stopped it
                 why += f" (x{unwalked:.4g} not tried: the search's share of the run was spent)"
         scale_kept = min(self.max_scale, max(self.min_scale, chosen))
@@ -251,6 +252,11 @@ class LRFinder(trials.Lever):
             "scale": scale_kept,
             "reason": why,
         }
+
+    @property
+    def _highest_tried(self) -> float:
+        """The highest scale tried: a decade over ``max_scale`` (when over 1), to tell whether it is the edge."""
+        return self.max_scale * GRID if self.max_scale > 1.0 else self.max_scale
 
     def _walk(
         self, trainer: pl.Trainer, steps: int, most: float
@@ -277,7 +283,7 @@ class LRFinder(trials.Lever):
                 return curves[scale]
 
             with contextlib.suppress(_Rose):
-                walk(trial, most, self.min_scale, self.max_scale)
+                walk(trial, most, self.min_scale, self._highest_tried)
         return curves, session.elapsed_s, rise
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:

@@ -253,20 +253,21 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     """The scale of the user's LR to keep, and why (1.0 unless another LR is clearly and much better).
 
     Another LR is chosen only when it ends clearly lower than the user's on the same batches and does at least three
-    times the user's progress (`KEEP`). Down (only when the user's LR blew the loss up), the first LR below the user's
-    that did not break (`_step_down`), never a lower one that ends lower than it: over a few steps a lower LR can
-    look better on noise or through a higher one's first transient, and it is the one that learns ten times slower
-    for the whole run (the conv net at 10x too high, on a plateau over 7 steps, took x0.01 on noise and missed its
-    target; the demo's ResNet at 10x too high took x0.01 for ending 0.008 below the reference, where its right LR,
-    whose 6 steps rose first, ended 0.044 above it, and missed too). Up, one decade below the edge: the highest LR that
-    still ended clearly lower than the one below it. Over a few steps a higher LR nearly always looks better (early
-    progress grows with the LR, for SGD in proportion), so the edge is where the short trials stop telling, and a run
-    at the edge is the run that can miss its target; a decade below it is what a range test's rule of thumb picks too
-    (a tenth of the divergence), also when the search stopped before trying the LR above it. The edge itself when
-    the LR tried above it did not blow the loss up (`broke`: no loss half again over the reference's highest, though
-    it may end higher than the edge): the divergence is taken to be above that LR, so a tenth of it is above the edge
-    (the MLP's right SGD LR has x100 blow up on every seed and stays; the transformer at 10x too low has x100 end
-    not clearly lower than x10, and is raised to its right LR).
+    times the user's progress (`KEEP`); the best is the one with the most progress of those clearly lower (a higher
+    trial whose noise hides whether it beat the user's does not hide one below it that did). Down (only when the user's
+    LR blew the loss up), the first LR below the user's that did not break (`_step_down`), never a lower one that ends
+    lower than it: over a few steps a lower LR can look better on noise or through a higher one's first transient, and
+    it is the one that learns ten times slower for the whole run (the conv net at 10x too high, on a plateau over 7
+    steps, took x0.01 on noise and missed its target; the demo's ResNet at 10x too high took x0.01 for ending 0.008
+    below the reference, where its right LR, whose 6 steps rose first, ended 0.044 above it, and missed too). Up, one
+    decade below the edge: the highest LR that still ended clearly lower than the one below it. Over a few steps a
+    higher LR nearly always looks better (early progress grows with the LR, for SGD in proportion), so the edge is where
+    the short trials stop telling, and a run at the edge is the run that can miss its target; a decade below it is what
+    a range test's rule of thumb picks too (a tenth of the divergence), also when the search stopped before trying the
+    LR above it. The edge itself when the LR tried above it did not blow the loss up (`broke`: no loss half again over
+    the reference's highest, though it may end higher than the edge): the divergence is taken to be above that LR, so a
+    tenth of it is above the edge (the MLP's right SGD LR has x100 blow up on every seed and stays; the transformer at
+    10x too low has x100 end not clearly lower than x10, and is raised to its right LR).
 
     Example:
         >>> ref = [2.0, 2.0, 2.0, 2.0]
@@ -290,9 +291,10 @@ def choose_scale(curves: Curves) -> tuple[float, str]:
     down = _step_down(curves)
     if down is not None:
         return _choose_down(curves, down, progress, f"in {steps} steps, your LR by {mine_text}")
-    best = max(progress, key=lambda s: (progress[s], -abs(math.log(s))))
-    if best <= 1.0 or not _better(curves, best, 1.0) or progress[best] <= 0:
+    better = [scale for scale in progress if scale > 1.0 and _better(curves, scale, 1.0) and progress[scale] > 0]
+    if not better:
         return 1.0, f"no LR clearly better than yours (tried {_scales(curves)})"
+    best = max(better, key=lambda s: (progress[s], -s))
     if math.isfinite(mine) and mine >= KEEP * progress[best]:
         share = mine / progress[best]
         return 1.0, f"your LR does {share:.0%} of the best progress (x{best:.4g}): kept"

@@ -403,13 +403,14 @@ def test_on_a_plateau_the_longer_trials_walk_on_and_raise_the_lr(tmp_path: Path,
 
     The longer trials used to rerun only the reference, the user's LR and ten times it, so the edge was always ten
     times and the LR always kept: a probe that could not change the decision. A tenth of the 500 steps holds four
-    12-step trials, so the walk stops at x100 whether the bound is there (``max_scale=100``) or not.
+    12-step trials, so the walk stops at x100, before x1000, which it would try under either bound (a decade over
+    ``max_scale=100`` tells whether x100 is the edge).
     """
     finder = LRFinder(trial_steps=3, max_scale=max_scale)
     trainer = tiny_trainer(tmp_path, callbacks=[finder], max_epochs=5, limit_val_batches=0)
     trainer.fit(_Plateau())
     report = finder.report()
-    cut = " (x1000 not tried: the search's share of the run was spent)" if max_scale > 100 else ""
+    cut = " (x1000 not tried: the search's share of the run was spent)"
     assert report["reason"].endswith(f"(tried again over 12 steps: no LR moved the loss in 3){cut}")
     assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0]
     assert report["scale"] == 10.0, report["reason"]
@@ -426,14 +427,15 @@ class _StopAfter(L.Callback):
 
 
 def test_a_run_with_no_step_limit_searches_as_far_as_the_scales_go(tmp_path: Path) -> None:
-    """``max_epochs=-1``: the steps left are infinite, so the search's share is too; it walks to ``max_scale``."""
+    """``max_epochs=-1``: the steps left are infinite, so the search's share is too; it walks a decade over
+    ``max_scale`` (x1000 for the default 100), where x1000 still helps: x100, a decade below that edge, is chosen."""
     finder = LRFinder(trial_steps=3)
     trainer = tiny_trainer(tmp_path, callbacks=[finder, _StopAfter(5)], max_epochs=-1, limit_val_batches=0)
     trainer.fit(_Plateau())
     report = finder.report()
-    assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0], report["reason"]
-    assert report["scale"] == 10.0
-    assert report["steps"] == 3 * 3 + 4 * 12
+    assert report["trials"]["scales"] == [0.0, 1.0, 10.0, 100.0, 1000.0], report["reason"]
+    assert report["scale"] == 100.0
+    assert report["steps"] == 3 * 3 + 4 * 12 + 12
 
 
 def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
