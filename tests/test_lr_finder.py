@@ -427,8 +427,10 @@ class _StopAfter(L.Callback):
 
 
 def test_a_run_with_no_step_limit_searches_as_far_as_the_scales_go(tmp_path: Path) -> None:
-    """``max_epochs=-1``: the steps left are infinite, so the search's share is too; it walks a decade over
-    ``max_scale`` (x1000 for the default 100), where x1000 still helps: x100, a decade below that edge, is chosen."""
+    """``max_epochs=-1``: the search's share of infinite steps left is infinite; it walks a decade over ``max_scale``.
+
+    That is x1000 for the default 100; x1000 still helps there, so x100, a decade below that edge, is chosen.
+    """
     finder = LRFinder(trial_steps=3)
     trainer = tiny_trainer(tmp_path, callbacks=[finder, _StopAfter(5)], max_epochs=-1, limit_val_batches=0)
     trainer.fit(_Plateau())
