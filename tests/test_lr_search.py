@@ -9,6 +9,7 @@ from lightning_speedkit.lr import MIN_SIGNAL, curve_signal
 from lightning_speedkit.lr_search import (
     CLEAR,
     REFERENCE,
+    _clear,  # the test of 'clearly lower' that choose_scale uses
     broke,
     choose_scale,
     moved,
@@ -106,20 +107,14 @@ def test_a_noisy_higher_trial_does_not_hide_a_clearly_better_one_below_it() -> N
     }
     progress = progress_of(curves)
     assert max(progress, key=progress.__getitem__) == 1000.0
-    assert not _clearly_below(curves, 1000.0)
-    assert _clearly_below(curves, 100.0)
+    assert not _clear(curves, 1000.0, 1.0)  # not more than `CLEAR` standard errors below the user's LR
+    assert _clear(curves, 100.0, 1.0)
     assert choose_scale(curves) == (
         100.0,
         "x100 lowers the loss by 0.092 in 7 steps, your LR by 0.0016; x1000 was not clearly better and did not blow"
         " the loss up",
     )
     assert choose_scale({s: curves[s] for s in (REFERENCE, 1.0, 10.0, 100.0)})[0] == 10.0
-
-
-def _clearly_below(curves: dict[float, list[float]], scale: float) -> bool:
-    """Whether the trial at ``scale`` ends more than `CLEAR` standard errors below the user's LR's."""
-    gain, error = paired_gain(curves[1.0], curves[scale])
-    return gain > CLEAR * error
 
 
 def test_an_lr_about_right_is_kept() -> None:
