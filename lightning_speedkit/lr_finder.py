@@ -58,19 +58,19 @@ class LRFinder(trials.Lever):
     user's LR, fastai's "valley" rule on the smoothed
     curve (`lightning_speedkit.lr.suggest_lr`).
 
-    It runs whenever a wrong LR could cost the run more than the search does: the search may take up to
-    ``max_fraction`` of the steps left (a wrong LR can waste all of them); the first three trials must fit in it, or it
-    is skipped with the reason in `report`. Every LR of the run is then scaled by the chosen multiple (clamped to
-    [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a `WarmupScheduler` ramps to
-    the new peak (its warmup lengthened when the LR grows) and a `TrainingGuard` rolls a raise back at half the LR if
-    the loss breaks. Rank zero's losses decide (they are broadcast), so every rank applies the same scale. The result
-    is in ``state_dict``: a resumed fit does not search again (its LRs come back with the optimizer state); the life
-    cycle is `lightning_speedkit.trials.Lever`'s. An optimizer without an ``lr`` in its param groups (an LR-free one)
-    is left as it is, and the report says so. So is a run whose own scheduler starts below the LR it was given (a
-    warmup: `lightning_speedkit.lr.warmup_start`), with no search, or raises the LR under the trial at the user's LR
-    (``OneCycleLR``, ``CyclicLR``: `lightning_speedkit.lr.rises`), where the walk stops (a range test, which sets
-    every step's LR itself, skips such a cycle: `lightning_speedkit.lr.cyclic`): trials at fit start would measure
-    the schedule's first, lowest LRs, and a scale of them would multiply the whole schedule, its peak too.
+    It runs whenever a wrong LR could cost the run more than the search does: the search may take up to ``max_fraction``
+    of the steps left (a wrong LR can waste all of them); the first three trials (two when ``max_scale`` is under 10)
+    must fit in it, or it is skipped with the reason in `report`. Every LR of the run is then scaled by the chosen
+    multiple (clamped to [``min_scale``, ``max_scale``]) through `lightning_speedkit.lr.rescale_run_lrs`, so a
+    `WarmupScheduler` ramps to the new peak (its warmup lengthened when the LR grows) and a `TrainingGuard` rolls a
+    raise back at half the LR if the loss breaks. Rank zero's losses decide (they are broadcast), so every rank applies
+    the same scale. The result is in ``state_dict``: a resumed fit does not search again (its LRs come back with the
+    optimizer state); the life cycle is `lightning_speedkit.trials.Lever`'s. An optimizer without an ``lr`` in its param
+    groups (an LR-free one) is left as it is, and the report says so. So is a run whose own scheduler starts below the
+    LR it was given (a warmup: `lightning_speedkit.lr.warmup_start`), with no search, or raises the LR under the trial
+    at the user's LR (``OneCycleLR``, ``CyclicLR``: `lightning_speedkit.lr.rises`), where the walk stops (a range test,
+    which sets every step's LR itself, skips such a cycle: `lightning_speedkit.lr.cyclic`): trials at fit start would
+    measure the schedule's first, lowest LRs, and a scale of them would multiply the whole schedule, its peak too.
 
     Args:
         method: ``"trials"`` or ``"range"`` (`METHODS`).
@@ -79,9 +79,10 @@ class LRFinder(trials.Lever):
         start_factor: First LR of the range test, as a multiple of the user's LR.
         end_factor: Last LR of the range test, as a multiple of the user's LR.
         min_scale: Lowest multiple of the user's LR that may be chosen (or tried).
-        max_scale: Highest multiple of the user's LR that may be chosen. Over 1, the trials go one decade higher:
+        max_scale: Highest multiple of the user's LR that may be chosen. From 10 up, the trials go one decade higher:
             whether ``max_scale`` is the edge of the search up is told by the LR above it
-            (`lightning_speedkit.lr_search.choose_scale`), which is never chosen.
+            (`lightning_speedkit.lr_search.choose_scale`), which is never chosen. Under 10, no LR over the user's is
+            tried (only x1 could be chosen there), and the search only keeps or lowers the LR.
         divergence: The range test stops when the smoothed loss exceeds this multiple of its minimum.
         smoothing: The range test's exponential smoothing of the loss, in [0, 1).
         max_fraction: The most of the steps left the search may take, in (0, 1].
@@ -189,6 +190,8 @@ class LRFinder(trials.Lever):
         if self.method == "range":
             return self.steps, f"a {self.steps}-step range test"
         k = self._trial_steps(left)
+        if self._highest_tried < GRID:
+            return 2 * k, f"two {k}-step LR trials (a reference, your LR)"
         return 3 * k, f"three {k}-step LR trials (a reference, your LR, ten times it)"
 
     @override
@@ -255,8 +258,11 @@ class LRFinder(trials.Lever):
 
     @property
     def _highest_tried(self) -> float:
-        """The highest scale tried: a decade over ``max_scale`` (when over 1), to tell whether it is the edge."""
-        return self.max_scale * GRID if self.max_scale > 1.0 else self.max_scale
+        """The highest scale tried: a decade over ``max_scale``, to tell whether it is the edge.
+
+        ``max_scale`` itself when it is under a decade: only x1 can be chosen up there, and x10 could not change that.
+        """
+        return self.max_scale * GRID if self.max_scale >= GRID else self.max_scale
 
     def _walk(
         self, trainer: pl.Trainer, steps: int, most: float

@@ -440,6 +440,21 @@ def test_a_run_with_no_step_limit_searches_as_far_as_the_scales_go(tmp_path: Pat
     assert report["steps"] == 3 * 3 + 4 * 12 + 12
 
 
+def test_a_max_scale_under_a_decade_tries_no_lr_above_the_users(tmp_path: Path) -> None:
+    """``max_scale=5``: only x1 can be chosen up there, so no trial runs at x10 (it could not change the choice).
+
+    The search costs the reference and the user's LR, and its price (the skip rule's) counts two trials, not three.
+    """
+    finder = LRFinder(trial_steps=3, max_scale=5.0)
+    trainer = tiny_trainer(tmp_path, callbacks=[finder, _StopAfter(5)], max_epochs=-1, limit_val_batches=0)
+    trainer.fit(_Plateau())
+    report = finder.report()
+    assert report["trials"]["scales"] == [0.0, 1.0], report["reason"]
+    assert (report["scale"], report["steps"]) == (1.0, 2 * 3)
+    assert finder._price(100.0) == (6, "two 3-step LR trials (a reference, your LR)")
+    assert LRFinder(trial_steps=3, max_scale=10.0)._price(100.0)[0] == 9
+
+
 def _rank_lr(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's LRFinder scale, LR and weights (written by `RankWriter`)."""
     report = callback_of(trainer, LRFinder).report()
