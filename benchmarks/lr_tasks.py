@@ -492,17 +492,21 @@ def fit_one(
     show: bool = True,
     nudge: int = 1,
     callbacks: Sequence[L.Callback] = (),
+    start_ulps: int = 0,
 ) -> dict[str, Any]:
     """Train ``task`` for its whole budget as ``variant`` at ``factor`` x its right LR; the run's record.
 
     The clock starts just before ``trainer.fit``, so set-up and every probe preset runs at fit start are counted.
     ``show`` prints a line when the fit ends; ``nudge``: the ulps ``naive_nudged`` moves the weights up by;
-    ``callbacks`` are added to the fit's (`lr_decisions` stops it with one).
+    ``callbacks`` are added to the fit's (`lr_decisions` stops it with one); ``start_ulps``: every variant's initial
+    weights nudged up by that many ulps (`nudge_weights`: another rounding-level start, `lr_starts`), 0 for none.
     """
     data = task.make_data(task, seed, root)
     L.seed_everything(seed, verbose=False)  # the same initial weights and batch order for every variant
     lr = task.right_lr * factor
     model = with_schedule(task.make_model(task, lr), task.schedule)
+    if start_ulps:
+        nudge_weights(model, start_ulps)
     if variant == "naive_nudged":
         nudge_weights(model, nudge)
     if variant in LR_FREE:
@@ -513,6 +517,7 @@ def fit_one(
     seconds, points = timed_points(trainer, model, data, timeline)
     record: dict[str, Any] = {"task": task.name, "variant": variant, "factor": factor, "lr": lr, "seed": seed}
     record |= {"nudge_ulps": nudge} if variant == "naive_nudged" else {}
+    record |= {"start_ulps": start_ulps} if start_ulps else {}
     record["timeline"] = points
     record |= {"peak_val_acc": peak_acc(points), "final_val_acc": points[-1]["val_acc"] if points else None}
     record |= {"fit_s": seconds, "steps": trainer.global_step}
