@@ -13,6 +13,9 @@ median (a miss is infinitely late). A variant whose median is more than `lr_task
 (``later_as_a_distribution``) is later than naive over the starts: by its own cost (a probe's price) or its own
 trajectory, not by a draw.
 
+``--without fused_optimizer,...`` also fits ``preset()`` with each of those levers off (``preset_without_<lever>``),
+one at a time: whether a lever's own rounding (the fused update's, bf16's counted steps) is what moves a trajectory.
+
 The cells: ``--cells task:factor:seed,...`` of the ``--from`` result, or by default those it counts as later than
 every naive fit in every re-run (``..._later_beyond_noise``). Read the result with the ``--from`` file's machine and
 ISA: run it on the same machine, forced to the same ISA (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for an
@@ -20,6 +23,7 @@ ISA: run it on the same machine, forced to the same ISA (``ATEN_CPU_CAPABILITY=a
 
     python benchmarks/lr_starts.py --from benchmarks/results/xeon_amx/lr_tasks_cosine.json --threads 1 --out F
     python benchmarks/lr_starts.py --from FILE --cells transformer:10:1,mlp:1:0 --starts 8
+    python benchmarks/lr_starts.py --from FILE --without fused_optimizer,tune_precision
     python benchmarks/lr_starts.py --quick   # a smoke run: lr_tasks --quick on the MLP, then two starts of one cell
 """
 
@@ -53,6 +57,8 @@ STARTS = 8
 """Starts per cell by default: the seed's weights and seven rounding-level neighbours."""
 LATE = {"preset": "preset_later", "preset_auto": "auto_later"}
 """Each variant `lr_tasks` can find late, by the key of that lateness in its cells."""
+LEVERS = ("channels_last", "tune_precision", "fused_optimizer", "tune_data", "warmup", "guard", "monitor")
+"""``preset()``'s levers that ``--without`` can switch off (its on-by-default boolean arguments)."""
 
 
 def flagged(cell: Mapping[str, Any]) -> list[str]:
@@ -142,23 +148,28 @@ def _none_if_inf(value: float) -> float | None:
 
 
 def run_cell(
-    task: lr_tasks.Task, cell: Mapping[str, Any], starts: int, root: Path, device: str
+    task: lr_tasks.Task,
+    cell: Mapping[str, Any],
+    starts: int,
+    root: Path,
+    device: str,
+    variants: Sequence[str] = VARIANTS,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Fit ``cell`` from ``starts`` rounding-level starts, each of `VARIANTS`; the cell's record and the runs."""
+    """Fit ``cell`` from ``starts`` rounding-level starts, each of ``variants``; the cell's record and the runs."""
     factor, seed, target = cell["factor"], cell["seed"], cell["target"]
     lr_tasks._prepare(task, seed, root)
-    times: dict[str, list[float | None]] = {v: [] for v in VARIANTS}
-    epochs: dict[str, list[int | None]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float | None]] = {v: [] for v in variants}
+    epochs: dict[str, list[int | None]] = {v: [] for v in variants}
     runs: list[dict[str, Any]] = []
     for ulps in range(starts):
-        for variant in rotated(VARIANTS, ulps):
+        for variant in rotated(variants, ulps):
             run = lr_tasks.fit_one(task, variant, factor, seed, root, device, show=False, start_ulps=ulps)
             run |= {"time_to_target_s": lr_tasks.time_to_target(run["timeline"], target), "start_ulps": ulps}
             run["epoch_to_target"] = lr_tasks.epoch_to_target(run["timeline"], target)
             times[variant].append(run["time_to_target_s"])
             epochs[variant].append(run["epoch_to_target"])
             runs.append(run)
-    first = {v: cell.get(f"{v}_s") for v in VARIANTS}
+    first = {v: cell.get(f"{v}_s") for v in variants}
     record = {"task": task.name, "label": cell["label"], "factor": factor, "seed": seed, "target": target}
     record |= {"flagged": flagged(cell), "first_run_s": first, "times_s": times, "epochs": epochs}
     record["verdict"] = judge(times)
@@ -169,7 +180,7 @@ def format_table(cells: Sequence[Mapping[str, Any]], starts: int) -> str:
     """One line per cell and variant: the first run's time, the starts reached, median, range, epochs, verdict."""
     rows = []
     for cell in cells:
-        for variant in VARIANTS:
+        for variant in cell["verdict"]:
             verdict = cell["verdict"][variant]
             epochs = " ".join("-" if e is None else str(e) for e in cell["epochs"][variant])
             late = verdict.get("later_as_a_distribution")
@@ -187,8 +198,8 @@ def format_table(cells: Sequence[Mapping[str, Any]], starts: int) -> str:
                 }
             )
     columns = [
-        Column("cell", 22, "cell", align="<"),
-        Column("variant", 12, "variant", align="<"),
+        Column("cell", 24, "cell", align="<"),
+        Column("variant", 32, "variant", align="<"),
         Column("first", 7, "first", ".2f"),
         Column("reached", 8, "reached"),
         Column("median", 7, "median", ".2f"),
@@ -211,12 +222,17 @@ def run(
     wanted: Sequence[tuple[str, float, int]] = (),
     starts: int = STARTS,
     threads: int | None = None,
+    without: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The cells of the `lr_tasks` result at ``source`` (`select`) from ``starts`` starts; the result, to ``out``."""
+    """The cells of the `lr_tasks` result at ``source`` (`select`) from ``starts`` starts; the result, to ``out``.
+
+    ``without``: ``preset()`` arguments (levers) to also fit ``preset(<argument>=False)`` for, one at a time.
+    """
     result: dict[str, Any] = json.loads(Path(source).read_text())
     cells = select(result, wanted)
     threads = threads or result["config"].get("torch_threads")
-    config = {"from": str(source), "starts": starts, "variants": list(VARIANTS), "noise_allowance": lr_tasks.NOISE}
+    variants = [*VARIANTS, *(lr_tasks.WITHOUT + name for name in without)]
+    config = {"from": str(source), "starts": starts, "variants": variants, "noise_allowance": lr_tasks.NOISE}
     config |= {"schedule": result["config"].get("schedule", "constant"), "device": result["config"]["device"]}
     load_before, started = os.getloadavg(), time.perf_counter()
     records: list[dict[str, Any]] = []
@@ -232,13 +248,13 @@ def run(
             if task.name not in warmed:
                 lr_tasks._warm(task, root, config["device"])
                 warmed.add(task.name)
-            record, cell_runs = run_cell(task, cell, starts, root, config["device"])
+            record, cell_runs = run_cell(task, cell, starts, root, config["device"], variants)
             records.append(record)
             runs += cell_runs
     summary = {
         "cells": len(records),
         "later_as_a_distribution": {
-            v: sum(bool(c["verdict"][v]["later_as_a_distribution"]) for c in records) for v in VARIANTS[1:]
+            v: sum(bool(c["verdict"][v]["later_as_a_distribution"]) for c in records) for v in variants[1:]
         },
     }
     out_result: dict[str, Any] = {
@@ -260,6 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--starts", type=int, default=STARTS, help=f"starts per cell (default {STARTS})")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the --from run's)")
     parser.add_argument("--out", default=None, help="the JSON (default: a new temp dir)")
+    parser.add_argument(
+        "--without", default="", help="preset() levers to switch off, one variant each (e.g. fused_optimizer)"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: lr_tasks --quick (MLP), two starts")
     args = parser.parse_args(argv)
     if args.starts < 1:
@@ -268,6 +287,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         wanted = parse_cells(args.cells)
     except ValueError as exc:
         parser.error(str(exc))
+    without = [name.strip() for name in args.without.split(",") if name.strip()]
+    unknown = [name for name in without if name not in LEVERS]
+    if unknown:
+        parser.error(f"--without takes preset() levers ({', '.join(LEVERS)}), got {', '.join(unknown)}")
     if args.quick and (args.source or args.cells):
         parser.error("--quick runs lr_tasks --quick itself and one of its cells; drop --from and --cells")
     if not args.quick and not args.source:
@@ -282,8 +305,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:  # `speedkit bench --quick`: lr_tasks' quick MLP (no result of its own), its right-LR cell
         source = out.with_name(out.stem + "_source.json")
         lr_tasks.run(quick=True, tasks=["mlp"], out=source, threads=args.threads or 1)
-        return run(source, out, [("mlp", 1.0, 0)], starts=2, threads=args.threads or 1)
-    return run(args.source, out, wanted, args.starts, args.threads)
+        return run(source, out, [("mlp", 1.0, 0)], starts=2, threads=args.threads or 1, without=without)
+    return run(args.source, out, wanted, args.starts, args.threads, without)
 
 
 if __name__ == "__main__":

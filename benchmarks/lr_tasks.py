@@ -105,6 +105,8 @@ EXTRAS = {"lr_free": LR_FREE, "average": AVERAGE}
 """The opt-in groups of variants, by the summary key their counts go under."""
 MARGIN = 0.98
 """The target is this share of the lowest peak val_acc (over seeds) of the best grid LR."""
+WITHOUT = "preset_without_"
+"""A variant ``preset_without_<argument>``: ``preset(<argument>=False)``, one lever off (`lr_starts --without`)."""
 NOISE = 0.10
 """A variant counts as later than naive only when its time to target is more than this share above naive's (and, in
 the counts beyond the measured noise, above the slowest of the naive fits': `later_than_every`)."""
@@ -451,6 +453,8 @@ def _trainer(variant: str, device: str, options: dict[str, Any]) -> tuple[L.Trai
     fresh_decisions()  # nothing remembered from an earlier fit: every probe runs and is timed
     if variant == "preset":
         return speedkit.preset(verbose=False, **QUIET, **options), False
+    if variant.startswith(WITHOUT):  # `lr_starts --without`: preset() with one of its levers off
+        return speedkit.preset(verbose=False, **QUIET, **{variant.removeprefix(WITHOUT): False}, **options), False
     if variant in LR_FREE:  # no LR search: the optimizer sets its own step (Prodigy) or needs no schedule
         free = variant == "preset_schedulefree"
         callbacks = [*options.pop("callbacks", ()), *([_lr_free.ScheduleFreeModes()] if free else [])]

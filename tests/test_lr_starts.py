@@ -68,6 +68,7 @@ def test_a_variant_is_later_only_when_its_median_over_the_starts_is(bench: Modul
         (["--cells", "mlp:x:0"], "--cells takes task:factor:seed"),
         (["--starts", "0"], "--starts must be at least 1, got 0"),
         ([], "--from is required"),
+        (["--quick", "--without", "lr"], "--without takes preset() levers"),
         (["--quick", "--cells", "mlp:1:0"], "--quick runs lr_tasks --quick itself"),
     ],
 )
@@ -95,17 +96,22 @@ def test_an_unknown_cell_of_the_source_is_refused_before_any_fit(
 def test_quick_fits_every_variant_from_every_start(bench: ModuleType, tmp_path: Path) -> None:
     """``--quick``: lr_tasks' quick MLP, then its right-LR cell from two starts; each variant fitted from both.
 
+    ``--without fused_optimizer`` adds ``preset(fused_optimizer=False)``: its fits decide no fused update.
     Start 0 is the benchmark's own (no nudge); start 1 every initial weight one ulp up, for every variant alike.
     """
     out = tmp_path / "starts.json"
-    result = bench.main(["--quick", "--out", str(out)])
+    result = bench.main(["--quick", "--without", "fused_optimizer", "--out", str(out)])
     assert json.loads(out.read_text())["summary"] == result["summary"]
     assert result["config"]["starts"] == 2
     (cell,) = result["cells"]
     assert (cell["task"], cell["factor"], cell["seed"]) == ("mlp", 1.0, 0)
-    assert set(cell["verdict"]) == {"naive", "preset", "preset_auto"}
+    variants = ("naive", "preset", "preset_auto", "preset_without_fused_optimizer")
+    assert list(cell["verdict"]) == list(variants)
     assert {len(times) for times in cell["times_s"].values()} == {2}
     starts = sorted((run["variant"], run["start_ulps"]) for run in result["runs"])
-    assert starts == [(v, u) for v in ("naive", "preset", "preset_auto") for u in (0, 1)]
+    assert starts == sorted((v, u) for v in variants for u in (0, 1))
+    for run in result["runs"]:  # the lever switched off is not among the decisions of its variant's fits
+        levers = run.get("decisions", {}).get("levers", {})
+        assert ("FusedOptimizer" in levers) == (run["variant"] in ("preset", "preset_auto")), levers
     for run in result["runs"]:
         assert run["time_to_target_s"] == bench.lr_tasks.time_to_target(run["timeline"], cell["target"])
