@@ -16,10 +16,10 @@ trajectory, not by a draw.
 ``--without fused_optimizer,...`` also fits ``preset()`` with each of those levers off (``preset_without_<lever>``),
 one at a time: whether a lever's own rounding (the fused update's, bf16's counted steps) is what moves a trajectory.
 
-The cells: ``--cells task:factor:seed,...`` of the ``--from`` result, or by default those it counts as later than
-every naive fit in every re-run (``..._later_beyond_noise``). Read the result with the ``--from`` file's machine and
-ISA: run it on the same machine, forced to the same ISA (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for an
-``avx2_forced`` result).
+The cells: ``--cells task:factor:seed,...`` of the ``--from`` result, or by default those it counts as later than every
+naive fit in every re-run (its cells' ``*_later_repeated`` and ``*_later_than_every``). Read the result with the
+``--from`` file's machine and ISA: run it on the same machine, forced to the same ISA (``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2`` for an ``avx2_forced`` result).
 
     python benchmarks/lr_starts.py --from benchmarks/results/xeon_amx/lr_tasks_cosine.json --threads 1 --out F
     python benchmarks/lr_starts.py --from FILE --cells transformer:10:1,mlp:1:0 --starts 8
@@ -114,16 +114,27 @@ def select(result: Mapping[str, Any], wanted: Sequence[tuple[str, float, int]] =
     return chosen
 
 
-def judge(times: Mapping[str, Sequence[float | None]], noise: float = lr_tasks.NOISE) -> dict[str, Any]:
+def judge(
+    times: Mapping[str, Sequence[float | None]],
+    epochs: Mapping[str, Sequence[int | None]] | None = None,
+    noise: float = lr_tasks.NOISE,
+) -> dict[str, Any]:
     """Per variant, its times to target over the starts judged against naive's.
 
     ``reached``, ``median_s`` (a miss is ``inf``), ``min_s``, ``max_s``; for each variant but naive
-    ``later_as_a_distribution`` (median more than ``noise`` over naive's) and ``over_naive`` (the ratio).
+    ``later_as_a_distribution`` (median more than ``noise`` over naive's; never when naive's median is a miss, as in
+    `lr_tasks.later`) and ``over_naive`` (the ratio). With ``epochs``, start by start against naive's: ``later_epochs``
+    and ``earlier_epochs`` (the starts that reached the target at a later or an earlier epoch, a miss the latest: the
+    trajectory's part) and ``same_epoch_over_naive`` (the median ratio of the times at the starts that reached it at
+    naive's epoch: the fixed price's part; None when there are none).
 
     Example:
-        >>> out = judge({"naive": [1.0, 2.0, 1.5], "preset": [1.1, None, 1.2]})
-        >>> out["preset"]["reached"], out["preset"]["median_s"], out["preset"]["later_as_a_distribution"]
+        >>> times = {"naive": [1.0, 2.0, 1.5], "preset": [1.1, None, 1.2]}
+        >>> out = judge(times, {"naive": [1, 2, 1], "preset": [1, None, 1]})["preset"]
+        >>> out["reached"], out["median_s"], out["later_as_a_distribution"]
         (2, 1.2, False)
+        >>> out["later_epochs"], out["earlier_epochs"], round(out["same_epoch_over_naive"], 2)
+        (1, 0, 0.95)
         >>> judge({"naive": [1.0, 1.0], "preset": [None, None]})["preset"]["median_s"]
         inf
     """
@@ -140,11 +151,42 @@ def judge(times: Mapping[str, Sequence[float | None]], noise: float = lr_tasks.N
         out[variant]["later_as_a_distribution"] = lr_tasks.later(
             naive if math.isfinite(naive) else None, _none_if_inf(out[variant]["median_s"]), noise
         )
+        if epochs is not None:
+            out[variant] |= _by_start(times["naive"], times[variant], epochs["naive"], epochs[variant])
     return out
+
+
+def _by_start(
+    naive_s: Sequence[float | None],
+    mine_s: Sequence[float | None],
+    naive_e: Sequence[int | None],
+    mine_e: Sequence[int | None],
+) -> dict[str, Any]:
+    """`judge`'s start-by-start comparison of one variant's epochs and times with naive's."""
+    rank = [math.inf if e is None else e for e in naive_e], [math.inf if e is None else e for e in mine_e]
+    pairs = list(zip(*rank, strict=True))
+    same = [m / n for n, m, (a, b) in zip(naive_s, mine_s, pairs, strict=True) if n and m and a == b]
+    return {
+        "later_epochs": sum(b > a for a, b in pairs),
+        "earlier_epochs": sum(b < a for a, b in pairs),
+        "same_epoch_over_naive": statistics.median(same) if same else None,
+    }
 
 
 def _none_if_inf(value: float) -> float | None:
     return None if math.isinf(value) else value
+
+
+def _json_safe(verdict: dict[str, Any]) -> dict[str, Any]:
+    """``verdict`` with an infinite median (a miss) as the string ``"inf"``: JSON has no infinity."""
+    return {
+        v: {k: "inf" if isinstance(x, float) and math.isinf(x) else x for k, x in d.items()} for v, d in verdict.items()
+    }
+
+
+def _seconds(value: float | str | None) -> float | None:
+    """A median from the JSON (`_json_safe`) for the table: None for a miss."""
+    return None if value is None or value == "inf" else float(value)
 
 
 def run_cell(
@@ -172,7 +214,7 @@ def run_cell(
     first = {v: cell.get(f"{v}_s") for v in variants}
     record = {"task": task.name, "label": cell["label"], "factor": factor, "seed": seed, "target": target}
     record |= {"flagged": flagged(cell), "first_run_s": first, "times_s": times, "epochs": epochs}
-    record["verdict"] = judge(times)
+    record["verdict"] = _json_safe(judge(times, epochs))
     return record, runs
 
 
@@ -190,7 +232,9 @@ def format_table(cells: Sequence[Mapping[str, Any]], starts: int) -> str:
                     "variant": variant,
                     "first": cell["first_run_s"][variant],
                     "reached": f"{verdict['reached']}/{starts}",
-                    "median": verdict["median_s"] if math.isfinite(verdict["median_s"]) else None,
+                    "median": _seconds(verdict["median_s"]),
+                    "moved": "" if variant == "naive" else f"{verdict['later_epochs']}/{verdict['earlier_epochs']}",
+                    "price": verdict.get("same_epoch_over_naive"),
                     "min": verdict["min_s"],
                     "max": verdict["max_s"],
                     "epochs": epochs,
@@ -206,12 +250,15 @@ def format_table(cells: Sequence[Mapping[str, Any]], starts: int) -> str:
         Column("min", 6, "min", ".2f"),
         Column("max", 6, "max", ".2f"),
         Column("  epochs to target", 20, "epochs", align="<"),
+        Column("later/earlier", 13, "moved"),
+        Column("same-epoch", 11, "price", ".3f", suffix="x"),
         Column("later", 6, "later"),
     ]
     legend = (
         f"seconds to target over {starts} starts (ulps 0..{starts - 1}); first: the lr_tasks run's own; a miss is"
-        " infinitely late; epochs: each start's (- a miss); later: the median over naive's by more than"
-        f" {lr_tasks.NOISE:.0%}"
+        " infinitely late; epochs: each start's (- a miss); later/earlier: the starts reaching it at a later or earlier"
+        " epoch than naive; same-epoch: the median time ratio at the starts reaching it at naive's epoch; later: the"
+        f" median over naive's by more than {lr_tasks.NOISE:.0%}"
     )
     return legend + "\n" + table(columns, rows, sep=" ", rule=True)
 
@@ -234,6 +281,10 @@ def run(
     variants = [*VARIANTS, *(lr_tasks.WITHOUT + name for name in without)]
     config = {"from": str(source), "starts": starts, "variants": variants, "noise_allowance": lr_tasks.NOISE}
     config |= {"schedule": result["config"].get("schedule", "constant"), "device": result["config"]["device"]}
+    machine = cpu_info().machine()
+    here, there = ((m.get("isa"), m.get("isa_limit") or "") for m in (machine, result["machine"]))
+    if here != there:
+        print(f"warning: this run's ISA {here} is not the --from run's {there}: other fits than its", file=sys.stderr)
     load_before, started = os.getloadavg(), time.perf_counter()
     records: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
@@ -259,7 +310,7 @@ def run(
     }
     out_result: dict[str, Any] = {
         "config": config,
-        "machine": cpu_info().machine(),
+        "machine": machine,
         "source_machine": result["machine"],
     }
     out_result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
@@ -284,10 +335,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.starts < 1:
         parser.error(f"--starts must be at least 1, got {args.starts}")
     try:
-        wanted = parse_cells(args.cells)
+        wanted = list(dict.fromkeys(parse_cells(args.cells)))
     except ValueError as exc:
         parser.error(str(exc))
-    without = [name.strip() for name in args.without.split(",") if name.strip()]
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    without = list(dict.fromkeys(name.strip() for name in args.without.split(",") if name.strip()))
     unknown = [name for name in without if name not in LEVERS]
     if unknown:
         parser.error(f"--without takes preset() levers ({', '.join(LEVERS)}), got {', '.join(unknown)}")

@@ -115,7 +115,7 @@ class _PrecisionTrials(CountedTrials):
         self.losses: list[list[torch.Tensor | None]] = []  # per block, each step's loss, read at the block's end
         self.rejected: dict[str, str] = {}
         self.snapshot_s = 0.0
-        self.undone_steps = 0
+        self.undone: list[list[float]] = []  # the step times of each candidate block put back: the run lost them
         self._saved: dict[str, Any] | None = None
 
     @override
@@ -149,7 +149,7 @@ class _PrecisionTrials(CountedTrials):
         if self._saved is not None:  # every rank puts its own copy back (the same weights under DDP)
             put_back(trainer, self._saved)
             self._saved = None
-            self.undone_steps += len(self.blocks[-1][1])  # steps the run lost: the probe's price, at the kept step
+            self.undone.append(self.blocks[-1][1])
         self.snapshot_s += time.perf_counter() - began
         self.rejected[name] = why
         self.drop([name], f"{why}; its block was undone", note="rejected")
@@ -172,7 +172,8 @@ class _PrecisionTrials(CountedTrials):
 
     @override
     def extra_s(self, trainer: pl.Trainer, kept_step_s: float | None) -> float:
-        undone = self.undone_steps * (kept_step_s or 0.0)  # their time beyond the kept step's is in the blocks' sum
+        # An undone block's time is all the probe's: the part over the kept step's is in the blocks' sum, the rest here.
+        undone = sum(min(sum(times), (kept_step_s or 0.0) * len(times)) for times in self.undone)
         return super().extra_s(trainer, kept_step_s) + float(
             trainer.strategy.broadcast(self.snapshot_s + undone, src=0)
         )

@@ -47,9 +47,17 @@ def test_by_default_only_the_cells_late_beyond_the_noise_are_run(bench: ModuleTy
 
 
 def test_a_variant_is_later_only_when_its_median_over_the_starts_is(bench: ModuleType) -> None:
-    """One slow draw (a miss) does not make a variant later; a cost paid on every start does."""
+    """One slow draw (a miss) does not make a variant later; a cost paid on every start does.
+
+    Start by start, a miss is the latest epoch, and the price is read where the variant reached it at naive's epoch.
+    """
     times = {"naive": [1.0, 1.2, 1.1, 1.0], "preset": [None, 1.0, 1.1, 1.05], "preset_auto": [1.3, 1.4, 1.3, 1.35]}
-    verdict = bench.judge(times)
+    epochs = {"naive": [1, 2, 1, 1], "preset": [None, 1, 1, 1], "preset_auto": [1, 2, 1, 1]}
+    verdict = bench.judge(times, epochs)
+    assert (verdict["preset"]["later_epochs"], verdict["preset"]["earlier_epochs"]) == (1, 1)
+    assert verdict["preset"]["same_epoch_over_naive"] == pytest.approx(1.025)  # starts 2 and 3: 1.0x and 1.05x
+    assert verdict["preset_auto"]["same_epoch_over_naive"] == pytest.approx((1.3 / 1.1 + 1.3) / 2)  # the middle two
+    assert bench._json_safe(bench.judge({"naive": [1.0], "preset": [None]}))["preset"]["median_s"] == "inf"
     assert verdict["naive"]["median_s"] == pytest.approx(1.05)
     assert verdict["preset"]["reached"] == 3
     assert not verdict["preset"]["later_as_a_distribution"]
@@ -67,6 +75,7 @@ def test_a_variant_is_later_only_when_its_median_over_the_starts_is(bench: Modul
         (["--cells", "mlp:1"], "--cells takes task:factor:seed"),
         (["--cells", "mlp:x:0"], "--cells takes task:factor:seed"),
         (["--starts", "0"], "--starts must be at least 1, got 0"),
+        (["--quick", "--threads", "0"], "--threads must be at least 1, got 0"),
         ([], "--from is required"),
         (["--quick", "--without", "lr"], "--without takes preset() levers"),
         (["--quick", "--cells", "mlp:1:0"], "--quick runs lr_tasks --quick itself"),
