@@ -509,10 +509,9 @@ def fit_one(
     L.seed_everything(seed, verbose=False)  # the same initial weights and batch order for every variant
     lr = task.right_lr * factor
     model = with_schedule(task.make_model(task, lr), task.schedule)
-    if start_ulps:
-        nudge_weights(model, start_ulps)
-    if variant == "naive_nudged":
-        nudge_weights(model, nudge)
+    ulps = start_ulps + (nudge if variant == "naive_nudged" else 0)  # nudges add up: one nudge of their sum
+    if ulps:
+        nudge_weights(model, ulps)
     if variant in LR_FREE:
         _lr_free.swap_optimizer(model, variant)
     timeline = Timeline(verbose=False)
