@@ -78,7 +78,9 @@ def test_demo_quick_writes_report(tmp_path: Path, demo_cache: Path, capsys: pyte
     assert list(runs) == ["baseline", "speedkit"]
     assert [run["epochs"] for run in runs.values()] == [1, 1]
     lines = printed.splitlines()
-    header = lines[next(i for i, line in enumerate(lines) if line.startswith("demo workload:")) + 1]
+    first = next(i for i, line in enumerate(lines) if line.startswith("demo workload:"))
+    assert lines[first + 1].startswith("on ")  # the CPU, as in demo.json's "machine"
+    header = lines[first + 2]
     assert header.split() == ["baseline", "speedkit"]
     times = [run["time_to_target_s"] for run in runs.values()]
     assert _row_cells(printed, "time to val_acc 0.75") == [_time_cell(t) for t in times]

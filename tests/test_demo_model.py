@@ -63,8 +63,11 @@ def test_run_demo_compares_both_variants_and_writes_json_and_png(tmp_path: Path,
     assert report["runs"]["baseline"]["choices"]["memory"] == {}  # no lever, no memory
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["runs"]["baseline"]["timeline"] == report["runs"]["baseline"]["timeline"]
+    assert saved["machine"] == cpu_info().machine()  # as the seeds' file: the CPU and the load its figures come from
+    assert [len(saved["load_average"][when]) for when in ("before", "after")] == [3, 3]
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
     table = format_report(report)
+    assert table.splitlines()[1].startswith(f"on {cpu_info().machine()['cpu'] or 'an unnamed CPU'}: ")
     assert "baseline" in table
     assert "speedkit" in table
     assert "final val_acc" in table

@@ -316,16 +316,16 @@ def run_demo(
     """Train each variant to ``config.target_acc`` and compare them.
 
     Returns:
-        ``{"config", "runs": {variant: train_variant(...)}, "speedup"}``, where ``speedup`` is the baseline's time
-        to target over speedkit's (None unless both reached it). With ``out_dir``: ``demo.json`` and, when
-        matplotlib is installed, ``demo.png`` (val accuracy vs wall time; per-step data wait vs compute).
+        ``{"config", "machine", "runs": {variant: train_variant(...)}, "speedup", "load_average"}``, as `run_seeds`
+        names the CPU and the load; ``speedup`` is the baseline's time to target over speedkit's (None unless both
+        reached it). With ``out_dir``: ``demo.json`` and, when matplotlib is installed, ``demo.png``.
     """
+    load_before = os.getloadavg()
     runs = {variant: train_variant(config, variant, out_dir, progress) for variant in variants}
-    base, fast = runs.get("baseline"), runs.get("speedkit")
-    speedup = None
-    if base and fast and base["time_to_target_s"] and fast["time_to_target_s"]:
-        speedup = base["time_to_target_s"] / fast["time_to_target_s"]
-    report: dict[str, Any] = {"config": dataclasses.asdict(config), "runs": runs, "speedup": speedup}
+    times: list[Any] = [(runs.get(variant) or {}).get("time_to_target_s") for variant in ("baseline", "speedkit")]
+    speedup = times[0] / times[1] if all(times) else None
+    report: dict[str, Any] = {"config": dataclasses.asdict(config), "machine": cpu_info().machine(), "runs": runs}
+    report |= {"speedup": speedup, "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")
         from lightning_speedkit.demo.plot import plot_demo

@@ -36,12 +36,32 @@ def format_report(report: dict[str, Any]) -> str:
         f"demo workload: {config['num_images']} images {config['image_size']}px, width {config['width']},"
         f" batch {config['batch_size']}, AdamW"
     ]
+    lines += _machine(report)
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if report.get("speedup") is not None:
         lines.append(f"speed-up (time to target, baseline / speedkit): {report['speedup']:.2f}x")
     for name in names:
         lines.append(f"{name} diagnosis: {runs[name]['advice']}")
     return "\n".join(lines)
+
+
+def _machine(report: dict[str, Any]) -> list[str]:
+    """The line naming the CPU a report's figures come from (none for a file written before it was recorded).
+
+    Example:
+        >>> _machine({"machine": {"cpu": "AMD EPYC", "cores": 2, "isa": "AVX512", "isa_limit": "", "bf16": []}})
+        ['on AMD EPYC: 2 cores, torch ISA AVX512, bf16 instructions: none']
+        >>> _machine({})
+        []
+    """
+    machine = report.get("machine")
+    if not machine:
+        return []
+    limit = f", {machine['isa_limit']}" if machine["isa_limit"] else ""
+    return [
+        f"on {machine['cpu'] or 'an unnamed CPU'}: {machine['cores']} cores, torch ISA {machine['isa']}{limit},"
+        f" bf16 instructions: {' '.join(machine['bf16']) or 'none'}"
+    ]
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -69,13 +89,7 @@ def format_seeds(report: dict[str, Any]) -> str:
         f"demo workload: {config['num_images']} images {config['image_size']}px, batch {config['batch_size']},"
         f" AdamW at {config['lr']:g}, budget {config['max_epochs']} epochs, target val_acc {config['target_acc']:.2f}",
     ]
-    machine = report.get("machine")  # files written before it was recorded have none
-    if machine:
-        limit = f", {machine['isa_limit']}" if machine["isa_limit"] else ""
-        lines.append(
-            f"on {machine['cpu'] or 'an unnamed CPU'}: {machine['cores']} cores, torch ISA {machine['isa']}{limit},"
-            f" bf16 instructions: {' '.join(machine['bf16']) or 'none'}"
-        )
+    lines += _machine(report)
     lines += [
         f"{'seed':<6}{'baseline':<22}{'speedkit':<22}{'speed-up':>9}  speedkit chose",
     ]
