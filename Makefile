@@ -58,11 +58,12 @@ test: lint typecheck pytest
 # dispatch and oneDNN are forced down to AVX2 and speedkit's hardware facts follow (hardware.forced_isa). On an
 # AVX-512 machine this catches what an AVX2 user would hit. DDP tests are left out: the ISA does not change them.
 # On a CPU without AVX-512 the forced ISA changes nothing and `make test` already ran these as that CPU does, so the
-# pass is skipped with a line saying so; FORCE_AVX2_PASS=1 runs it anyway.
+# pass is skipped with a line saying so; FORCE_AVX2_PASS=1 runs it anyway. test_compile.py compiles at AVX2 on the
+# inductor cache that `make test` filled at the machine's own ISA (a graph loaded across ISAs computed garbage).
 HW_TESTS := tests/test_hardware.py tests/test_doctor.py tests/test_recommend.py tests/test_precision.py \
 	tests/test_layout.py tests/test_channels_last.py tests/test_preset.py tests/test_demo_model.py \
 	tests/test_int8.py tests/test_int8_multi_input.py tests/test_int8_formats.py tests/test_monitor.py \
-	tests/test_fused.py
+	tests/test_fused.py tests/test_compile.py
 test-avx2: install
 	@if [ -z "$(FORCE_AVX2_PASS)" ] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 		echo "make test-avx2: this CPU has no AVX-512, so make test already ran as an AVX2-only CPU: skipped"; \

@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,16 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import KeyLogger, RankWriter, TinyClassifier, callback_of, load_benchmark, rank_records, tiny_trainer
+from conftest import (
+    ROOT,
+    KeyLogger,
+    RankWriter,
+    TinyClassifier,
+    callback_of,
+    load_benchmark,
+    rank_records,
+    tiny_trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -25,6 +37,7 @@ from typing_extensions import override
 
 from lightning_speedkit import Compile, trials
 from lightning_speedkit.compile import compile_pays_back, compile_worth_probing
+from lightning_speedkit.compile.dynamo import tag_compile_cache
 
 
 @pytest.fixture(autouse=True)
@@ -291,6 +304,45 @@ def test_a_compiled_fit_trains_with_clean_keys_and_few_recompiles(tmp_path: Path
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(eager_copy(x), model(x))
+
+
+def test_the_cache_key_names_the_cpu_isa_beside_the_users_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile's cache key tag gets the ISA torch compiles for (and a oneDNN cap), after the user's own tag."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    capability = torch.backends.cpu.get_cpu_capability()
+    with torch.compiler.config.patch(cache_key_tag="mine"):  # put back on exit (pytest's monkeypatch deletes it)
+        assert tag_compile_cache() == f"mine|speedkit-cpu-isa={capability}"
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        assert tag_compile_cache() == f"mine|speedkit-cpu-isa={capability}/AVX2"  # replaced, not appended again
+        assert torch.compiler.config.cache_key_tag == f"mine|speedkit-cpu-isa={capability}/AVX2"
+
+
+@pytest.mark.slow
+def test_one_inductor_cache_shared_by_two_isas_gives_each_its_own_graphs(tmp_path: Path) -> None:
+    """A fit compiled under a forced AVX2 ISA, then one at this CPU's own, on one cache: both compute as eager does.
+
+    Each in its own process (``tests/scripts/compile_cache.py``: the forced ISA is read when torch starts). Keyed by
+    nothing of the CPU, the second process loaded the first one's graph: on the AVX-512 EPYC the compiled module's
+    outputs were NaN after the fit, or the heap was corrupted. On an AVX2-only CPU both runs are at AVX2.
+    """
+    script = ROOT / "tests" / "scripts" / "compile_cache.py"
+    forced = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "TORCH_COMPILE_CACHE_KEY_TAG")
+    own = {name: value for name, value in os.environ.items() if name not in forced}
+    own |= {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "SPEEDKIT_DECISIONS_DIR": str(tmp_path / "dec")}
+    runs = {}
+    for name, env in (("avx2", {**own, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}), ("own", own)):
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[name] = json.loads(out.read_text())
+    assert runs["avx2"]["capability"] == "AVX2"
+    assert runs["avx2"]["cache_key_tag"] == "speedkit-cpu-isa=AVX2/AVX2"
+    assert runs["own"]["cache_key_tag"] == f"speedkit-cpu-isa={runs['own']['capability']}"
+    for run in runs.values():
+        assert run["compiled"], run
+        assert run["max_abs_gap"] is not None, run
+        assert run["max_abs_gap"] < 1e-4, run
 
 
 def test_a_backend_that_fails_falls_back_to_eager_with_one_warning(tmp_path: Path) -> None:

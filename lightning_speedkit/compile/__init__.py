@@ -8,7 +8,8 @@ place (`torch.nn.Module.compile`), inside any DDP wrapper: ``state_dict`` keys s
 eager model and back. ``benchmarks/compile.py`` sets the decision beside whole fits eager and compiled.
 
 `lightning_speedkit.compile.payback` holds the pure payback rules, `lightning_speedkit.compile.dynamo` the plumbing
-around dynamo (compile seconds; the compiled call that falls back to eager) and `lightning_speedkit.compile.callback`
+around dynamo (compile seconds; the compiled call that falls back to eager; torch.compile's cache keyed by the CPU
+ISA, `lightning_speedkit.compile.dynamo.tag_compile_cache`) and `lightning_speedkit.compile.callback`
 the `Compile` callback.
 """
 

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_int, check_margin, check_number, check_probe_steps
 from lightning_speedkit.compile.counted import DECISION_FIELDS, EAGER, CountedCompile
-from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks
+from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks, tag_compile_cache
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back
 from lightning_speedkit.decisions import loss_is_sound
 from lightning_speedkit.report import log_rank_zero
@@ -76,15 +76,15 @@ class Compile(trials.Lever):
     seconds beyond the setting kept's step time: the compile itself when the module stays eager.
 
     The probe is skipped, and the module stays eager, when the run is too short to repay the probe's steps
-    (`~lightning_speedkit.decisions.probe_pays_back`), or when, after one eager block, even steps 50% shorter could
-    not repay a compile of ``min_compile_s`` (`compile_worth_probing`). If compiling fails (in the probe, or later at
-    a call), breaks the graph more than ``max_graph_breaks`` times, or gives a clearly higher loss than the eager
-    block before it, the module stays eager with one warning and training goes on (a failed compile's steps run
-    eager). Batch-size changes and a partial last batch cost one recompile each graph (automatic dynamic shapes), not
-    one per step: `report` counts the graphs compiled after the decision. The module is compiled in place
+    (`~lightning_speedkit.decisions.probe_pays_back`), or when, after one eager block, even steps 50% shorter could not
+    repay a compile of ``min_compile_s`` (`compile_worth_probing`). If compiling fails (in the probe, or later at a
+    call), breaks the graph more than ``max_graph_breaks`` times, or gives a clearly higher loss than the eager block
+    before it, the module stays eager with one warning and training goes on (a failed compile's steps run eager).
+    Batch-size changes and a partial last batch cost one recompile each graph (automatic dynamic shapes), not one per
+    step: `report` counts the graphs compiled after the decision. The module is compiled in place
     (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys, and a deep copy of the module is eager. A
-    module the user compiled already is left alone. The decision is in ``state_dict``: a resumed run applies it
-    without probing (the life cycle is `lightning_speedkit.trials.Lever`'s).
+    module the user compiled already is left alone. torch.compile's caches are keyed by the CPU ISA first (torch keys
+    no CPU graph by it: `~lightning_speedkit.compile.dynamo.tag_compile_cache`). The decision is in ``state_dict``.
 
     Args:
         mode: ``torch.compile`` mode: one of `COMPILE_MODES`.
@@ -356,6 +356,7 @@ class Compile(trials.Lever):
     def _install(self, module: pl.LightningModule) -> CompiledCall:
         """Compile ``module`` in place (once; later calls put the same compiled function back)."""
         if self._call is None or self._call.module is not module:
+            tag_compile_cache()  # before any graph is compiled: the cache keyed by the CPU ISA
             module.compile(**self.compile_kwargs)
             compiled = module._compiled_call_impl
             if compiled is None:  # pragma: no cover - nn.Module.compile always sets it

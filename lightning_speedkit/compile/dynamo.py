@@ -1,4 +1,4 @@
-"""Plumbing around dynamo: the seconds it spends compiling, its graph breaks, and a compiled call that falls back."""
+"""Plumbing around dynamo: compile seconds, graph breaks, a compiled call that falls back, a cache key with the ISA."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
+
+from lightning_speedkit.hardware import forced_isa
 
 _callback_handler: Any
 try:
@@ -15,7 +18,10 @@ try:
 except ImportError:  # older torch: no compile callbacks; compile seconds then come from the first compiled step
     _callback_handler = None
 
-__all__ = ["CompileWatch", "CompiledCall", "graph_breaks"]
+__all__ = ["ISA_TAG", "CompileWatch", "CompiledCall", "graph_breaks", "isa_cache_tag", "tag_compile_cache"]
+
+ISA_TAG = "speedkit-cpu-isa="
+"""The part of ``torch.compiler.config.cache_key_tag`` that `tag_compile_cache` writes: the CPU ISA compiled for."""
 
 
 class CompileWatch:
@@ -105,3 +111,38 @@ class CompiledCall:
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return _no_compiled_call, ()
+
+
+def isa_cache_tag(tag: str, isa: str) -> str:
+    """``tag`` (``torch.compiler.config.cache_key_tag``) with the CPU ISA ``isa`` in it: any earlier ISA part replaced.
+
+    Example:
+        >>> isa_cache_tag("", "AVX2")
+        'speedkit-cpu-isa=AVX2'
+        >>> isa_cache_tag("mine", "AVX512")
+        'mine|speedkit-cpu-isa=AVX512'
+        >>> isa_cache_tag("mine|speedkit-cpu-isa=AVX2/AVX2", "AVX512")
+        'mine|speedkit-cpu-isa=AVX512'
+    """
+    kept = [part for part in tag.split("|") if part and not part.startswith(ISA_TAG)]
+    return "|".join([*kept, ISA_TAG + isa])
+
+
+def tag_compile_cache() -> str | None:
+    """Key torch.compile's on-disk caches by the CPU ISA this process compiles for; the tag set, or None.
+
+    Inductor compiles CPU code for the vector ISA torch dispatches to (``torch.backends.cpu.get_cpu_capability()``,
+    lowered by ``ATEN_CPU_CAPABILITY``), but torch 2.13's FX graph cache keys a CPU graph by nothing of the CPU. On
+    one cache directory, a graph compiled under ``ATEN_CPU_CAPABILITY=avx2`` was loaded by a process at AVX-512, and
+    the reverse: its outputs were not the eager module's (NaN after a fit) and the heap was corrupted ("double free
+    or corruption"), on the 2-core AVX-512 EPYC. The ISA (and a oneDNN cap, `lightning_speedkit.hardware.forced_isa`)
+    goes into ``torch.compiler.config.cache_key_tag``, which that key includes, beside any tag of the user's; it
+    stays set for the process, so a later recompile keys the same way. None on a torch without that setting.
+    """
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return None
+    level, _ = forced_isa()
+    isa = torch.backends.cpu.get_cpu_capability() + (f"/{level}" if level else "")
+    config.cache_key_tag = isa_cache_tag(str(config.cache_key_tag), isa)
+    return str(config.cache_key_tag)
