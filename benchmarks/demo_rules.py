@@ -1,7 +1,7 @@
 """Three of speedkit's rules and the probes themselves, each against the demo without it, end to end, on every seed.
 
 ``speedkit demo``'s speedkit side (``preset(lr="auto")`` on the embedded workload, the same config and budget) is run
-six ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
+several ways on each seed, beside the demo's naive baseline, all in an order that rotates from seed to seed:
 
 - ``library``: as every user gets it.
 - ``no_signal_rule``: ``LRFinder(method="range", min_signal=0)``: the range test that follows the valley of any
@@ -26,6 +26,10 @@ six ways on each seed, beside the demo's naive baseline, all in an order that ro
 - ``average``: ``library`` with ``preset(average=True)``: the library's `~lightning_speedkit.WeightAverage`, its decay
   set by the run (a time constant of a quarter of the steps between validations: 0.968 on the demo's 125-step
   epochs), updated with one fused ``lerp`` a step.
+- ``no_fused``, ``no_layout`` and ``no_fused_no_layout``: ``library`` with ``preset(fused_optimizer=False)``,
+  ``preset(channels_last=False)`` or both: the two levers that keep the math and change only its rounding (the fused
+  update, the NHWC layout), off. Whether a seed that needs more epochs than the baseline does so because of their
+  rounding (with both off, the speedkit side trains the baseline's trajectory, bit for bit, at the user's LR).
 - ``remembered``: ``library`` run twice with the same lever memory; the second run is the one counted (every lever
   applies its remembered decision, nothing is probed), the first is kept under ``first_run``: what a user's second
   run of the same job gets, beside ``no_probes`` in the same benchmark run.
@@ -81,10 +85,19 @@ WAYS = (
     "ema",
     "ema_short",
     "average",
+    "no_fused",
+    "no_layout",
+    "no_fused_no_layout",
     "remembered",
 )
 EMA_DECAYS = {"ema": 0.99, "ema_short": 0.97}
 """The ``ema`` ways' decays (Lightning's default, 0.999, averages over the demo's whole 1,000-step budget)."""
+LEVERS_OFF = {
+    "no_fused": {"fused_optimizer": False},
+    "no_layout": {"channels_last": False},
+    "no_fused_no_layout": {"fused_optimizer": False, "channels_last": False},
+}
+"""The ways with rounding-only levers switched off: their ``preset`` options."""
 
 
 def given() -> dict[str, Any]:
@@ -132,7 +145,7 @@ def run_way(config: DemoConfig, way: str) -> dict[str, Any]:
     callbacks: list[L.Callback] = [LRFinder(method="range", min_signal=0.0)] if way == "no_signal_rule" else []
     if way in EMA_DECAYS:
         callbacks = [EMAWeightAveraging(decay=EMA_DECAYS[way])]
-    options: dict[str, Any] = {"average": True} if way == "average" else {}
+    options: dict[str, Any] = {"average": True} if way == "average" else dict(LEVERS_OFF.get(way, {}))
     if way in ("no_probes", "lr_x2"):
         callbacks, options = [ChannelsLast(measure=False)], given()  # NHWC, as measured faster here, without a probe
         config = dataclasses.replace(config, lr=2 * config.lr) if way == "lr_x2" else config
@@ -153,6 +166,7 @@ def _figures(result: dict[str, Any]) -> dict[str, Any]:
         "probes": choices["probes"],
         "precision": choices.get("precision", "32-true"),
         "channels_last": choices["channels_last"],
+        "optimizer": choices["optimizer"],
         "loader": choices.get("loader", "as built"),
         "samples_per_s": result.get("samples_per_s"),
         "data_wait_fraction": result.get("data_wait_fraction"),

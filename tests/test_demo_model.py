@@ -173,6 +173,9 @@ def test_demo_rules_benchmark_runs_every_way_and_restores_the_patched_rules(tmp_
     no_probes = next(row for row in result["rows"] if row["way"] == "no_probes")
     assert (no_probes["probe_s"], no_probes["lr_reason"]) == (0.0, "as set")
     assert next(row["lr"] for row in result["rows"] if row["way"] == "lr_x2") == 2 * config.lr
+    rows = {row["way"]: row for row in result["rows"]}
+    assert (rows["no_fused"]["optimizer"], rows["no_layout"]["channels_last"]) == ("not used", "not used")
+    assert (rows["no_fused_no_layout"]["optimizer"], rows["no_fused_no_layout"]["channels_last"]) == ("not used",) * 2
     remembered = next(row for row in result["rows"] if row["way"] == "remembered")
     assert remembered["probe_s"] == 0.0
     assert "probe_s" in remembered["first_run"]
