@@ -39,7 +39,7 @@ speed-up over the baseline of the same seed (0.0 for a miss, as ``speedkit demo 
 gives each way's median speed-up and time to target (a seed that missed it counts as slower than any that reached
 it), how many seeds reached it, and the median probe seconds.
 
-    python benchmarks/demo_rules.py                 # seeds 0-4, about 7 minutes on 2 CPU cores
+    python benchmarks/demo_rules.py                 # seeds 0-4, every way: about half an hour on 2 CPU cores
     python benchmarks/demo_rules.py --quick         # a smoke run
     python benchmarks/demo_rules.py --ways library,no_probes   # the baseline and two ways
     python benchmarks/demo_rules.py --ways no_probes,remembered --out benchmarks/results/demo_remembered_rules.json
