@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_speedkit import Compile, trials
 from lightning_speedkit.compile import compile_pays_back, compile_worth_probing
-from lightning_speedkit.compile.dynamo import tag_compile_cache
+from lightning_speedkit.compile.dynamo import ISA_TAG, tag_compile_cache
 
 
 @pytest.fixture(autouse=True)
@@ -399,12 +399,14 @@ def test_graph_breaks_beyond_the_bound_keep_the_module_eager(
 
 
 def test_a_module_the_user_compiled_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``model.compile()`` before fit: no probe, the user's compiled call stays."""
+    """``model.compile()`` before fit: no probe, the user's compiled call stays; its graphs' cache keys name the ISA."""
     monkeypatch.setattr(trials, "TrialSession", lambda *a, **k: pytest.fail("probed a user-compiled module"))
     model = TinyClassifier()
     model.compile(backend="eager")
     users = model._compiled_call_impl
-    tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback := Compile()]).fit(model)
+    with torch.compiler.config.patch(cache_key_tag=""):  # the graphs compile at the fit's first call
+        tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback := Compile()]).fit(model)
+        assert torch.compiler.config.cache_key_tag.startswith(ISA_TAG)
     assert callback.report()["status"] == "compiled by the user: left as it is"
     assert model._compiled_call_impl is users
 

@@ -83,8 +83,8 @@ class Compile(trials.Lever):
     Batch-size changes and a partial last batch cost one recompile each graph (automatic dynamic shapes), not one per
     step: `report` counts the graphs compiled after the decision. The module is compiled in place
     (`torch.nn.Module.compile`): no ``_orig_mod.`` in ``state_dict`` keys, and a deep copy of the module is eager. A
-    module the user compiled already is left alone. torch.compile's caches are keyed by the CPU ISA first (torch keys
-    no CPU graph by it: `~lightning_speedkit.compile.dynamo.tag_compile_cache`). The decision is in ``state_dict``.
+    module the user compiled already is left alone. At fit start torch.compile's caches are keyed by the CPU ISA (torch
+    keys no CPU graph by it: `~lightning_speedkit.compile.dynamo.tag_compile_cache`). The decision is in ``state_dict``.
 
     Args:
         mode: ``torch.compile`` mode: one of `COMPILE_MODES`.
@@ -185,6 +185,7 @@ class Compile(trials.Lever):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tag_compile_cache()  # before any graph compiles, ours or the user's: the caches keyed by the CPU ISA
         users = pl_module._compiled_call_impl
         if (users is not None and not isinstance(users, CompiledCall)) or pl_module._compiler_ctx is not None:
             self._status = "compiled by the user: left as it is"
@@ -356,7 +357,6 @@ class Compile(trials.Lever):
     def _install(self, module: pl.LightningModule) -> CompiledCall:
         """Compile ``module`` in place (once; later calls put the same compiled function back)."""
         if self._call is None or self._call.module is not module:
-            tag_compile_cache()  # before any graph is compiled: the cache keyed by the CPU ISA
             module.compile(**self.compile_kwargs)
             compiled = module._compiled_call_impl
             if compiled is None:  # pragma: no cover - nn.Module.compile always sets it
