@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CPU_FLAGS",
+    "ISA_ENV",
     "CpuInfo",
     "GpuInfo",
     "cpu_info",
@@ -50,6 +51,9 @@ _FLAG_LEVEL: dict[str, str] = {
     "amx_int8": "AVX512_CORE_AMX",
     "amx_bf16": "AVX512_CORE_AMX",
 }
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""The environment variables that force the ISA down (`forced_isa`): torch's, oneDNN's, and oneDNN's old name."""
+
 # ATEN_CPU_CAPABILITY's values as caps: "default" means below AVX2; "avx512" is torch's top, so no cap.
 _ATEN_CAPS = {"default": "AVX", "avx2": "AVX2"}
 
@@ -231,10 +235,10 @@ def forced_isa(environ: Mapping[str, str] | None = None) -> tuple[str | None, st
     """
     env = os.environ if environ is None else environ
     caps: list[tuple[str, str]] = []
-    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    aten = env.get(ISA_ENV[0], "").strip().lower()
     if aten in _ATEN_CAPS:
-        caps.append((_ATEN_CAPS[aten], f"ATEN_CPU_CAPABILITY={aten}"))
-    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        caps.append((_ATEN_CAPS[aten], f"{ISA_ENV[0]}={aten}"))
+    for name in ISA_ENV[1:]:
         value = env.get(name, "").strip().upper()
         level = _ISA_ALIASES.get(value, value)
         if level in _ISA_LEVELS:

@@ -9,9 +9,11 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from lightning_speedkit.hardware import cpu_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -24,6 +26,7 @@ __all__ = [
     "collect_reports",
     "flatten_reports",
     "log_rank_zero",
+    "machine_and_load",
     "quiet_logger",
     "write_json_atomic",
     "write_text_atomic",
@@ -206,6 +209,16 @@ def flatten_reports(reports: dict[str, Any], prefix: str = "speedkit") -> dict[s
         elif isinstance(value, (bool, int, float, str)):
             flat[name] = value
     return flat
+
+
+def machine_and_load(load_before: Sequence[float]) -> dict[str, Any]:
+    """Where a report's figures come from: the CPU, and how busy the machine was (a busy one makes every figure noisy).
+
+    ``machine`` is `lightning_speedkit.hardware.CpuInfo.machine`; ``load_average`` the 1/5/15-minute load
+    ``load_before`` the work (``os.getloadavg()``) and after it, now.
+    """
+    load = {"before": list(load_before), "after": list(os.getloadavg())}
+    return {"machine": cpu_info().machine(), "load_average": load}
 
 
 def log_rank_zero(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:

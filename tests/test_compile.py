@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_speedkit import Compile, trials
 from lightning_speedkit.compile import compile_pays_back, compile_worth_probing
 from lightning_speedkit.compile.dynamo import ISA_TAG, tag_compile_cache
+from lightning_speedkit.hardware import ISA_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -308,7 +309,7 @@ def test_a_compiled_fit_trains_with_clean_keys_and_few_recompiles(tmp_path: Path
 
 def test_the_cache_key_names_the_cpu_isa_beside_the_users_tag(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile's cache key tag gets the ISA torch compiles for (and a oneDNN cap), after the user's own tag."""
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+    for name in ISA_ENV:
         monkeypatch.delenv(name, raising=False)
     capability = torch.backends.cpu.get_cpu_capability()
     with torch.compiler.config.patch(cache_key_tag="mine"):  # put back on exit (pytest's monkeypatch deletes it)
@@ -327,7 +328,7 @@ def test_one_inductor_cache_shared_by_two_isas_gives_each_its_own_graphs(tmp_pat
     outputs were NaN after the fit, or the heap was corrupted. On an AVX2-only CPU both runs are at AVX2.
     """
     script = ROOT / "tests" / "scripts" / "compile_cache.py"
-    forced = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "TORCH_COMPILE_CACHE_KEY_TAG")
+    forced = (*ISA_ENV, "TORCH_COMPILE_CACHE_KEY_TAG")
     own = {name: value for name, value in os.environ.items() if name not in forced}
     own |= {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "SPEEDKIT_DECISIONS_DIR": str(tmp_path / "dec")}
     runs = {}

@@ -13,6 +13,7 @@ import torch
 
 from lightning_speedkit.hardware import (
     CPU_FLAGS,
+    ISA_ENV,
     GpuInfo,
     cpu_info,
     forced_isa,
@@ -104,7 +105,7 @@ def test_cpu_info_reads_given_cpuinfo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, flags: tuple[str, ...], has_amx: bool
 ) -> None:
     """`cpu_info` keeps only the flags that matter, in CPU_FLAGS order, and reads the model name."""
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+    for name in ISA_ENV:
         monkeypatch.delenv(name, raising=False)
     path = tmp_path / "cpuinfo"
     path.write_text(text)
@@ -163,7 +164,7 @@ def test_a_forced_isa_hides_the_flags_above_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], flags: tuple[str, ...], limit: str
 ) -> None:
     """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA make an AVX-512 bf16 CPU's facts those of the CPU they force."""
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+    for name in ISA_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -21,8 +21,7 @@ from lightning_speedkit.checks import check_bool, check_int, check_number, is_in
 from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
-from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.report import collect_reports, write_json_atomic
+from lightning_speedkit.report import collect_reports, machine_and_load, write_json_atomic
 
 __all__ = [
     "ABLATION",
@@ -324,8 +323,7 @@ def run_demo(
     runs = {variant: train_variant(config, variant, out_dir, progress) for variant in variants}
     times: list[Any] = [(runs.get(variant) or {}).get("time_to_target_s") for variant in ("baseline", "speedkit")]
     speedup = times[0] / times[1] if all(times) else None
-    report: dict[str, Any] = {"config": dataclasses.asdict(config), "machine": cpu_info().machine(), "runs": runs}
-    report |= {"speedup": speedup, "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
+    report = {"config": dataclasses.asdict(config), "runs": runs, "speedup": speedup, **machine_and_load(load_before)}
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")
         from lightning_speedkit.demo.plot import plot_demo
@@ -393,8 +391,7 @@ def run_seeds(
         "baseline_reached": sum(1 for row in rows if row["baseline"]["time_to_target_s"]),
         "total": len(rows),
     }
-    report = {"config": dataclasses.asdict(config), "machine": cpu_info().machine(), "seeds": rows, "summary": summary}
-    report["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}  # how quiet the machine was
+    report = {"config": dataclasses.asdict(config), "seeds": rows, "summary": summary, **machine_and_load(load_before)}
     if out_dir is not None:
         write_json_atomic(report, Path(out_dir) / "demo.json")
     return report

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import TinyClassifier
+from conftest import TinyClassifier, tiny_trainer
 
 from lightning_speedkit import Compile
 
@@ -31,17 +31,7 @@ from lightning_speedkit import Compile
 def main(out: str) -> None:
     L.seed_everything(0, verbose=False)
     model = TinyClassifier(num_samples=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[Compile(measure=False)],
-    )
-    trainer.fit(model)
+    tiny_trainer(Path(out).parent, max_epochs=2, callbacks=[Compile(measure=False)]).fit(model)
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         eager, compiled = copy.deepcopy(model)(x), model(x)
