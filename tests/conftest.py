@@ -256,6 +256,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     config.stash[_DECISIONS] = tempfile.mkdtemp(prefix="speedkit-test-decisions-")
     os.environ["SPEEDKIT_DECISIONS_DIR"] = config.stash[_DECISIONS]
+    # torch reads ATEN_CPU_CAPABILITY once, at its first get_cpu_capability(): read it now, before a test clears the
+    # variable (tests/test_hardware.py does, to read a cpuinfo file as is). Alone under the forced ISA, that file's
+    # first such test fixed torch's dispatch at AVX-512 for the rest of the session, and a later test failed.
+    torch.backends.cpu.get_cpu_capability()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
