@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_speedkit.lr_search import scored
 from lightning_speedkit.schedule import cooldown_start, still_falling
 from lightning_speedkit.trials import Setting, TrialSession
 
@@ -178,7 +179,8 @@ def run_trial(
 
     Both sides start from the run's state at this epoch's start and everything is put back afterwards
     (`lightning_speedkit.trials.TrialSession`); ``pin`` fixes the schedule's multiplier for a side. Returns each
-    side's losses and the seconds both took, or why there is no verdict (a side failed, a loss was not a scalar).
+    side's losses and the seconds both took, or why there is no verdict (a side failed, a loss was not a finite
+    scalar). A batch the ``training_step`` skips (no loss in the held side) is left out of both (`scored`).
     """
     with TrialSession(trainer, steps, warmup=0, replay=True) as session:
         batches = session.batches_per_epoch()
@@ -189,8 +191,8 @@ def run_trial(
     failed = next((side for side in sides if not side.fits), None)
     if failed is not None:
         return f"its {failed.setting} side failed ({failed.error})"
-    held, cooled = ([v for v in side.losses if v is not None and math.isfinite(v)] for side in sides)
-    if len(held) != steps or len(cooled) != steps:
+    held, cooled = (scored(sides[0].losses, side.losses) for side in sides)  # a batch the step skips: left out
+    if len(held) < 2 or len(cooled) != len(held) or not all(map(math.isfinite, held + cooled)):
         return "a trial step gave no finite scalar loss"
     return held, cooled, session.elapsed_s
 

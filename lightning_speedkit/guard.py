@@ -84,7 +84,8 @@ class TrainingGuard(LeanCallback):
     steps between two (the median of the first ten), so the insurance costs at most 1% of the run (a large model
     whose copy to host takes longer gets rarer snapshots); rank zero's choice holds on every rank. Each step's train
     loss, averaged over ranks (so every rank decides alike), is checked (read after each step, or in batches of
-    ``check_every_n_steps``):
+    ``check_every_n_steps``; under manual optimization, a step that returns no scalar loss is not watched:
+    ``unwatched`` in `report`, and one warning):
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
@@ -175,6 +176,7 @@ class TrainingGuard(LeanCallback):
         self._snapshot: dict[str, Any] | None = None
         self._first: dict[str, Any] | None = None
         self._watch_only = ""
+        self._unwatched = 0  # manual optimization's steps that returned no scalar loss
         self._snapshot_size = 0
         self._every = every_n_steps or SNAPSHOT_EVERY
         self._snapshot_s = 0.0
@@ -191,6 +193,7 @@ class TrainingGuard(LeanCallback):
         "lr_scale": float,
         "events": ListOf(dict),
         "pending": ListOf(ListOf((int, float))),
+        "unwatched": int,
     }
     """What a checkpoint may hold for the guard (checked before anything is restored: `lightning_speedkit.restore`)."""
 
@@ -222,12 +225,16 @@ class TrainingGuard(LeanCallback):
         if pl_module.automatic_optimization and (outputs is None or outputs == {}):
             return  # `training_step` returned None: Lightning skipped the batch, and so does the guard
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            got = "None" if outputs is None or outputs == {} else repr(outputs)[:80]
-            raise ValueError(
-                "TrainingGuard: `training_step` must return a scalar loss tensor (or a dict with one under 'loss'),"
-                f" got {got}; remove the guard for manual optimization without a returned loss."
-            )
+        if not isinstance(loss, Tensor) or loss.numel() != 1:  # manual optimization: the step is not watched
+            self._unwatched += 1
+            if self._unwatched == 1:
+                got = "None" if outputs is None or outputs == {} else repr(outputs)[:80]
+                rank_zero_warn(
+                    f"TrainingGuard: `training_step` returned no scalar loss under manual optimization (got {got}):"
+                    " such steps are not watched, and nothing rolls them back; return the loss (a scalar tensor, or"
+                    " a dict with one under 'loss') to have them guarded."
+                )
+            return
         self._pending.append((trainer.global_step, loss.detach().float().reshape(())))
         if (len(self._pending) >= self.check_every_n_steps or trainer.is_last_batch) and not self._check(trainer):
             return
@@ -272,6 +279,7 @@ class TrainingGuard(LeanCallback):
             # Unread losses, this rank's, read after a resume. Under DDP a checkpoint holds rank 0's state, so those
             # steps (< check_every_n_steps) are then judged by rank 0's losses on every rank; none with the default 1.
             "pending": [[step, float(v)] for step, v in self._pending],
+            "unwatched": self._unwatched,
         }
 
     @override
@@ -284,14 +292,15 @@ class TrainingGuard(LeanCallback):
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
         self._events = list(state_dict.get("events", []))
         self._pending = [(int(step), float(v)) for step, v in state_dict.get("pending", [])]
+        self._unwatched = int(state_dict.get("unwatched", 0))
 
     def report(self) -> dict[str, Any]:
         """What the guard did, as a plain dict.
 
         Keys: ``rollbacks``, ``lr_scale`` (the product of the backoffs), ``events`` (step, trigger, loss (None when
         non-finite), restored step, LR scale), ``snapshot_bytes``, ``snapshot_s`` (the first snapshot's seconds),
-        ``every_n_steps`` (the interval in use), ``check_every_n_steps`` (losses read at once) and ``watch_only`` (why
-        no snapshot is kept, if so).
+        ``every_n_steps`` (the interval in use), ``check_every_n_steps`` (losses read at once), ``watch_only`` (why
+        no snapshot is kept, if so) and ``unwatched`` (steps of manual optimization that returned no scalar loss).
         """
         return {
             "rollbacks": self._rollbacks,
@@ -302,6 +311,7 @@ class TrainingGuard(LeanCallback):
             "every_n_steps": self._every,
             "watch_only": self._watch_only,
             "check_every_n_steps": self.check_every_n_steps,
+            "unwatched": self._unwatched,
         }
 
     def _judge(self, value: float, step: int) -> str | None:
@@ -366,19 +376,12 @@ class TrainingGuard(LeanCallback):
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
         self._lr_scale = new_scale
         self._losses.clear()
-        self._pending.clear()
-        self._spiked = False
+        self._pending, self._spiked = [], False
         if trigger == "stalled":
             self._start_losses, self._stall_from = [], step
-        self._events.append(
-            {
-                "step": step,
-                "trigger": trigger,
-                "loss": loss if math.isfinite(loss) else None,  # None for NaN/inf: the report stays plain JSON
-                "restored_step": snapshot["step"],
-                "lr_scale": new_scale,
-            }
-        )
+        finite = loss if math.isfinite(loss) else None  # None for NaN/inf: the report stays plain JSON
+        event = {"step": step, "trigger": trigger, "loss": finite, "restored_step": snapshot["step"]}
+        self._events.append({**event, "lr_scale": new_scale})
         rank_zero_warn(
             f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and"
             f" multiplied the LR by {self.backoff} (now x{new_scale:.3g}); rollback {self._rollbacks}"

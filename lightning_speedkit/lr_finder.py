@@ -23,7 +23,7 @@ from lightning_speedkit.lr import (
     suggest_lr,
     warmup_start,
 )
-from lightning_speedkit.lr_search import GRID, REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, walk
+from lightning_speedkit.lr_search import GRID, REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, scored, walk
 from lightning_speedkit.lr_trial import RangeTest, Scaled
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
@@ -225,13 +225,14 @@ class LRFinder(trials.Lever):
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
         k = self._trial_steps(left)
         budget = self.max_fraction * left
-        curves, probe_s, rise = self._walk(trainer, k, _fits(budget, k))
-        used = _steps(curves)
+        curves, probe_s, rise, used = self._walk(trainer, k, _fits(budget, k))
+        if not curves[REFERENCE]:
+            return _no_loss(user_lr, used, probe_s)
         room = min(budget - used, _PLATEAU_SHARE * left)
         retry = not rise and plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room
         if retry:
-            curves, seconds, rise = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: again, 4 times as long
-            used, probe_s = used + _steps(curves), probe_s + seconds
+            curves, seconds, rise, steps = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: 4 times as long
+            used, probe_s = used + steps, probe_s + seconds
         if rise:
             chosen, why = 1.0, _rise_reason(rise)
             rank_zero_warn(f"LRFinder: {why}.")
@@ -266,44 +267,57 @@ class LRFinder(trials.Lever):
 
     def _walk(
         self, trainer: pl.Trainer, steps: int, most: float
-    ) -> tuple[dict[float, list[float]], float, list[float]]:
+    ) -> tuple[dict[float, list[float]], float, list[float], int]:
         """`lightning_speedkit.lr_search.walk` over at most ``most`` trials of ``steps`` real steps; their seconds.
 
         The third item is the step LRs of the trial at the user's LR when the user's schedule rose under it
-        (`lightning_speedkit.lr.rises`): the walk stops there, with the trials run so far; else empty.
+        (`lightning_speedkit.lr.rises`): the walk stops there, with the trials run so far; else empty. The fourth is
+        the steps run. Each trial's losses are those at the steps the reference scored (`scored`: a batch the
+        ``training_step`` skips is left out); a reference with no loss at all stops the walk with no other trial.
         """
         curves: dict[float, list[float]] = {}
         rise: list[float] = []
+        ran, reference = [0], list[float | None]()  # the steps run; the reference's losses (None: a step gave none)
         with TrialSession(trainer, steps, warmup=0, replay=True) as session:
             batches = session.batches_per_epoch()
             ceiling = [math.inf]  # once the reference ran: a trial over it has broken, and stops there (`Scaled`)
 
             def trial(scale: float) -> list[float]:
                 setting = Scaled(scale, ceiling[0])
-                curves[scale] = _losses(session.run(setting, max_batches=batches))
+                result = session.run(setting, max_batches=batches)
+                ran[0] += len(result.losses)
+                if scale == REFERENCE and result.fits:
+                    reference.extend(result.losses)
+                curves[scale] = scored(reference or result.losses, result.losses) if result.fits else [math.nan]
                 if scale == REFERENCE:
+                    if not curves[scale]:  # no step gave a loss: nothing to compare LRs by
+                        raise _Stop
                     ceiling[0] = broke_ceiling(curves[scale])
                 elif scale == 1.0 and rises(setting.lrs):
                     rise.extend(setting.lrs)
-                    raise _Rose
+                    raise _Stop
                 return curves[scale]
 
-            with contextlib.suppress(_Rose):
+            with contextlib.suppress(_Stop):
                 walk(trial, most, self.min_scale, self._highest_tried)
-        return curves, session.elapsed_s, rise
+        return curves, session.elapsed_s, rise, ran[0]
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
         user_lr = param_group_lrs(trainer.optimizers)[0][0]
         with TrialSession(trainer, self.steps, warmup=0) as session:
             batches = session.batches_per_epoch()
             result = session.run(RangeTest(self.factors, self.smoothing, self.divergence), max_batches=batches)
-        losses = [math.nan if v is None else v for v in result.losses]
-        lrs = [user_lr * f for f in self.factors[: len(losses)]]
-        report: dict[str, Any] = {"method": "range", "user_lr": user_lr, "steps": len(losses), "probed": True}
+        steps = list(zip(self.factors, result.losses, strict=False))  # a step with no loss (skipped) is left out
+        lrs, losses = [user_lr * f for f, v in steps if v is not None], [float(v) for _, v in steps if v is not None]
+        report: dict[str, Any] = {"method": "range", "user_lr": user_lr, "steps": len(steps), "probed": True}
         report["probe_s"] = session.elapsed_s
         report["curve"] = {"lrs": lrs, "losses": losses, "smoothed": smooth_losses(losses, self.smoothing)}
         if not result.fits:
             report.update(suggested_lr=None, chosen_lr=user_lr, scale=1.0, reason=f"the test failed: {result.error}")
+            return report
+        if not losses:
+            rank_zero_warn(f"LRFinder: {_NO_LOSS}.")
+            report.update(suggested_lr=None, chosen_lr=user_lr, scale=1.0, reason=_NO_LOSS)
             return report
         suggested, why = suggest_lr(lrs, losses, self.smoothing, self.min_signal)
         if suggested is None:
@@ -317,8 +331,31 @@ class LRFinder(trials.Lever):
         return report
 
 
-class _Rose(Exception):
-    """The user's schedule rose under the trial at their LR: the walk stops (`LRFinder._walk`)."""
+class _Stop(Exception):
+    """The walk stops (`LRFinder._walk`): the schedule rose under the user's LR, or the reference had no loss."""
+
+
+_NO_LOSS = (
+    "`training_step` returned no loss at any step of the search (manual optimization that returns none?): nothing to"
+    " compare LRs by; your LR is kept (return the loss to have it searched)"
+)
+
+
+def _no_loss(user_lr: float, steps: int, probe_s: float) -> dict[str, Any]:
+    """The trials' report when the reference trial's ``training_step`` returned no loss: the user's LR, kept."""
+    rank_zero_warn(f"LRFinder: {_NO_LOSS}.")
+    return {
+        "method": "trials",
+        "user_lr": user_lr,
+        "steps": steps,
+        "probed": True,
+        "probe_s": probe_s,
+        "trials": {"scales": [], "losses": []},
+        "suggested_lr": None,
+        "chosen_lr": user_lr,
+        "scale": 1.0,
+        "reason": _NO_LOSS,
+    }
 
 
 def _schedule_rules_out(trainer: pl.Trainer, method: str) -> str:
@@ -355,15 +392,3 @@ def _rise_reason(lrs: list[float]) -> str:
 def _fits(budget: float, steps: int) -> float:
     """How many trials of ``steps`` fit in ``budget`` steps: whole ones, or ``inf`` for a run with no step limit."""
     return math.inf if math.isinf(budget) else float(budget // steps)
-
-
-def _steps(curves: dict[float, list[float]]) -> int:
-    """The steps the trials ran (a trial that broke stops at the step it broke)."""
-    return sum(len(losses) for losses in curves.values())
-
-
-def _losses(result: trials.TrialResult) -> list[float]:
-    """A trial's losses (NaN for a missing one); a failed trial is one NaN, so the search treats it as broken."""
-    if not result.fits:
-        return [math.nan]
-    return [math.nan if v is None else float(v) for v in result.losses]

@@ -29,6 +29,7 @@ __all__ = [
     "paired_gain",
     "plateau",
     "progress_of",
+    "scored",
     "walk",
 ]
 
@@ -81,6 +82,23 @@ def paired_gain(base: Sequence[float], other: Sequence[float]) -> tuple[float, f
     slope = sum(t * d for t, d in enumerate(diffs)) / weight
     residual = sum((d - slope * t) ** 2 for t, d in enumerate(diffs)) / (n - 1)
     return round(slope * (n - 1), 12), round(math.sqrt(residual / weight) * (n - 1), 12)
+
+
+def scored(reference: Sequence[float | None], losses: Sequence[float | None]) -> list[float]:
+    """A trial's losses at the steps where the reference trial has one, NaN where only the reference has one.
+
+    The trials run the same batches in the same order, so a batch the user's ``training_step`` skips (it returns no
+    loss: Lightning's way to skip a batch) is skipped in every trial and is left out of each. A loss missing where the
+    reference has one is NaN: the trial broke there (a step that skips a non-finite loss). A trial that stopped early
+    (it broke) is as long as it ran.
+
+    Example:
+        >>> scored([2.0, None, 1.9, 1.8], [2.0, None, 1.7, None])
+        [2.0, 1.7, nan]
+        >>> scored([2.0, None, 1.9], [2.0, 1.8])
+        [2.0]
+    """
+    return [math.nan if v is None else float(v) for r, v in zip(reference, losses, strict=False) if r is not None]
 
 
 def progress_of(curves: Curves) -> dict[float, float]:

@@ -37,7 +37,10 @@ def broke_after(ceiling: float) -> Callable[[Sequence[float]], bool]:
 
 
 class _StopWhen(Callback):
-    """Ends a trial after the first step whose losses so far pass ``test``; rank zero's losses decide for every rank."""
+    """Ends a trial after the first step whose losses so far pass ``test``; rank zero's losses decide for every rank.
+
+    A step that returned no loss (a batch the ``training_step`` skipped) is not tested.
+    """
 
     def __init__(self, test: Callable[[Sequence[float]], bool]) -> None:
         self.test = test
@@ -48,8 +51,9 @@ class _StopWhen(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = trials.loss_of(outputs)
-        self.losses.append(math.nan if loss is None else loss)
-        if trainer.strategy.broadcast(self.test(self.losses), src=0):  # every rank stops at the same step
+        if loss is not None:  # a step that returned none (a skipped batch) is not tested, but still broadcast
+            self.losses.append(loss)
+        if trainer.strategy.broadcast(loss is not None and self.test(self.losses), src=0):  # every rank stops alike
             trainer.should_stop = True
 
 

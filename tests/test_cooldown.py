@@ -1,4 +1,4 @@
-"""The cool-down check's pure parts: the verdict on a window of losses, and which steps it watches."""
+"""The cool-down check: the verdict on a window of losses, which steps it watches, and its trial on real steps."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
-from conftest import load_benchmark
+from conftest import TinyClassifier, load_benchmark, tiny_trainer
 
 from lightning_speedkit.cooldown import (
     MIN_STEPS,
@@ -17,6 +19,7 @@ from lightning_speedkit.cooldown import (
     check_method,
     check_window,
     paired_gap,
+    run_trial,
     trial_holds,
     trial_plan,
 )
@@ -146,3 +149,27 @@ def test_the_trials_paired_gap_compares_the_second_half_batch_by_batch() -> None
     assert z > 0  # the cooled LR's loss is lower: cool down
     assert not trial_holds([1.0, 1.0, 1.3, 1.2], [1.0, 1.0, 1.0, 1.1])
     assert trial_holds([1.0, 1.0, 1.0, 1.1, 1.0], [1.0, 1.0, 1.05, 1.2, 1.2], z=1.0)  # a lower bar holds sooner
+
+
+class _SkipsSome(TinyClassifier):
+    """Skips one batch in four: its ``training_step`` returns None there (Lightning's way to skip a batch)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 4 == 1 else loss
+
+
+class _Trial(L.Callback):
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.result = run_trial(trainer, lambda factor: None, steps=8)
+
+
+def test_the_trial_leaves_the_batches_the_step_skips_out_of_both_sides(tmp_path: Path) -> None:
+    """A step that skips a batch in four still gets a verdict: its 8 steps give 6 losses a side, none missing."""
+    trial = _Trial()
+    trainer = tiny_trainer(tmp_path, callbacks=[trial], max_epochs=1, limit_val_batches=0)
+    trainer.fit(_SkipsSome(num_samples=128, batch_size=8))
+    assert not isinstance(trial.result, str), trial.result
+    held, cooled, _ = trial.result
+    assert len(held) == len(cooled) == 6
+    assert all(math.isfinite(v) for v in held + cooled)

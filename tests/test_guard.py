@@ -178,8 +178,11 @@ def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)
 
 
-def test_a_step_without_a_scalar_loss_is_a_clear_error(tmp_path: Path) -> None:
-    """A manually optimized training_step that returns no loss gets an error naming what it returned."""
+def test_a_manual_step_that_returns_no_loss_is_not_watched_and_the_fit_goes_on(tmp_path: Path) -> None:
+    """Manual optimization whose training_step returns no loss (a GAN's usual form) is not watched.
+
+    One warning names what it returned, the fit runs to its end, and the report counts the steps left unwatched.
+    """
 
     class NoLoss(TinyClassifier):
         def __init__(self) -> None:
@@ -193,8 +196,14 @@ def test_a_step_without_a_scalar_loss_is_a_clear_error(tmp_path: Path) -> None:
             self.manual_backward(super().training_step(batch, batch_idx))
             optimizer.step()  # type: ignore[union-attr]
 
-    with pytest.raises(ValueError, match=r"must return a scalar loss.*got None"):
-        _fit(tmp_path, NoLoss(), TrainingGuard())
+    guard = TrainingGuard()
+    with pytest.warns(UserWarning, match=r"returned no scalar loss under manual optimization \(got None\)") as caught:
+        trainer = _fit(tmp_path, NoLoss(), guard)
+    assert sum("no scalar loss" in str(w.message) for w in caught) == 1
+    assert trainer.global_step == 16  # 2 epochs of 8 batches: the fit ran to its end
+    assert guard.report()["unwatched"] == 16
+    assert guard.report()["rollbacks"] == 0
+    assert guard.state_dict()["unwatched"] == 16  # a resumed fit's report still counts them
 
 
 def test_a_skipped_batch_is_skipped_and_not_a_fault(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,60 @@ def test_short_sgd_job_at_a_lr_100x_too_low_gets_it_raised(tmp_path: Path) -> No
     finder = callback_of(trainer, LRFinder)
     assert finder.report()["scale"] >= 10.0, finder.report()["reason"]
     assert trainer.optimizers[0].param_groups[0]["lr"] >= 1e-4
+
+
+class _SkipsSome(TinyClassifier):
+    """Skips one batch in five: its ``training_step`` returns None there (Lightning's way to skip a batch)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 5 == 3 else loss
+
+
+def test_batches_the_step_skips_are_left_out_of_every_trial(tmp_path: Path) -> None:
+    """Adam at 1e-4 (100x too low) whose step skips a batch in five is raised, as without skips.
+
+    The skipped steps are left out of every trial's losses, where they counted as a blow-up and sent the walk down.
+    """
+    L.seed_everything(0, verbose=False)
+    finder = LRFinder(**FINDER)
+    _fit(tmp_path, _SkipsSome(lr=1e-4, optimizer="adam", num_samples=256, batch_size=16), finder)
+    report = finder.report()
+    assert report["scale"] >= 10.0, report["reason"]
+    curves = report["trials"]["losses"]
+    assert all(math.isfinite(v) for curve in curves for v in curve)
+    assert min(report["trials"]["scales"]) == 0.0  # the walk went up from the user's LR, not down
+    assert report["steps"] > sum(len(curve) for curve in curves)  # the skipped steps ran, and were left out
+
+
+class _ManualNoLoss(TinyClassifier):
+    """Manual optimization whose ``training_step`` returns nothing (a GAN's usual form)."""
+
+    def __init__(self) -> None:
+        L.seed_everything(0, verbose=False)
+        super().__init__(lr=1e-4, optimizer="adam", num_samples=256, batch_size=16)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer: Any = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+@pytest.mark.parametrize("options", [FINDER, RANGE], ids=["trials", "range"])
+def test_a_step_that_returns_no_loss_keeps_the_lr_and_says_why(tmp_path: Path, options: dict[str, Any]) -> None:
+    """No loss to compare LRs by: the user's LR is kept with that reason, after the reference trial alone."""
+    finder = LRFinder(**options)
+    with pytest.warns(UserWarning, match="returned no loss at any step of the search"):
+        trainer = _fit(tmp_path, _ManualNoLoss(), finder)
+    report = finder.report()
+    assert report["scale"] == 1.0
+    assert "returned no loss" in report["reason"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
+    if options is FINDER:
+        assert report["trials"]["scales"] == []
+        assert 0 < report["steps"] <= 16  # one trial
 
 
 class _NoLR(TinyClassifier):

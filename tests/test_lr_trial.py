@@ -83,24 +83,29 @@ def test_the_search_decides_as_it_did_when_broken_trials_ran_to_their_end(
         assert losses == full[: len(losses)]
 
 
-def test_stop_when_asks_its_test_after_every_step() -> None:
-    """A trial's stop callback keeps every step's loss (NaN for a step without one) and hands them all to its test."""
+def test_stop_when_asks_its_test_after_every_step_with_a_loss() -> None:
+    """A trial's stop callback hands every loss so far to its test after each step that gave one.
+
+    A step without a loss (a skipped batch) is not tested, yet its verdict is still broadcast: every rank takes part
+    in each step's broadcast, whichever rank skipped its batch.
+    """
     seen: list[list[float]] = []
     stop = _StopWhen(lambda losses: bool(seen.append(list(losses))))
+    broadcasts: list[Any] = []
 
     class _Strategy:
         def broadcast(self, value: Any, src: int = 0) -> Any:
+            broadcasts.append(value)
             return value
 
     class _Trainer:
         strategy = _Strategy()
         should_stop = False
 
-    for outputs in ({"loss": torch.tensor(1.5)}, None):
+    for outputs in ({"loss": torch.tensor(1.5)}, None, {"loss": torch.tensor(2.0)}):
         stop.on_train_batch_end(_Trainer(), None, outputs, None, 0)  # type: ignore[arg-type]
-    assert seen[0] == [1.5]
-    assert seen[1][0] == 1.5
-    assert math.isnan(seen[1][1])
+    assert seen == [[1.5], [1.5, 2.0]]
+    assert broadcasts == [False, False, False]
 
 
 class _ManualLambda(TinyClassifier):

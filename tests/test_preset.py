@@ -222,6 +222,38 @@ def test_preset_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert trainer.speedkit.decisions() == {}  # nothing measured before fit
 
 
+class _Gan(TinyClassifier):
+    """Manual optimization with two optimizers, as a GAN steps them, and no loss returned."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1e-3, num_samples=128, batch_size=16)
+        self.automatic_optimization = False
+        self.critic = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        net, critic = self.optimizers()  # type: ignore[misc]
+        net.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        net.step()
+        critic.zero_grad()
+        self.manual_backward(self.critic(self(batch[0]).detach()).pow(2).mean())
+        critic.step()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.Adam(self.net.parameters(), lr=self.lr), torch.optim.Adam(self.critic.parameters(), 1e-3)]
+
+
+@pytest.mark.parametrize("lr", [False, "auto"])
+def test_preset_fits_a_manual_optimization_module_that_returns_no_loss(tmp_path: Path, lr: Any) -> None:
+    """Preset defaults (and lr="auto") fit a GAN-style module to its end: no lever needs a returned loss to run."""
+    trainer = preset(logger=False, verbose=False, default_root_dir=tmp_path, max_epochs=3, lr=lr,
+                     enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="no scalar loss"):
+        trainer.fit(_Gan())
+    assert trainer.current_epoch == 3
+    assert [g["lr"] for o in trainer.optimizers for g in o.param_groups] == [1e-3, 1e-3]
+
+
 def test_preset_two_cpu_devices_gives_ddp(tmp_path: Path) -> None:
     """``devices=2`` on CPU builds a gloo DDP strategy over two processes."""
     trainer = preset(devices=2, logger=False, default_root_dir=tmp_path, verbose=False)
