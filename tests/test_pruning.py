@@ -190,6 +190,19 @@ def test_fit_shrinks_and_rebuilt_optimizer_updates_every_parameter(tmp_path: Pat
     assert pickle.loads(pickle.dumps(pruning)).amount == 0.5
 
 
+def test_a_step_that_removes_no_channel_says_why_and_what_to_pass(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """A step that removes nothing warns why and names round_to=None, where it said "removed 0 channels" only.
+
+    At 90% with round_to=8 the 32-unit layer would keep 3 channels, under 8, so it is left whole.
+    """
+    pruning = StructuredPruning(amount=0.9, finetune_epochs=1, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[pruning])
+    with pytest.warns(UserWarning, match=r"removed no channel: with round_to=8 .* pass round_to=None"):
+        trainer.fit(tiny_model)
+    assert tiny_model.net[0].out_features == 32
+    assert pruning.report()["params_after"] == pruning.report()["params_before"]
+
+
 def _image_loader(n: int, seed: int) -> DataLoader[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     return DataLoader(

@@ -19,6 +19,7 @@ from lightning_speedkit.pruning.report import (
     DEFAULT_MONITOR,
     check_monitor_logged,
     final_metrics,
+    warn_if_nothing_removed,
     warn_monitor_not_logged,
 )
 from lightning_speedkit.pruning.restore import RestoreHook, rebuild_before_load
@@ -155,8 +156,7 @@ class StructuredPruning(LeanCallback):
         self.start_epoch, self.iterative_steps, self.finetune_epochs = start_epoch, iterative_steps, finetune_epochs
         self.importance, self.round_to, self.rewarm, self.monitor = importance, round_to, rewarm, monitor
         self.ignored_layers = list(ignored_layers or [])
-        self.example_input = example_input
-        self.latency_batch_sizes = tuple(latency_batch_sizes)
+        self.example_input, self.latency_batch_sizes = example_input, tuple(latency_batch_sizes)
         self.latency_device = latency_device
         self._example: Any = None
         self._steps_done = 0
@@ -165,8 +165,7 @@ class StructuredPruning(LeanCallback):
         self._history: History = []
         self._trainer: pl.Trainer | None = None
         self._hook: RemovableHandle | None = None
-        self._target_checked = False
-        self._monitor_checked = False
+        self._target_checked = self._monitor_checked = False
 
     @property
     @override
@@ -373,10 +372,11 @@ class StructuredPruning(LeanCallback):
         self._report.setdefault("steps", []).append(record if speedup is None else {**record, "speedup": speedup})
         logged = {"step": float(self._steps_done), "macs": macs, "params": float(params)}
         self._log(trainer, logged if speedup is None else {**logged, "speedup": speedup})
-        before = self._report["macs_before"]
+        before, removed = self._report["macs_before"], sum(len(r[2]) for r in plan if r[1])
+        warn_if_nothing_removed(removed, ratio, self.round_to)
         rank_zero_info(
             f"StructuredPruning: step {self._steps_done}/{self.iterative_steps} at epoch {trainer.current_epoch}:"
-            f" removed {sum(len(r[2]) for r in plan if r[1])} channels (ratio {ratio:.3f}); MACs {before:,.0f} ->"
+            f" removed {removed} channels (ratio {ratio:.3f}); MACs {before:,.0f} ->"
             f" {macs:,.0f} ({before / max(macs, 1.0):.2f}x), params {self._report['params_before']:,} -> {params:,}"
             + ("." if speedup is None or self.target_latency is None else f", measured {speedup:.2f}x faster.")
         )

@@ -10,7 +10,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["DEFAULT_MONITOR", "check_monitor_logged", "final_metrics", "warn_monitor_not_logged"]
+__all__ = [
+    "DEFAULT_MONITOR",
+    "check_monitor_logged",
+    "final_metrics",
+    "nothing_removed",
+    "warn_if_nothing_removed",
+    "warn_monitor_not_logged",
+]
 
 
 def _logged(trainer: pl.Trainer) -> str:
@@ -77,3 +84,27 @@ def final_metrics(report: Mapping[str, Any], monitor: str | None) -> dict[str, f
         if report.get(f"metric_{when}") is not None:
             metrics[f"{monitor}_{when}"] = report[f"metric_{when}"]
     return metrics
+
+
+def nothing_removed(ratio: float, round_to: int | None) -> str:
+    """Why a pruning step at ``ratio`` can remove no channel, and what to pass instead.
+
+    Example:
+        >>> print(nothing_removed(0.6, 8))  # doctest: +ELLIPSIS
+        the step at ratio 0.600 removed no channel: with round_to=8 a layer keeps a multiple of 8 channels ...
+    """
+    if not round_to:
+        return f"the step at ratio {ratio:.3f} removed no channel: every layer it could cut is ignored or left whole"
+    return (
+        f"the step at ratio {ratio:.3f} removed no channel: with round_to={round_to} a layer keeps a multiple of"
+        f" {round_to} channels and one that would drop below {round_to} is left whole, and coupled layers (a"
+        " residual sum, a depthwise conv, GroupNorm's groups) must agree on one count (a 16-channel conv net keeps"
+        f" all 16 at ratio 0.6; with GroupNorm and a depthwise conv, every ratio kept all); pass round_to=None (any"
+        " count), or another ratio"
+    )
+
+
+def warn_if_nothing_removed(removed: int, ratio: float, round_to: int | None) -> None:
+    """A warning when a pruning step removed no channel (`nothing_removed` says why); nothing otherwise."""
+    if not removed:
+        rank_zero_warn(f"StructuredPruning: {nothing_removed(ratio, round_to)}.")
