@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import netrc
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, Logger
@@ -20,19 +23,43 @@ log = logging.getLogger(__name__)
 __all__ = ["RunSummary", "choose_logger", "speedkit_wandb_logger", "wandb_is_offline"]
 
 
-def wandb_is_offline(environ: dict[str, str] | None = None) -> bool:
-    """Whether W&B should run offline: ``WANDB_MODE`` says so, or there is no ``WANDB_API_KEY``.
+def wandb_is_offline(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether W&B should run offline: ``WANDB_MODE`` says so, or there is no API key.
+
+    A key is ``WANDB_API_KEY``, or what ``wandb login`` wrote for the W&B host (``WANDB_BASE_URL``, default
+    ``https://api.wandb.ai``) into the netrc file (``NETRC``, else ``~/.netrc`` or ``~/_netrc`` under ``HOME``):
+    most users log in once that way and set no variable.
 
     Example:
         >>> wandb_is_offline({}), wandb_is_offline({"WANDB_API_KEY": "x"}), wandb_is_offline({"WANDB_MODE": "offline"})
         (True, False, True)
     """
     env = os.environ if environ is None else environ
-    return env.get("WANDB_MODE", "") in ("offline", "dryrun") or not env.get("WANDB_API_KEY")
+    if env.get("WANDB_MODE", "") in ("offline", "dryrun"):
+        return True
+    return not (env.get("WANDB_API_KEY") or _netrc_has_key(env))
+
+
+def _netrc_has_key(env: Mapping[str, str]) -> bool:
+    """Whether the netrc file named by ``env`` holds credentials for the W&B host (an unreadable file: no)."""
+    if env.get("NETRC"):  # wandb's order: NETRC, then ~/.netrc, then ~/_netrc
+        paths = [Path(env["NETRC"]).expanduser()]
+    else:
+        home = env.get("HOME") or env.get("USERPROFILE")
+        paths = [Path(home) / ".netrc", Path(home) / "_netrc"] if home else []
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    for path in paths:
+        if path.is_file():
+            try:
+                credentials = netrc.netrc(path).authenticators(host) if host else None
+                return bool(credentials and credentials[2])  # the key is the password
+            except (netrc.NetrcParseError, OSError):
+                return False
+    return False
 
 
 def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str = "speedkit", **kwargs: Any) -> Logger:
-    """A ``WandbLogger`` that runs offline without an API key (``wandb sync`` uploads later).
+    """A ``WandbLogger`` that runs offline without an API key (`wandb_is_offline`; ``wandb sync`` uploads later).
 
     Raises:
         ImportError: Without wandb (``pip install "lightning-speedkit[wandb]"``).
@@ -81,7 +108,7 @@ def choose_logger(logger: Logger | bool | str, root: Any) -> tuple[Logger | bool
         if logger == "wandb":
             raise
         return CSVLogger(save_dir=save_dir, name="speedkit"), "wandb not installed: metrics.csv"
-    mode = "offline (no WANDB_API_KEY)" if getattr(chosen, "_offline", False) else "online"
+    mode = "offline (no WANDB_API_KEY, no `wandb login`)" if getattr(chosen, "_offline", False) else "online"
     source = "W&B, as asked" if logger == "wandb" else "wandb installed"
     return chosen, f"{source}: {mode}, speedkit/* grouped on trainer/global_step"
 

@@ -437,10 +437,31 @@ def test_preset_refuses_more_devices_than_cores(tmp_path: Path) -> None:
 
 
 def test_wandb_is_offline_without_a_key() -> None:
-    """Without ``WANDB_API_KEY`` (or with ``WANDB_MODE=offline``) W&B runs offline."""
+    """Without an API key (or with ``WANDB_MODE=offline``) W&B runs offline."""
     assert wandb_is_offline({})
     assert wandb_is_offline({"WANDB_MODE": "offline", "WANDB_API_KEY": "x"})
     assert not wandb_is_offline({"WANDB_API_KEY": "x"})
+
+
+def test_wandb_is_online_after_wandb_login(tmp_path: Path) -> None:
+    """The key ``wandb login`` wrote to the netrc file for the W&B host runs W&B online without ``WANDB_API_KEY``.
+
+    Read from ``NETRC`` or ``~/.netrc``; another host's key, ``WANDB_MODE=offline``, an entry without a key or an
+    unparsable file: offline.
+    """
+    home = tmp_path / "home"
+    home.mkdir()
+    login = home / ".netrc"
+    login.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    login.chmod(0o600)
+    assert not wandb_is_offline({"HOME": str(home)})
+    assert not wandb_is_offline({"NETRC": str(login)})
+    assert wandb_is_offline({"HOME": str(home), "WANDB_BASE_URL": "https://wandb.example.com"})
+    assert wandb_is_offline({"HOME": str(home), "WANDB_MODE": "offline"})
+    assert wandb_is_offline({"HOME": str(tmp_path)})  # no netrc there
+    for text in ("machine api.wandb.ai login user\n", "machine api.wandb.ai password\n"):  # no key; unparsable
+        (tmp_path / "other").write_text(text)
+        assert wandb_is_offline({"NETRC": str(tmp_path / "other")})
 
 
 _OFFLINE_RUN = """
