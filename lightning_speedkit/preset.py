@@ -17,7 +17,7 @@ from lightning_speedkit.callback_table import SLOTS, default_callbacks
 from lightning_speedkit.checks import check_bool
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary, choose_logger
-from lightning_speedkit.recommend import placement, recommend, unified_precision
+from lightning_speedkit.recommend import interactive_session, placement, recommend, unified_precision
 from lightning_speedkit.trials import Lever
 
 log = logging.getLogger(__name__)
@@ -162,9 +162,11 @@ def preset(
     - Precision: ``precision="auto"`` starts in ``"16-mixed"`` on CUDA and ``"32-true"`` on CPU, and a `PrecisionTuner`
       times the other autocast precisions the hardware supports on real steps at fit start, keeping the fastest.
     - Strategy (`lightning_speedkit.recommend.strategy_choice`): ``devices * num_nodes > 1`` gives DDP (`DDPStrategy`
-      with ``gradient_as_bucket_view=True``; gloo on CPU, NCCL on GPU). Multi-node runs take their ranks from
-      Lightning's cluster environments: launch with ``torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d
-      --rdzv-endpoint=HOST:PORT train.py`` or ``srun`` under SLURM, with ``preset(devices=G, num_nodes=N)``.
+      with ``gradient_as_bucket_view=True``; gloo on CPU, NCCL on GPU; in an interactive session, a notebook, its
+      processes are forked, as Lightning's ``"ddp_fork"``: there is no script to run again). Multi-node runs take
+      their ranks from Lightning's cluster environments: launch with ``torchrun --nnodes=N --nproc-per-node=G
+      --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train.py`` or ``srun`` under SLURM, with
+      ``preset(devices=G, num_nodes=N)``.
     - Callbacks: `lightning_speedkit.callback_table.default_callbacks`, from the one table of speedkit's callbacks in
       acting order (a user callback of the same type replaces ours), then a `RunSummary` that writes every
       callback's report to ``speedkit_summary.json`` (and the W&B run summary). Every slot takes one form:
@@ -233,7 +235,12 @@ def preset(
     strategy_obj: Any = strategy
     if strategy == "auto" and choices["strategy"] == "ddp":
         backend = "nccl" if choices["accelerator"] in ("gpu", "cuda") else "gloo"
-        strategy_obj = DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
+        fork = num_nodes == 1 and interactive_session()  # a notebook cannot re-run a script: Lightning's ddp_fork
+        strategy_obj = DDPStrategy(  # popen, DDPStrategy's default, runs the script again in each process
+            process_group_backend=backend, gradient_as_bucket_view=True, start_method="fork" if fork else "popen"
+        )
+        if fork:
+            choices["reasons"]["strategy"] += "; forked from this interactive session (a notebook re-runs no script)"
     chosen_logger, choices["reasons"]["logger"] = choose_logger(logger, trainer_kwargs.get("default_root_dir"))
     choices["logger"] = type(chosen_logger).__name__ if isinstance(chosen_logger, Logger) else str(chosen_logger)
     if not (logger == "auto" or logger is True):

@@ -20,6 +20,7 @@ __all__ = [
     "PRECISIONS",
     "Choice",
     "Placement",
+    "interactive_session",
     "num_workers_choice",
     "placement",
     "precision_choice",
@@ -193,6 +194,17 @@ def strategy_choice(processes: int, num_nodes: int = 1, accelerator: str = "cpu"
     layout = f"devices={processes}" + (f" x num_nodes={num_nodes}" if num_nodes > 1 else "")
     unit, backend = ("GPU", "nccl") if gpu else ("CPU process", "gloo")
     return _choice("ddp", f"{world} processes ({layout}): one per {unit}, DDP over {backend}, gradient_as_bucket_view")
+
+
+def interactive_session() -> bool:
+    """Whether Python runs interactively (a notebook, ``python -i``), as Lightning tells it.
+
+    There, DDP cannot launch its processes by running the script again; Lightning refuses ``DDPStrategy`` with that
+    launcher and picks ``"ddp_fork"`` for ``strategy="auto"``, and `~lightning_speedkit.preset` forks too.
+    """
+    from lightning.fabric.utilities import imports
+
+    return bool(imports._IS_INTERACTIVE)
 
 
 def num_workers_choice(cpu: CpuInfo, gpus: Sequence[GpuInfo], processes: int | None = None) -> Choice:

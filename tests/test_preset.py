@@ -396,16 +396,23 @@ from conftest import TinyClassifier
 import lightning as L
 from lightning_speedkit import preset
 
+
+class Record(L.Callback):  # in each rank's process: a forked rank runs only the fit
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        record = dict(speedkit=dict(trainer.speedkit), world_size=trainer.world_size, step=trainer.global_step,
+                      strategy=type(strategy).__name__, backend=strategy._process_group_backend,
+                      start=strategy._start_method,
+                      weights=[float(v) for v in torch.cat([p.detach().flatten() for p in pl_module.parameters()])])
+        with open({root!r} + f"/rank{{trainer.global_rank}}.json", "w") as out:
+            json.dump(record, out)
+
+
 L.seed_everything(0, verbose=False)
 trainer = preset(devices=2, accelerator="cpu", logger=False, default_root_dir={root!r}, max_epochs=2,
-                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, verbose=False)
-model = TinyClassifier()
-trainer.fit(model)
-record = dict(speedkit=dict(trainer.speedkit), world_size=trainer.world_size, step=trainer.global_step,
-              strategy=type(trainer.strategy).__name__, backend=trainer.strategy._process_group_backend,
-              weights=[float(v) for v in torch.cat([p.detach().flatten() for p in model.parameters()])])
-with open({root!r} + f"/rank{{trainer.global_rank}}.json", "w") as out:
-    json.dump(record, out)
+                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, verbose=False,
+                 callbacks=[Record()])
+trainer.fit(TinyClassifier())
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
 """
@@ -414,19 +421,27 @@ if torch.distributed.is_initialized():
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU processes need two cores")
-def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path) -> None:
-    """``preset(devices=2, accelerator="cpu")`` fits with 2 gloo DDP processes that end with the same weights."""
-    # A script, not pytest: Lightning's "ddp" launcher starts the second rank by re-running the command line.
+@pytest.mark.parametrize("interactive", [False, True], ids=["script", "interactive"])
+def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path, interactive: bool) -> None:
+    """``preset(devices=2, accelerator="cpu")`` fits with 2 gloo DDP processes that end with the same weights.
+
+    From a script, Lightning's launcher starts the second rank by running the command line again; in an interactive
+    session (a notebook; here ``python -i``), which has none to run, the ranks are forked, as Lightning's
+    ``"ddp_fork"``: ``DDPStrategy``'s default launcher raised "not compatible with an interactive environment" there.
+    """
     script = tmp_path / "cpu_ddp.py"
     script.write_text(_CPU_DDP_RUN.format(tests=str(ROOT / "tests"), root=str(tmp_path)))
-    subprocess.run([sys.executable, str(script)], cwd=tmp_path, check=True, timeout=600)
+    command = [sys.executable, *(["-i"] if interactive else []), str(script)]
+    subprocess.run(command, cwd=tmp_path, check=True, timeout=600, stdin=subprocess.DEVNULL)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank in ranks:
         assert (rank["world_size"], rank["strategy"], rank["backend"]) == (2, "DDPStrategy", "gloo")
+        assert rank["start"] == ("fork" if interactive else "popen")
         assert rank["step"] == 8  # 64 samples, batch 8, split over 2 ranks: 4 steps an epoch
         assert rank["speedkit"]["strategy"] == "ddp"
         assert rank["speedkit"]["overridden"] == {"accelerator": "cpu", "devices": 2, "logger": False}
         assert "2 processes (devices=2)" in rank["speedkit"]["reasons"]["strategy"]
+        assert ("forked from this interactive session" in rank["speedkit"]["reasons"]["strategy"]) == interactive
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
