@@ -144,6 +144,7 @@ def test_demo_seeds_prints_the_summary_line(
         (["--max-epochs", "0"], "--max-epochs must be a positive int, got 0"),
         (["--target-acc", "2"], "--target-acc must be a number in (0, 1], got 2.0"),
         (["--num-workers", "-1"], "--num-workers must be an int >= 0, got -1"),
+        (["--num-images", "3"], "--num-images must be an int >= 10, got 3"),  # one per class: a traceback before
         (["--seeds", ""], "--seeds must be a range like 0-4 or a list like 0,2,5"),
         (["--quick", "--seeds", "0-999999"], "--seeds names 1000000 seeds, at most 64"),
         (["--seeds", "0-1", "--only", "baseline"], "--seeds runs baseline and speedkit on every seed"),

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
 from lightning_speedkit.checks import check_bool, check_int, check_number, is_int
-from lightning_speedkit.demo.data import DemoDataModule, ensure_shapes
+from lightning_speedkit.demo.data import CLASSES, DemoDataModule, ensure_shapes
 from lightning_speedkit.demo.model import DemoClassifier
 from lightning_speedkit.demo.tables import format_report, format_seeds
 from lightning_speedkit.report import collect_reports, machine_and_load, write_json_atomic
@@ -89,8 +89,9 @@ class DemoConfig:
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing or mislabel the table, naming the field."""
         check_number("lr", self.lr, 0, open_low=True)
-        for name in ("max_epochs", "num_images", "batch_size", "width", "blocks_per_stage"):
+        for name in ("max_epochs", "batch_size", "width", "blocks_per_stage"):
             check_int(name, getattr(self, name))
+        check_int("num_images", self.num_images, low=len(CLASSES))  # one per class, as `DemoDataModule` asks
         check_int("num_workers", self.num_workers, low=0)
         check_bool("stop_at_target", self.stop_at_target)
         if self.data not in ("files", "streaming"):
