@@ -83,7 +83,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot("channels_last", lambda: ChannelsLast, True, lever=True),
     Slot("fused_optimizer", lambda: FusedOptimizer, True, lever=True),
     Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
-    Slot("batch_size", lambda: BatchSizeFinder, False, lever=True),
+    Slot("batch_size", lambda: BatchSizeFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("compile", lambda: Compile, False, lever=True),
     Slot("warmup", lambda: WarmupScheduler, True, options=(("decay", "auto"), ("cooldown_check", "trial"))),

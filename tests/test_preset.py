@@ -451,6 +451,24 @@ def test_preset_refuses_more_devices_than_cores(tmp_path: Path) -> None:
         preset(devices=64, logger=False, default_root_dir=tmp_path)
 
 
+@pytest.mark.parametrize("asked", [True, "auto"])
+def test_preset_batch_size_on_cpu_searches_for_throughput(tmp_path: Path, asked: Any) -> None:
+    """``preset(batch_size=True)`` (or ``"auto"``, as README's example writes it) on a CPU fits, searching throughput.
+
+    Its memory search (its default) refused to run at setup there: a CPU never runs out of memory to stop at.
+    """
+    trainer = preset(logger=False, verbose=False, default_root_dir=tmp_path, max_epochs=2, batch_size=asked,
+                     enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)  # fmt: skip
+    model = TinyClassifier(num_samples=512, batch_size=8)
+    trainer.fit(model)
+    finder = callback_of(trainer, speedkit.BatchSizeFinder)
+    assert finder.objective == "throughput"
+    assert finder.report()["source"] == "measured"
+    assert model.batch_size == finder.report()["batch_size"]
+    assert "throughput" in trainer.speedkit["reasons"]["batch_size"]
+    assert isinstance(preset(logger=False, batch_size={"max_val": 64}).callbacks, list)  # a dict is used as given
+
+
 def test_wandb_is_offline_without_a_key() -> None:
     """Without an API key (or with ``WANDB_MODE=offline``) W&B runs offline."""
     assert wandb_is_offline({})
