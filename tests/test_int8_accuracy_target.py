@@ -69,3 +69,10 @@ def test_with_raise_the_callback_reports_the_failure_and_writes_nothing(tmp_path
     assert report["status"].startswith("FAILED: ")
     assert report["status"].endswith("nothing was written (on_metric_drop=raise)")
     assert report["verification"]["metric_fp32"] > report["verification"]["metric_int8"]
+
+
+def test_an_int8_file_larger_than_the_fp32_one_is_called_larger() -> None:
+    """A small model whose INT8 file outweighs its FP32 one reads "1.37x larger", not "0.73x smaller"."""
+    report = {"int8_path": "m.onnx", "size_ratio": 0.73, "verification": None, "metric_drop": None}
+    assert summary_line(report) == "wrote m.onnx (1.37x larger than FP32) from the model"
+    assert summary_line({**report, "size_ratio": 4.0}).startswith("wrote m.onnx (4.00x smaller than FP32)")

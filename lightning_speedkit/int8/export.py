@@ -37,7 +37,7 @@ from lightning_speedkit.int8.place import (
     switch_into_place,
     version_dir_of,
 )
-from lightning_speedkit.int8.report import drop_message, verdict
+from lightning_speedkit.int8.report import drop_message, size_words, verdict
 from lightning_speedkit.int8.sensitivity import budget_shortfall, keep_layers_in_fp32, metric_drop
 from lightning_speedkit.int8.steps import (
     export_onnx,
@@ -355,5 +355,5 @@ def export_int8(
         switch_into_place(stage, target, links)
     if not report["passed"]:
         rank_zero_warn(f"export_int8: FAILED its accuracy target: {drop_message(report)}.")
-    log.info("export_int8: wrote %s (%.1fx smaller than FP32)", target, report["size_ratio"])
+    log.info("export_int8: wrote %s (%s)", target, size_words(report["size_ratio"]))
     return report

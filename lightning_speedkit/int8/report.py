@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["drop_message", "int8_metrics", "summary_line", "verdict"]
+__all__ = ["drop_message", "int8_metrics", "size_words", "summary_line", "verdict"]
 
 
 def int8_metrics(report: Mapping[str, Any]) -> dict[str, float]:
@@ -97,6 +97,19 @@ def verdict(report: Mapping[str, Any]) -> str:
     return f"compared with FP32 (top-1 agreement {shown}), no accuracy target given"
 
 
+def size_words(ratio: float) -> str:
+    """The INT8 file's size against the FP32 one's (``ratio``: FP32 bytes over INT8 bytes), in words.
+
+    A small model's INT8 file can be the larger: its quantize and dequantize nodes and their scales outweigh the
+    weights' fourfold saving.
+
+    Example:
+        >>> size_words(3.9), size_words(0.73)
+        ('3.90x smaller than FP32', '1.37x larger than FP32')
+    """
+    return f"{ratio:.2f}x smaller than FP32" if ratio >= 1 else f"{1 / ratio:.2f}x larger than FP32"
+
+
 def summary_line(report: Mapping[str, Any]) -> str:
     """One line on an export: where it went, how much smaller, the agreement, the metric and any FP32 layers.
 
@@ -109,7 +122,7 @@ def summary_line(report: Mapping[str, Any]) -> str:
     """
     verification = report["verification"] or {}
     failed = "" if report.get("passed", True) else "FAILED its accuracy target: "
-    parts = [f"{failed}wrote {report['int8_path']} ({report['size_ratio']:.2f}x smaller than FP32"]
+    parts = [f"{failed}wrote {report['int8_path']} ({size_words(report['size_ratio'])}"]
     if verification.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {verification['top1_agreement']:.4f}")
     if report["metric_drop"] is not None:
