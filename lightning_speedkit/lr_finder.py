@@ -226,14 +226,15 @@ class LRFinder(trials.Lever):
         k = self._trial_steps(left)
         budget = self.max_fraction * left
         curves, probe_s, rise, used = self._walk(trainer, k, _fits(budget, k))
-        if not curves[REFERENCE]:
-            return _no_loss(user_lr, used, probe_s)
         room = min(budget - used, _PLATEAU_SHARE * left)
         retry = not rise and plateau(curves) and any(s > 1.0 for s in curves) and 12 * k <= room
         if retry:
             curves, seconds, rise, steps = self._walk(trainer, 4 * k, _fits(room, 4 * k))  # a plateau: 4 times as long
             used, probe_s = used + steps, probe_s + seconds
-        if rise:
+        if not curves[REFERENCE]:  # no step gave a loss (the walk stopped after the reference): nothing to compare
+            chosen, why, curves = 1.0, _NO_LOSS, {}
+            rank_zero_warn(f"LRFinder: {why}.")
+        elif rise:
             chosen, why = 1.0, _rise_reason(rise)
             rank_zero_warn(f"LRFinder: {why}.")
         else:
@@ -339,23 +340,6 @@ _NO_LOSS = (
     "`training_step` returned no loss at any step of the search (manual optimization that returns none?): nothing to"
     " compare LRs by; your LR is kept (return the loss to have it searched)"
 )
-
-
-def _no_loss(user_lr: float, steps: int, probe_s: float) -> dict[str, Any]:
-    """The trials' report when the reference trial's ``training_step`` returned no loss: the user's LR, kept."""
-    rank_zero_warn(f"LRFinder: {_NO_LOSS}.")
-    return {
-        "method": "trials",
-        "user_lr": user_lr,
-        "steps": steps,
-        "probed": True,
-        "probe_s": probe_s,
-        "trials": {"scales": [], "losses": []},
-        "suggested_lr": None,
-        "chosen_lr": user_lr,
-        "scale": 1.0,
-        "reason": _NO_LOSS,
-    }
 
 
 def _schedule_rules_out(trainer: pl.Trainer, method: str) -> str:
