@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit.callback_table import SLOTS, default_callbacks
 from lightning_speedkit.checks import check_bool
+from lightning_speedkit.forked import ForkedDDPStrategy
 from lightning_speedkit.hardware import CpuInfo, GpuInfo, cpu_info, gpu_infos
 from lightning_speedkit.loggers import RunSummary, choose_logger
 from lightning_speedkit.recommend import interactive_session, placement, recommend, unified_precision
@@ -241,7 +242,8 @@ def preset(
     if strategy == "auto" and choices["strategy"] == "ddp":
         backend = "nccl" if choices["accelerator"] in ("gpu", "cuda") else "gloo"
         fork = num_nodes == 1 and interactive_session()  # a notebook cannot re-run a script: Lightning's ddp_fork
-        strategy_obj = DDPStrategy(  # popen, DDPStrategy's default, runs the script again in each process
+        kind = ForkedDDPStrategy if fork else DDPStrategy  # forked: the decisions come back to the notebook
+        strategy_obj = kind(  # popen, DDPStrategy's default, runs the script again in each process
             process_group_backend=backend, gradient_as_bucket_view=True, start_method="fork" if fork else "popen"
         )
         if fork:

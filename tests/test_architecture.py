@@ -23,7 +23,7 @@ CONCERNS = {
     "average", "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8",
     "lr_finder", "monitor", "precision", "pruning", "warmup",
 }  # fmt: skip
-ASSEMBLY = {"callback_table", "loggers", "preset"}
+ASSEMBLY = {"callback_table", "forked", "loggers", "preset"}
 FACES = {"", "__main__", "cli", "demo"}  # "" is the package's __init__
 FLOORS = {**dict.fromkeys(FOUNDATION, 0), **dict.fromkeys(CONCERNS, 1), **dict.fromkeys(ASSEMBLY, 2)}
 FLOORS.update(dict.fromkeys(FACES, 3))

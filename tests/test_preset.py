@@ -400,7 +400,8 @@ from lightning_speedkit import preset
 class Record(L.Callback):  # in each rank's process: a forked rank runs only the fit
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
-        record = dict(speedkit=dict(trainer.speedkit), world_size=trainer.world_size, step=trainer.global_step,
+        record = dict(speedkit=dict(trainer.speedkit), decisions=trainer.speedkit.decisions(),
+                      world_size=trainer.world_size, step=trainer.global_step,
                       strategy=type(strategy).__name__, backend=strategy._process_group_backend,
                       start=strategy._start_method,
                       weights=[float(v) for v in torch.cat([p.detach().flatten() for p in pl_module.parameters()])])
@@ -415,6 +416,9 @@ trainer = preset(devices=2, accelerator="cpu", logger=False, default_root_dir={r
 trainer.fit(TinyClassifier())
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
+summary = next(c for c in trainer.callbacks if type(c).__name__ == "RunSummary").report()
+with open({root!r} + "/main.json", "w") as out:  # the process that called fit: rank 0 itself unless forked
+    json.dump(dict(decisions=trainer.speedkit.decisions(), summary=sorted(summary)), out)
 """
 
 
@@ -428,6 +432,8 @@ def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path, interactive: boo
     From a script, Lightning's launcher starts the second rank by running the command line again; in an interactive
     session (a notebook; here ``python -i``), which has none to run, the ranks are forked, as Lightning's
     ``"ddp_fork"``: ``DDPStrategy``'s default launcher raised "not compatible with an interactive environment" there.
+    Either way the process that called fit ends with rank zero's decisions and run summary (forked, they came back
+    from rank zero: the notebook's ``trainer.speedkit.decisions()`` was empty).
     """
     script = tmp_path / "cpu_ddp.py"
     script.write_text(_CPU_DDP_RUN.format(tests=str(ROOT / "tests"), root=str(tmp_path)))
@@ -435,7 +441,8 @@ def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path, interactive: boo
     subprocess.run(command, cwd=tmp_path, check=True, timeout=600, stdin=subprocess.DEVNULL)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank in ranks:
-        assert (rank["world_size"], rank["strategy"], rank["backend"]) == (2, "DDPStrategy", "gloo")
+        strategy = "ForkedDDPStrategy" if interactive else "DDPStrategy"  # a DDPStrategy either way
+        assert (rank["world_size"], rank["strategy"], rank["backend"]) == (2, strategy, "gloo")
         assert rank["start"] == ("fork" if interactive else "popen")
         assert rank["step"] == 8  # 64 samples, batch 8, split over 2 ranks: 4 steps an epoch
         assert rank["speedkit"]["strategy"] == "ddp"
@@ -443,6 +450,10 @@ def test_preset_two_cpu_processes_fit_under_ddp(tmp_path: Path, interactive: boo
         assert "2 processes (devices=2)" in rank["speedkit"]["reasons"]["strategy"]
         assert ("forked from this interactive session" in rank["speedkit"]["reasons"]["strategy"]) == interactive
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    main = json.loads((tmp_path / "main.json").read_text())
+    assert main["decisions"] == ranks[0]["decisions"]
+    assert {"ChannelsLast", "FusedOptimizer", "DataLoaderTuner"} <= set(main["decisions"])
+    assert {"TrainingGuard", "WarmupScheduler", "FusedOptimizer"} <= set(main["summary"])
 
 
 def test_preset_refuses_more_devices_than_cores(tmp_path: Path) -> None:
