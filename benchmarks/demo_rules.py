@@ -67,6 +67,7 @@ from lightning_speedkit.demo import DemoConfig
 from lightning_speedkit.demo.run import parse_seeds, train_variant
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.oom import release_memory
+from lightning_speedkit.report import machine_and_load
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -213,11 +214,10 @@ def run(
         )
     result = {
         "config": dataclasses.asdict(config),
-        "machine": cpu_info().machine(),
         "seeds": seeds,
         "rows": rows,
         "summary": summary,
-        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        **machine_and_load(load_before),
     }
     print_and_write("\n".join(lines), result, out)
     return result

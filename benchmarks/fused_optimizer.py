@@ -34,7 +34,7 @@ import torch
 from lightning_speedkit import FusedOptimizer
 from lightning_speedkit.demo.run import Timeline
 from lightning_speedkit.fused import set_fused
-from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.report import machine_and_load
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -150,8 +150,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int | None 
                     for variant in alternated(("plain", "fused_optimizer"), index)]  # fmt: skip
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    result: dict[str, Any] = {"settings": settings, "machine": cpu_info().machine()}
-    result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    result: dict[str, Any] = {"settings": settings, **machine_and_load(load_before)}
     result |= {"wall_s": time.perf_counter() - started, "steps": steps, "runs": runs, "fits": summarise(runs)}
     print_and_write(format_tables(result), result, out)
     return result

@@ -78,8 +78,7 @@ from typing_extensions import override
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier, DemoDataModule
 from lightning_speedkit.demo.run import Timeline, parse_seeds
-from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.report import collect_reports
+from lightning_speedkit.report import collect_reports, machine_and_load
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness, also when a test loads this file by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -928,8 +927,7 @@ def _run(
     summary = summarise(summaries)
     for task_summary in summaries.values():
         _ratios(task_summary, _finite)
-    result: dict[str, Any] = {"config": settings, "machine": cpu_info().machine()}
-    result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    result: dict[str, Any] = {"config": settings, **machine_and_load(load_before)}
     result |= {"wall_s": time.perf_counter() - started, "runs": runs, "tasks": summaries, "summary": summary}
     result |= {"rechecks": rechecks} if recheck else {}
     print_and_write(format_tables(summaries, runs, summary), result, out)

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 
 from lightning_speedkit.demo.run import Timeline
-from lightning_speedkit.hardware import cpu_info
+from lightning_speedkit.report import machine_and_load
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -118,8 +118,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1) ->
             rows.append(row)
     result = {
         "settings": {"quick": quick, "threads": threads, "targets": TARGETS, "seeds": list(SEEDS)},
-        "machine": cpu_info().machine(),
-        "load_average": {"before": load_before, "after": list(os.getloadavg())},
+        **machine_and_load(load_before),
         "rows": rows,
         "summary": summary(rows),
     }

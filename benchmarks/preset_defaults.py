@@ -40,8 +40,7 @@ from torch.utils.data import TensorDataset
 
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo.run import Timeline
-from lightning_speedkit.hardware import cpu_info
-from lightning_speedkit.report import collect_reports
+from lightning_speedkit.report import collect_reports, machine_and_load
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # _harness and lr_tasks, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -211,8 +210,7 @@ def run(quick: bool = False, out: str | Path = DEFAULT_OUT, threads: int = 1, ro
     guard = guard_rows(quick, root, 1 if quick else rounds)
     result = {
         "settings": {"quick": quick, "threads": threads, "rounds": rounds, "targets": TARGETS},
-        "machine": cpu_info().machine(),
-        "load_average": {"before": load_before, "after": list(os.getloadavg())},
+        **machine_and_load(load_before),
         "cooldown": cool,
         "guard": guard,
         "summary": summary(cool, guard),
