@@ -23,7 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_speedkit.lr_search import scored
-from lightning_speedkit.schedule import cooldown_start, still_falling
+from lightning_speedkit.schedule import cooldown_start, schedule_step, still_falling
 from lightning_speedkit.trials import Setting, TrialSession
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ class CooldownCheck:
         warmup_steps, total_steps, start = schedule
         batches = trainer.num_training_batches
         epoch_steps = None if math.isinf(batches) else math.ceil(batches / trainer.accumulate_grad_batches)
-        done = trainer.global_step - start
+        done = schedule_step(trainer) - start
         plan = trial_plan(warmup_steps, total_steps, cooldown, done, epoch_steps)
         if plan is None:
             return None
@@ -279,7 +279,7 @@ class CooldownCheck:
         outcome = run_trial(trainer, pin)
         if isinstance(outcome, str):
             return self.skip(outcome)
-        return self.decide_trial(*outcome, step=trainer.global_step)
+        return self.decide_trial(*outcome, step=schedule_step(trainer))
 
     def skip(self, reason: str) -> str:
         """No verdict: the cool-down runs as planned; the line that says why."""

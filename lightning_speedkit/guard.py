@@ -24,6 +24,7 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.schedule import schedule_step
 from lightning_speedkit.trials.snapshot import (
     SNAPSHOT_EVERY,
     SNAPSHOT_SHARE,
@@ -235,12 +236,12 @@ class TrainingGuard(LeanCallback):
                     " a dict with one under 'loss') to have them guarded."
                 )
             return
-        self._pending.append((trainer.global_step, loss.detach().float().reshape(())))
+        self._pending.append((schedule_step(trainer), loss.detach().float().reshape(())))
         if (len(self._pending) >= self.check_every_n_steps or trainer.is_last_batch) and not self._check(trainer):
             return
         if self.every_n_steps is None and len(self._step_s) < _TIMED_STEPS and not self._watch_only:
             self._time_step(trainer)
-        if trainer.global_step % self._every == 0 and not self._watch_only:
+        if schedule_step(trainer) % self._every == 0 and not self._watch_only:
             if self._pending and not self._check(trainer):  # a snapshot of checked steps only
                 return
             self._take(trainer, first=False)
@@ -351,14 +352,14 @@ class TrainingGuard(LeanCallback):
             rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
             return
         snapshot = take_state(trainer)
-        snapshot["step"], snapshot["lr_scale"] = trainer.global_step, self._lr_scale
+        snapshot["step"], snapshot["lr_scale"] = schedule_step(trainer), self._lr_scale
         self._snapshot, self._snapshot_size = snapshot, size
         if first:
             self._first, self._snapshot_s = snapshot, time.perf_counter() - started
             log_rank_zero(trainer, {"speedkit/guard/snapshot_mb": size / 2**20})
 
     def _roll_back(self, trainer: pl.Trainer, trigger: str, loss: float) -> None:
-        step = trainer.global_step
+        step = schedule_step(trainer)
         if self._rollbacks >= self.max_rollbacks or self._snapshot is None:
             why = self._watch_only or f"{self._rollbacks} rollbacks already (max_rollbacks={self.max_rollbacks})"
             kept = "no snapshot to put back: the weights are those of the failed step"

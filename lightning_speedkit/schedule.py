@@ -33,7 +33,9 @@ __all__ = [
     "decay_progress",
     "factor_at",
     "fall",
+    "rebudgeted",
     "resolve_decay",
+    "schedule_step",
     "scheduler_names",
     "still_falling",
     "time_fraction",
@@ -317,6 +319,35 @@ TIME_EVERY = 20
 every rank applies the same LR."""
 
 
+def schedule_step(trainer: pl.Trainer) -> int:
+    """The steps a schedule has counted, in the unit of ``trainer.estimated_stepping_batches``.
+
+    ``trainer.global_step`` (optimizer steps, so accumulation counts right) under automatic optimization; under
+    manual optimization, where ``global_step`` counts every ``optimizer.step()`` of every optimizer (two a batch in a
+    GAN), the batches trained. Both count the current batch once its step is done (from ``on_train_batch_end``), and
+    both are restored on a resume.
+    """
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        return trainer.global_step
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
+
+
+def rebudgeted(total: int | None, start: int, estimated: float) -> int | None:
+    """A schedule's new total when the Trainer's budget changed (a resumed fit given more epochs), else None.
+
+    ``total`` was sized from the budget (``estimated`` steps then, less the ``start`` step); a resume reads it again.
+
+    Example:
+        >>> rebudgeted(50, 0, 100), rebudgeted(40, 10, 50), rebudgeted(None, 0, 100), rebudgeted(50, 0, math.inf)
+        (100, None, None, None)
+    """
+    if total is None or math.isinf(estimated):
+        return None
+    new = max(1, int(estimated) - start)
+    return new if new != total else None
+
+
 def budget_timer(trainer: pl.Trainer) -> Timer | None:
     """The Trainer's ``max_time`` timer, when it has a time budget."""
     return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration), None)  # type: ignore[attr-defined]
@@ -327,7 +358,7 @@ def time_fraction(trainer: pl.Trainer, last: float | None) -> float | None:
     timer = budget_timer(trainer)
     if timer is None:
         return None
-    if last is not None and trainer.global_step % TIME_EVERY:
+    if last is not None and schedule_step(trainer) % TIME_EVERY:
         return last
     spent = timer.time_elapsed("train") / float(timer._duration or 1.0)
     return float(trainer.strategy.broadcast(spent, src=0))

@@ -24,7 +24,9 @@ from lightning_speedkit.schedule import (
     check_warmup,
     cooldown_start,
     factor_at,
+    rebudgeted,
     resolve_decay,
+    schedule_step,
     scheduler_names,
     time_fraction,
     warmup_factor,
@@ -50,9 +52,10 @@ class _Schedule(NamedTuple):
 class WarmupScheduler(LeanCallback):
     """Linear LR warmup over optimizer steps, then warmup-stable-decay (or cosine, linear, constant), on every group.
 
-    The step is ``trainer.global_step`` (optimizer steps), so gradient accumulation is counted right and an epoch
-    ``interval`` cannot stretch the warmup. The multiplier is `warmup_factor` of the steps since the schedule
-    started; ``total_steps`` defaults to the Trainer's remaining ``estimated_stepping_batches``.
+    The step is `lightning_speedkit.schedule.schedule_step` (optimizer steps; batches under manual optimization), so
+    accumulation counts right and an epoch ``interval`` cannot stretch the warmup. The multiplier is `warmup_factor`
+    of the steps since the schedule started; ``total_steps`` defaults to the Trainer's remaining
+    ``estimated_stepping_batches``, read again on a resume (a run given more epochs ends its schedule there).
 
     How it composes with your scheduler: the multiplier is applied only *inside* each ``optimizer.step()`` (torch
     step pre/post hooks on every optimizer): each group's LR is multiplied just before the update and put back
@@ -64,13 +67,10 @@ class WarmupScheduler(LeanCallback):
     multiply, and a one-line warning says so. If something else writes a group's LR *during* ``optimizer.step()``,
     its value is kept (not overwritten) and a warning says so.
 
-    Cooperation (for other callbacks, found by type in ``trainer.callbacks``): `rescale_base_lrs` multiplies every
-    LR of the optimizers and their schedulers (through `lightning_speedkit.lr`), `set_warmup_steps` changes the
-    warmup length, `restart` starts a new warmup and decay from the next batch (for fine-tuning after pruning).
-    Call them from ``on_fit_start`` or later, outside ``optimizer.step()`` (not from ``on_before_optimizer_step``):
-    each fit starts again from the constructor arguments at ``setup``, and a resume continues the schedule saved in
-    the checkpoint (``state_dict``: the resolved warmup and total steps and the step the schedule started at). Base
-    LRs are not stored here: Lightning checkpoints them, and they hold no multiplier outside ``optimizer.step()``.
+    Cooperation (for other callbacks, found by type): `rescale_base_lrs`, `set_warmup_steps`, `restart` (a new
+    warmup and decay from the next batch: fine-tuning after pruning), from ``on_fit_start`` or later, outside
+    ``optimizer.step()``. Each fit starts again from the constructor arguments at ``setup``; a resume continues the
+    schedule in the checkpoint (its warmup, total and start steps; base LRs are Lightning's to checkpoint).
 
     Args:
         warmup: Warmup length: an int (optimizer steps, 0 for none) or a float in (0, 1) (fraction of total steps,
@@ -95,10 +95,8 @@ class WarmupScheduler(LeanCallback):
         ValueError: In ``__init__`` for a bad argument (the message names it and its value); at the first training
             batch if ``warmup`` exceeds the resolved ``total_steps`` or the Trainer cannot estimate its steps.
 
-    Logged metrics (to every Trainer logger, rank zero, every ``log_every_n_steps`` optimizer steps, at
-    ``step=trainer.global_step``):
-        - ``speedkit/lr/factor``: the multiplier.
-        - ``speedkit/lr/opt{i}_group{j}``: the effective LR of param group ``j`` of optimizer ``i``.
+    Logged metrics (every Trainer logger, rank zero, every ``log_every_n_steps`` steps): ``speedkit/lr/factor`` (the
+    multiplier), ``speedkit/lr/opt{i}_group{j}`` (the effective LR of param group ``j`` of optimizer ``i``).
 
     Example:
         >>> import lightning as L
@@ -127,28 +125,22 @@ class WarmupScheduler(LeanCallback):
         self.warmup, self.decay, self.total_steps = warmup, decay, total_steps
         self._decay = decay  # the decay run: "auto" resolved at fit start (`resolve_decay`)
         self.min_lr_ratio, self.start_factor = min_lr_ratio, start_factor
-        self._warmup_spec = warmup
-        self._total_spec = total_steps
+        self._warmup_spec, self._total_spec = warmup, total_steps
         self._schedule: _Schedule | None = None
         self._attached: list[Optimizer] = []
         self._handles: list[RemovableHandle] = []
         self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
-        self._warned_overwrite = False
+        self._warned_overwrite = self._resumed = False
         self._check = CooldownCheck()
         self._pinned: float | None = None  # a cool-down trial's multiplier, during its steps
 
     @property
     @override
     def state_key(self) -> str:
-        return cached_state_key(
-            self,
-            warmup=self.warmup,
-            decay="wsd" if self.decay == AUTO else self.decay,  # preset's checkpoints from before "auto" resume
-            total_steps=self.total_steps,
-            min_lr_ratio=self.min_lr_ratio,
-            start_factor=self.start_factor,
-            cooldown=self.cooldown,
-        )  # not `cooldown_check`: a checkpoint saved before it existed still resumes this callback's state
+        # "auto" keyed as "wsd", no `cooldown_check`: preset's checkpoints from before either resume
+        decay, floor, start = "wsd" if self.decay == AUTO else self.decay, self.min_lr_ratio, self.start_factor
+        return cached_state_key(self, warmup=self.warmup, decay=decay, total_steps=self.total_steps,
+                                min_lr_ratio=floor, start_factor=start, cooldown=self.cooldown)  # fmt: skip
 
     state_spec: ClassVar[StateSpec] = {
         "warmup": (int, float),
@@ -168,7 +160,7 @@ class WarmupScheduler(LeanCallback):
         check_checkpoints(trainer)
         if stage == "fit":  # a checkpoint's state, if any, is loaded after this
             self._warmup_spec, self._total_spec, self._schedule = self.warmup, self.total_steps, None
-            self._warned_overwrite = False
+            self._warned_overwrite = self._resumed = False
             self._check = CooldownCheck()
             self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
@@ -191,6 +183,14 @@ class WarmupScheduler(LeanCallback):
     ) -> None:
         if self._schedule is None:
             self._resolve(trainer)
+        elif self._resumed and self._total_spec is None:  # sized from the Trainer's budget: read it again
+            s = self._schedule
+            if (total := rebudgeted(s.total_steps, s.start_step, trainer.estimated_stepping_batches)) is not None:
+                rank_zero_info(
+                    f"WarmupScheduler: the budget changed since the checkpoint: {total} steps, not {s.total_steps}."
+                )
+                self._schedule = s._replace(total_steps=total)
+        self._resumed = False
         self._time_fraction = time_fraction(trainer, self._time_fraction)
         if len(self._attached) != len(trainer.optimizers) or any(
             a is not b for a, b in zip(self._attached, trainer.optimizers, strict=False)
@@ -210,7 +210,7 @@ class WarmupScheduler(LeanCallback):
             if self._schedule is not None:
                 self._skip_hooks(("on_train_batch_end",), WarmupScheduler)  # nothing (more) to watch in this fit
             return
-        done = trainer.global_step - self._schedule.start_step  # the schedule's optimizer steps, this batch's included
+        done = schedule_step(trainer) - self._schedule.start_step  # the schedule's steps, this batch's included
         if window[0] < done <= window[1]:
             self._check.watch(trainer, outputs)
 
@@ -237,7 +237,7 @@ class WarmupScheduler(LeanCallback):
         self._warmup_spec = state_dict.get("warmup", self._warmup_spec)
         self._total_spec = state_dict.get("total_steps", self._total_spec)
         schedule = state_dict.get("schedule")
-        self._schedule = None
+        self._schedule, self._resumed = None, True
         if schedule is not None:
             self._schedule = _Schedule(schedule["warmup_steps"], schedule["total_steps"], schedule["start_step"])
         self._check = CooldownCheck.from_state(state_dict.get("cooldown_check"))
@@ -340,7 +340,7 @@ class WarmupScheduler(LeanCallback):
         self._pinned = factor
 
     def _resolve(self, trainer: pl.Trainer) -> None:
-        start, total, warmup = trainer.global_step, self._total_spec, self._warmup_spec
+        start, total, warmup = schedule_step(trainer), self._total_spec, self._warmup_spec
         if total is None:
             estimated = trainer.estimated_stepping_batches
             total = None if math.isinf(estimated) else max(1, int(estimated) - start)
@@ -366,7 +366,7 @@ class WarmupScheduler(LeanCallback):
     def _before_step(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._schedule is None:
             return
-        step = trainer.global_step
+        step = schedule_step(trainer)
         if self._check.held is None and self._pinned is None:
             self._decide_cooldown(step)
         factor = self.factor(step)

@@ -397,15 +397,22 @@ class TwoOptimizerManual(TinyClassifier):
 
 @pytest.mark.filterwarnings("ignore:WarmupScheduler. the cosine decay multiplies")
 def test_manual_optimization_every_group_of_every_optimizer(tmp_path: Path) -> None:
-    """Manual optimization: every group of every optimizer gets factor(global_step); in-step schedulers keep theirs."""
+    """Manual optimization: every group of every optimizer gets the factor of the batches trained, over the whole run.
+
+    ``global_step`` counts each optimizer's step (two a batch here) while the budget counts batches: the schedule ran
+    on ``global_step`` and ended half-way, leaving the second half of a GAN's run at LR 0 under preset's defaults.
+    In-step schedulers keep their own curve.
+    """
     L.seed_everything(0, verbose=False)
-    recorder = LRRecorder()
-    fit(tmp_path, TwoOptimizerManual(), WarmupScheduler(warmup=6, total_steps=16), recorder)
-    assert [(step, index) for step, index, _ in recorder.steps] == [(k, k % 2) for k in range(16)]
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=6)
+    fit(tmp_path, TwoOptimizerManual(), warmup, recorder, max_epochs=2)
+    assert warmup.schedule == (6, 16, 0)  # 16 batches, 32 optimizer steps
+    assert [(step, index) for step, index, _ in recorder.steps] == [(k, k % 2) for k in range(32)]
     for step, index, lrs in recorder.steps:
         bases, gamma = ([0.1, 0.02], 0.9) if index == 0 else ([0.3], 0.5)
-        expected = [base * gamma ** (step // 2) * warmup_factor(step, 6, 16) for base in bases]
+        expected = [base * gamma ** (step // 2) * warmup_factor(step // 2, 6, 16) for base in bases]
         assert lrs == pytest.approx(expected), (step, index)
+    assert recorder.steps[-1][2][0] > 0  # the last batch is in the cool-down, not past it
 
 
 def test_lr_changed_inside_the_step_is_kept_with_a_warning(tmp_path: Path) -> None:
@@ -504,6 +511,27 @@ def test_resume_mid_warmup_gives_the_uninterrupted_lr_sequence(tmp_path: Path, s
     assert [step for step, _, _ in resumed_steps] == list(range(3, 16))
     assert resumed_steps == full_steps[3:]  # exactly equal, not approximately
     assert resumed[0].schedule == full[0].schedule == (6, 16, 0)  # type: ignore[attr-defined]
+
+
+def test_a_resumed_run_given_more_epochs_ends_its_schedule_at_the_new_budget(tmp_path: Path) -> None:
+    """Resumed from the end of a 2-epoch run with ``max_epochs=4``: the schedule is sized to 4 epochs, as a 4-epoch run's.
+
+    The checkpoint's schedule ended at the old budget, so every step given after it ran at the floor (LR 0) without a
+    word; ``total_steps`` left to the Trainer follows its budget on a resume, with one line saying so.
+    """
+
+    def callbacks() -> list[Callback]:
+        return [WarmupScheduler(warmup=2), LRRecorder()]
+
+    full = callbacks()
+    fit(tmp_path / "full", TinyClassifier(), *full, max_epochs=4)
+    short = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "short", TinyClassifier(), *callbacks(), short, max_epochs=2, enable_checkpointing=True)
+    resumed = callbacks()
+    fit(tmp_path / "resumed", TinyClassifier(), *resumed, max_epochs=4, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed[0].schedule == full[0].schedule == (2, 32, 0)  # type: ignore[attr-defined]
+    assert resumed[1].steps == full[1].steps[16:]  # type: ignore[attr-defined]
+    assert min(resumed[1].lrs()) > 0  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- the cool-down check
