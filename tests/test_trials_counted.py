@@ -272,6 +272,32 @@ def test_a_run_that_ends_inside_the_counted_window_keeps_the_setting_in_place(tm
     assert trainer.lightning_module.delay == 0.0
 
 
+def test_a_run_resumed_from_a_checkpoint_written_during_the_counted_trials_probes_again(tmp_path: Path) -> None:
+    """A checkpoint written while the counted trials ran holds no decision, and says so: the resumed fit probes again.
+
+    It used to be read as a run without the lever: the resumed fit kept the setting in place for the rest of the run
+    ("skipped: resumed from a checkpoint without a ... decision"), where the run it continues would have decided.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    L.seed_everything(0, verbose=False)
+    first = tiny_trainer(tmp_path / "first", max_epochs=8, limit_val_batches=0, enable_checkpointing=True,
+                         callbacks=[_TestLever(probe_steps=10), checkpoint, _StopAt(5)])  # fmt: skip
+    first.fit(_Scheduled(num_samples=512))
+    saved = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=False)["callbacks"]
+    assert [state for key, state in saved.items() if key.startswith("_TestLever")] == [
+        {"decision": None, "deciding": True}
+    ]
+    L.seed_everything(0, verbose=False)
+    lever = _TestLever(probe_steps=10)
+    trainer = tiny_trainer(tmp_path / "resumed", max_epochs=8, callbacks=[lever], limit_val_batches=0)
+    trainer.fit(_Scheduled(num_samples=512), ckpt_path=tmp_path / "ckpt" / "step=3.ckpt")
+    report = lever.report()
+    assert (report["source"], report["probed"], report["counted"]) == ("measured", True, True)
+    assert lever.applied == [report["decision"]]
+
+
 class _Active(L.Callback):
     """Records, per training step, which levers' counted trials time it."""
 

@@ -135,10 +135,8 @@ class Decision:
 
     def summary(self) -> dict[str, Any]:
         """The record for a ``report()``: step times in milliseconds (``step_ms``) instead of seconds."""
-        out = {k: v for k, v in self.as_dict().items() if k != "step_s"}
-        if self.step_s:
-            out["step_ms"] = {k: None if v is None else 1e3 * v for k, v in self.step_s.items()}
-        return out
+        step_ms = {"step_ms": {k: v if v is None else 1e3 * v for k, v in self.step_s.items()}} if self.step_s else {}
+        return {**{k: v for k, v in self.as_dict().items() if k != "step_s"}, **step_ms}
 
 
 class Lever(LeanCallback):
@@ -146,8 +144,9 @@ class Lever(LeanCallback):
 
     At ``on_fit_start``, in this order: a decision from a checkpoint is taken as it is (no probe); a resumed fit
     whose checkpoint holds none keeps the setting in place (its steps left and optimizer state belong to the run as it
-    was); otherwise `decide`. A new decision is logged (``speedkit/<AREA>/<setting>_step_ms``,
-    ``speedkit/<AREA>/probe_s``), then `apply` puts it in place on every rank. The decision is the lever's state.
+    was), unless it was written while the counted trials ran: they start again; otherwise `decide`. A new decision is
+    logged (``speedkit/<AREA>/<setting>_step_ms``, ``speedkit/<AREA>/probe_s``), then `apply` puts it in place on
+    every rank. The decision is the lever's state.
     """
 
     AREA: ClassVar[str] = ""
@@ -184,6 +183,7 @@ class Lever(LeanCallback):
     _decision: Decision | None
     _memory: Remembering | None
     _counted: CountedTrials | None
+    _deciding: bool  # resumed from a checkpoint written while the lever's counted trials ran: probe again
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Record the constructor's arguments, for `state_key` (every lever's arguments have defaults)."""
@@ -192,12 +192,14 @@ class Lever(LeanCallback):
         bound.apply_defaults()
         lever._arguments = dict(list(bound.arguments.items())[1:])
         lever._decision = lever._memory = lever._counted = None
+        lever._deciding = False
         return lever
 
     @property
     def state_spec(self) -> StateSpec:
         """What a checkpoint may hold for this lever: its decision (`DECISION_SPEC` and `EXTRA_SPEC`), or None."""
-        return dict.fromkeys(("decision", *self.LEGACY_STATE_KEYS), (None, {**DECISION_SPEC, **self.EXTRA_SPEC}))
+        decision = {**DECISION_SPEC, **self.EXTRA_SPEC}
+        return {**dict.fromkeys(("decision", *self.LEGACY_STATE_KEYS), (None, decision)), "deciding": bool}
 
     @property
     @override
@@ -347,8 +349,8 @@ class Lever(LeanCallback):
         raise NotImplementedError
 
     def resumed_without_decision(self, trainer: pl.Trainer) -> str:
-        """The one resume rule: a resumed fit whose checkpoint holds no decision of this lever is not probed."""
-        if trainer.ckpt_path is None:
+        """The one resume rule: no decision of this lever in the checkpoint, no probe (unless written mid-probe)."""
+        if trainer.ckpt_path is None or self._deciding:
             return ""
         return (
             f"skipped: resumed from a checkpoint without a {type(self).__name__} decision (the run it continues"
@@ -356,11 +358,7 @@ class Lever(LeanCallback):
         )
 
     def report(self) -> dict[str, Any]:
-        """The decision as a plain dict (`Decision.summary`), with the lever's own `status` first; {} before one.
-
-        With ``remember``: ``remember``, and ``memory_note`` / ``memory_check`` when a remembered file was not used
-        or a remembered decision was checked against the run's steps (`lightning_speedkit.trials.memory`).
-        """
+        """The decision (`Decision.summary`) after the lever's own `status`, and `~.memory`'s notes; {} before one."""
         memory = self._memory.report() if self._memory is not None else {"remember": self.remember}
         return {**self.status(), **(self._decision.summary() if self._decision is not None else {}), **memory}
 
@@ -370,11 +368,13 @@ class Lever(LeanCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"decision": None if self._decision is None else self._decision.as_dict()}
+        deciding = {"deciding": True} if self._counted is not None else {}  # a resume probes again
+        return {"decision": None if self._decision is None else self._decision.as_dict(), **deciding}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = next((state_dict[k] for k in ("decision", *self.LEGACY_STATE_KEYS) if state_dict.get(k)), None)
+        self._deciding = bool(state_dict.get("deciding"))
         if saved:
             resumed = Decision.from_dict(saved)
             resumed.source = "resumed"
