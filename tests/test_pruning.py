@@ -153,6 +153,7 @@ def test_bad_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
     ("trainer_kwargs", "cb_kwargs", "match"),
     [
         ({"max_epochs": 2}, {"start_epoch": 1, "finetune_epochs": 1}, "`max_epochs` >= 3"),
+        ({"fast_dev_run": True}, {"start_epoch": 1}, r"got 1: `fast_dev_run` runs one epoch"),  # not "raise max_epochs"
         ({"strategy": "ddp_spawn", "devices": 2}, {}, "ddp_spawn"),
         ({"max_epochs": 3}, {"ignored_layers": ["nope"]}, "`ignored_layers`"),
     ],
@@ -337,3 +338,27 @@ def test_restart_warmup_drives_every_warmup_through_the_protocol() -> None:
     trainer = SimpleNamespace(callbacks=[first, bystander, second])
     restart_warmup(trainer, None, "batch", 0.25)  # type: ignore[arg-type]
     assert first.calls == second.calls == [("restart", 0.25), ("on_train_batch_start", "batch")]
+
+
+class _WithExample(TinyClassifier):
+    """TinyClassifier with the ``example_input_array`` Lightning reads for summaries and exports (float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.randn(2, 16)
+
+
+@pytest.mark.parametrize("given", ["example_input_array", "example_input"])
+def test_a_bf16_true_module_prunes_with_its_float32_example(tmp_path: Path, given: str) -> None:
+    """Under ``precision="bf16-true"`` the example is converted as Lightning feeds the module, so pruning runs.
+
+    The float32 example went to the bfloat16 module as it was: "mat1 and mat2 must have the same dtype" at the step.
+    """
+    L.seed_everything(0, verbose=False)
+    example = {"example_input": torch.randn(2, 16)} if given == "example_input" else {}
+    pruning = StructuredPruning(amount=0.5, finetune_epochs=1, round_to=None, latency_batch_sizes=(), monitor=None,
+                                **example)  # fmt: skip
+    trainer = tiny_trainer(tmp_path, max_epochs=2, precision="bf16-true", callbacks=[pruning], limit_val_batches=0)
+    trainer.fit(_WithExample())
+    report = pruning.report()
+    assert report["params_after"] < report["params_before"]

@@ -52,12 +52,11 @@ class StructuredPruning(LeanCallback):
 
     Unlike Lightning's ``ModelPruning`` (masks: same parameter count and latency), channels are cut out of the
     tensors, so parameters, MACs and latency drop. Step ``k`` (of ``iterative_steps``) runs at the first training
-    batch of epoch ``start_epoch + k``; every epoch after a step trains the smaller model, and the last
-    ``finetune_epochs`` epochs after the last step are the fine-tune whose result the report gives. Each step
-    prunes copies on rank zero to find the plan, broadcasts it and applies it on every rank, re-wraps the DDP model,
-    rebuilds the optimizers and LR schedulers from ``configure_optimizers`` (carrying the current LRs and scheduler
-    states over) and restarts the warmup of each warmup callback in ``trainer.callbacks`` (a ``WarmupScheduler``,
-    or any callback with the methods of `lightning_speedkit.lr.WarmupLike`).
+    batch of epoch ``start_epoch + k``; every later epoch trains the smaller model, the last ``finetune_epochs`` the
+    fine-tune whose result the report gives. Each step prunes copies on rank zero to find the plan, broadcasts it
+    and applies it on every rank, re-wraps the DDP model, rebuilds the optimizers and LR schedulers from
+    ``configure_optimizers`` (carrying the current LRs and scheduler states over) and restarts the warmup of each
+    warmup callback (a ``WarmupScheduler``, or any with `lightning_speedkit.lr.WarmupLike`'s methods).
 
     How much: ``amount`` removes that share of every layer's channels. ``target_speedup`` is a **MACs** ratio: the
     smallest channel ratio whose MACs reach the step's geometric share of the target (exact and portable, but
@@ -210,13 +209,15 @@ class StructuredPruning(LeanCallback):
         if stage == "fit":
             needed = self.last_epoch + 1
             if trainer.max_epochs is not None and 0 <= trainer.max_epochs < needed:
+                fix = "`fast_dev_run` runs one epoch" if trainer.fast_dev_run else "raise it or lower those arguments"  # type: ignore[attr-defined]
                 raise ValueError(
                     f"StructuredPruning needs `max_epochs` >= {needed} (start_epoch + iterative_steps +"
-                    f" finetune_epochs), got {trainer.max_epochs}: raise max_epochs or lower those arguments."
+                    f" finetune_epochs), got {trainer.max_epochs}: {fix}."
                 )
             self._steps_done, self._report, self._ignored = 0, {}, None  # a checkpoint's state loads after this
             self._target_checked = self._monitor_checked = False
-            self._example = self.example_input
+            example, convert = self.example_input, trainer.precision_plugin.convert_input  # as the module is fed
+            self._example = None if example is None else convert(example)
         self._history = pruning_history(pl_module)
         names = {m: n for n, m in pl_module.named_modules()}
         for layer in self.ignored_layers:
@@ -305,14 +306,17 @@ class StructuredPruning(LeanCallback):
     def _before_weights_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         """Rebuild the pruned architecture from the checkpoint Lightning is restoring, before its weights load."""
         example = self._example if self._example is not None else getattr(module, "example_input_array", None)
+        if example is not None and self._example is None and self._trainer is not None:  # as the module is fed
+            example = self._trainer.precision_plugin.convert_input(example)
         rebuilt = rebuild_before_load(self._trainer, module, state_dict, prefix, self.state_key, example)
         if rebuilt is not None:
             self._example, self._history = rebuilt, pruning_history(module)
 
     def _resolve_example(self, pl_module: pl.LightningModule, batch: Any) -> Any:
-        if self._example is None:
+        if self._example is None:  # converted as Lightning feeds the module (bf16-true: to bfloat16)
             example = pl_module.example_input_array
-            self._example = example if example is not None else first_sample(batch)
+            convert = pl_module.trainer.precision_plugin.convert_input
+            self._example = convert(example) if example is not None else first_sample(batch)
         return self._example
 
     def _ignored_names(self, pl_module: pl.LightningModule, example: Any) -> list[str]:
@@ -331,15 +335,9 @@ class StructuredPruning(LeanCallback):
         if trainer.is_global_zero:
             latency = {b: cpu_latency_ms(pl_module, self._example, b) for b in self.latency_batch_sizes}
         metric = None if self.monitor is None else trainer.callback_metrics.get(self.monitor)
-        self._report.update(
-            {
-                f"macs_{when}": macs,
-                f"params_{when}": params,
-                f"latency_ms_{when}": trainer.strategy.broadcast(latency, src=0),
-                f"metric_{when}": None if metric is None else float(metric),
-                "monitor": self.monitor,
-            }
-        )
+        latency, value = trainer.strategy.broadcast(latency, src=0), None if metric is None else float(metric)
+        self._report.update({f"macs_{when}": macs, f"params_{when}": params, f"latency_ms_{when}": latency,
+                             f"metric_{when}": value, "monitor": self.monitor})  # fmt: skip
 
     def _plan_step(self, pl_module: pl.LightningModule, example: Any, step: int) -> tuple[float, History, float | None]:
         args = self._plan_args(pl_module, example)
