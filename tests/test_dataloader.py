@@ -143,6 +143,32 @@ def test_rebuild_keeps_everything_but_the_worker_settings() -> None:
     assert len(new) == len(loader)
 
 
+class _Batches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Each item is already a batch of 4 (a loader over it takes ``batch_size=None``)."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((4, 3), float(index)), torch.full((4,), index)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rebuild_keeps_a_loader_without_automatic_batching(workers: int) -> None:
+    """``batch_size=None`` (each item a batch) stays so: the same batches, in the shuffled order, not batches of 1.
+
+    The rebuilt loader batched by 1 with a sequential sampler: each batch came wrapped in a list, in order, and the
+    user's ``training_step`` failed at the loader tuner's first trial under ``preset()``.
+    """
+    loader = DataLoader(_Batches(), batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0))
+    new = rebuild_dataloader(loader, complete_settings(num_workers=workers))
+    assert (new.batch_size, new.batch_sampler, new.sampler) == (None, None, loader.sampler)
+    loader.generator.manual_seed(1)  # type: ignore[union-attr]
+    theirs = [x[:, 0].tolist() for x, _ in loader]
+    loader.generator.manual_seed(1)  # type: ignore[union-attr]
+    assert [x[:, 0].tolist() for x, _ in new] == theirs
+
+
 def test_rebuild_refuses_what_it_cannot_rebuild_safely() -> None:
     """A DataLoader subclass, or an IterableDataset with workers, is refused with the reason."""
 

@@ -207,6 +207,8 @@ def _rebuilt(
         return DataLoader(
             dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **kwargs
         )
+    if loader.batch_sampler is None:  # `batch_size=None`: each item is already a batch, converted, not collated
+        return DataLoader(dataset, batch_size=None, sampler=loader.sampler, **kwargs)
     return DataLoader(dataset, batch_sampler=loader.batch_sampler, **kwargs)
 
 
