@@ -552,3 +552,20 @@ def test_benchmark_quick_mode_writes_its_table(tmp_path: Path, demo_cache: Path)
     formats = results["runs"][0]["formats"]
     assert set(formats) == {"conv", "depthwise", "encoder"}
     assert set(formats["conv"]) >= set(module.FORMATS) | {"FP32"}
+
+
+def test_a_one_logit_binary_classifier_gets_no_top1_verdict(tmp_path: Path) -> None:
+    """One output column (a binary logit) has no argmax to compare: agreement and accuracy are not reported.
+
+    Argmax over one column is always 0, so "top-1 agreement" was always 1.0 and "top1_accuracy" the share of label 0:
+    ``min_agreement`` and ``max_metric_drop`` passed whatever the INT8 model did.
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(256, 4)
+    data = [(x[i : i + 64], (x[i : i + 64, 0] > 0).long()) for i in range(0, 256, 64)]
+    report = export_int8(net, data, tmp_path / "m.onnx", latency_repeats=0, min_agreement=0.99, max_metric_drop=0.01)
+    checked = report["verification"]
+    assert (checked["top1_agreement"], checked["metric"], checked["metric_fp32"]) == (None, None, None)
+    assert checked["samples"] == 256
+    assert "agreement n/a" in report["status"]

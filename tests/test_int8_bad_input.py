@@ -88,6 +88,19 @@ def test_a_path_that_is_a_directory_is_refused(tmp_path: Path) -> None:
         export_int8(NET, DATA, tmp_path / "model.onnx")
 
 
+@pytest.mark.parametrize("beside", ["model.json", "model.fp32.onnx", "model.onnx.data"])
+def test_a_directory_where_the_export_writes_a_file_beside_path_is_refused_first(tmp_path: Path, beside: str) -> None:
+    """A directory named like one of the files written beside ``path`` is refused before any work, nothing written.
+
+    The export ran, then failed half-way through switching its files into place (``IsADirectoryError``), leaving
+    dangling links at ``model.onnx`` and ``model.fp32.onnx`` and a stray staging directory.
+    """
+    (tmp_path / beside).mkdir()
+    with pytest.raises(ExportPathError, match=rf"must leave room for the export's files.*{beside} is a directory"):
+        export_int8(NET, DATA, tmp_path / "model.onnx", overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == [beside]
+
+
 def test_an_example_input_of_the_wrong_shape_is_named_as_the_cause(tmp_path: Path) -> None:
     """A (3, 3) example for a Linear(2, 2) names `example_input`, its shape and the model's own error, early."""
     calls: list[int] = []

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_speedkit.checks import check_bool, check_choice, check_int, is_int, is_number
+from lightning_speedkit.int8.place import export_paths
 
 __all__ = [
     "ACTIONS_ON_METRIC_DROP",
@@ -113,7 +114,8 @@ def check_export_path(value: object, name: str = "path") -> Path:
 
     Raises:
         ValueError: If ``value`` is not a path ending in ``.onnx`` with a name before the suffix.
-        ExportPathError: If ``value`` is an existing directory, or a file stands where one of its directories must.
+        ExportPathError: If ``value``, or a file the export writes beside it (`.place.export_paths`), is an existing
+            directory, or a file stands where one of its directories must.
 
     Example:
         >>> check_export_path("exports/.onnx")
@@ -126,6 +128,11 @@ def check_export_path(value: object, name: str = "path") -> Path:
     path = Path(value).absolute()
     if path.is_dir() and not path.is_symlink():
         raise ExportPathError(f"`{name}` must be a path to a file, got {str(value)!r}: it is a directory.")
+    for other in export_paths(path).values():  # the files written beside it: a directory there stops the switch
+        if other.is_dir() and not other.is_symlink():
+            raise ExportPathError(
+                f"`{name}` must leave room for the export's files, got {str(value)!r}: {other} is a directory."
+            )
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

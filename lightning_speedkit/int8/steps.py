@@ -268,8 +268,9 @@ def verify_outputs(
 
     Returns:
         ``samples``, ``max_abs_diff``, ``mean_abs_diff``, ``relative_error`` (summed abs difference over summed
-        abs FP32 output), ``top1_agreement`` (None unless the output is ``(batch, classes)``), ``metric`` (the
-        metric's class name; ``"top1_accuracy"`` without a metric when targets are class indices; None without
+        abs FP32 output), ``top1_agreement`` (None unless the output is ``(batch, classes)`` with two classes or
+        more: one column, a binary logit or a regression, has no argmax to compare), ``metric`` (the metric's class
+        name; ``"top1_accuracy"`` without a metric when targets are class indices; None without
         targets), ``metric_fp32``, ``metric_int8`` and ``higher_is_better``.
 
     Raises:
@@ -293,7 +294,7 @@ def verify_outputs(
         max_diff = max(max_diff, float(diff.max(initial=0.0)))
         sum_diff, sum_abs, count = sum_diff + float(diff.sum()), sum_abs + float(np.abs(out32).sum()), count + diff.size
         samples += len(out32)
-        if out32.ndim == 2:
+        if out32.ndim == 2 and out32.shape[1] > 1:  # one column (a binary logit, a regression): no argmax to compare
             top32, top8 = out32.argmax(-1), out8.argmax(-1)
             agree, classified = agree + int((top32 == top8).sum()), classified + len(out32)
             if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel() == len(top32):
