@@ -124,6 +124,36 @@ def test_fingerprints_are_stable_and_sensitive() -> None:
     assert callable_fingerprint(double_first) != callable_fingerprint(triple_first)
 
 
+def test_a_source_of_dicts_or_objects_is_cached_once_not_once_a_run(tmp_path: Path) -> None:
+    """Samples holding dicts, objects or bfloat16 tensors get one fingerprint for the same data, in any process.
+
+    Their bytes were hashed as numpy object arrays, that is as the objects' memory addresses: every run (and every
+    DDP rank) built a cache of its own, and a bfloat16 source raised before ``pre_transform`` could convert it.
+    """
+
+    def source(offset: float = 0.0) -> list[dict[str, object]]:  # new objects on every call
+        return [{"image": torch.full((2, 2), i + offset, dtype=torch.bfloat16), "label": i, "meta": object()}
+                for i in range(6)]  # fmt: skip
+
+    assert dataset_fingerprint(source()) == dataset_fingerprint(source()) != dataset_fingerprint(source(0.5))
+    flat = [(s["image"].float(), s["label"]) for s in source()]  # what a `pre_transform` gives
+
+    def pre_transform(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        return sample["image"].float(), int(sample["label"])  # type: ignore[call-overload]
+
+    first = CachedDataset(source(), tmp_path, pre_transform=pre_transform)
+    again = CachedDataset(source(), tmp_path, pre_transform=pre_transform)
+    assert again.directory == first.directory
+    assert again.build_report == {}  # found built
+    assert all(torch.equal(again[i][0], flat[i][0]) and again[i][1] == flat[i][1] for i in range(6))
+
+
+def test_a_nested_tuple_field_is_refused_by_name(tmp_path: Path) -> None:
+    """A field that is itself a tuple gets a clear error (numpy stacked it or failed without naming CachedDataset)."""
+    with pytest.raises(ValueError, match="field 0 of sample 0 is a tuple; the cache holds flat samples"):
+        CachedDataset([((torch.zeros(2), torch.ones(1)), i) for i in range(4)], tmp_path)
+
+
 def test_two_workers_read_the_same_samples(tmp_path: Path) -> None:
     """DataLoader worker processes map the files themselves and return what the main process reads."""
     cached = CachedDataset(Source(), tmp_path)

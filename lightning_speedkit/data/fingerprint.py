@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset
 
-from lightning_speedkit.data.rows import as_fields, short_repr, to_numpy
+from lightning_speedkit.data.rows import short_repr
 
 __all__ = ["callable_fingerprint", "check_source", "dataset_fingerprint"]
 
@@ -92,6 +93,41 @@ def dataset_fingerprint(dataset: Any) -> str:
         return fingerprint
     digest = hashlib.sha256(f"{type(dataset).__qualname__}:{length}".encode())
     for index in sorted({round(k * (length - 1) / max(1, _PROBES - 1)) for k in range(_PROBES)}):
-        for field in as_fields(dataset[index]):
-            digest.update(np.ascontiguousarray(to_numpy(field)).tobytes())
+        _feed(digest, dataset[index])
     return digest.hexdigest()[:32]
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Add ``value`` to ``digest`` the same way in every process: no memory address, whatever the sample holds.
+
+    Arrays and tensors (bfloat16 too) by dtype, shape and bytes; dicts, tuples and lists item by item; numbers,
+    strings and None by ``repr``; any other object by its type alone (its ``repr`` may hold an address).
+
+    Example:
+        >>> def hex(value): (d := hashlib.sha256(), _feed(d, value)); return d.hexdigest()[:8]
+        >>> half = torch.ones(2, dtype=torch.bfloat16)
+        >>> hex({"label": 1, "image": half}) == hex({"image": half, "label": 1}), hex(object()) == hex(object())
+        (True, True)
+        >>> hex((1, "a")) == hex((1, "b")), hex(half) == hex(half.float())
+        (False, False)
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"tensor:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray) and value.dtype.kind != "O":
+        digest.update(f"array:{value.dtype.str}:{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=repr):
+            _feed(digest, key)
+            _feed(digest, value[key])
+    elif isinstance(value, np.ndarray):  # of objects
+        _feed(digest, value.tolist())
+    elif isinstance(value, (tuple, list)):
+        digest.update(f"{type(value).__name__}:{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    elif value is None or isinstance(value, (str, bytes, int, float, complex, np.generic)):
+        digest.update(f"{type(value).__name__}:{value!r}".encode())
+    else:
+        digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())

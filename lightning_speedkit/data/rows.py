@@ -130,7 +130,7 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
     """How each field of ``sample`` is stored (kind, dtype, shape, offset in the row), and whether it is a tuple.
 
     Raises:
-        ValueError: For a sample without fields, or a field that is not numbers (a str, an object).
+        ValueError: For a sample without fields, or a field that is not numbers (a str, an object, a nested tuple).
 
     Example:
         >>> fields, is_tuple = describe_fields((torch.zeros(2), 3))
@@ -139,6 +139,11 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
     """
     fields = []
     for position, field in enumerate(as_fields(sample)):
+        if isinstance(field, (tuple, list, dict)):  # numpy would stack a nested tuple, or fail on it, without a name
+            raise ValueError(
+                f"CachedDataset: field {position} of sample 0 is a {type(field).__name__}; the cache holds flat"
+                " samples (an array, a tensor or a number, or a tuple of them): flatten it in `pre_transform`."
+            )
         kind = "tensor" if isinstance(field, torch.Tensor) else "scalar" if np.ndim(field) == 0 else "array"
         try:
             array = to_numpy(field)
