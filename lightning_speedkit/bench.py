@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -151,14 +153,16 @@ def _run_one(
     command = [sys.executable, str(directory / f"{name}.py"), *(["--quick"] if quick else []), "--out", str(json_path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=directory.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen(  # a session of its own: a timeout stops the processes it started too
+        command, cwd=directory.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     timed_out = threading.Event()
 
     def stop() -> None:
         timed_out.set()
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its children hold the output pipes open: reading never ended
 
     timer = threading.Timer(timeout_s, stop) if timeout_s is not None else None
     if timer is not None:
@@ -297,8 +301,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     except BenchmarksNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"speedkit bench: {exc}", file=sys.stderr)
+    except ValueError as exc:  # named as the command line names them
+        shown = str(exc).replace("`timeout_s`", "--timeout").replace("`names`", "NAME")
+        print(f"speedkit bench: {shown}", file=sys.stderr)
         return 2
     print(f"\n{format_markdown(report)}\n\nwrote {Path(args.out) / 'report.md'} and report.json")
     return 0 if all(e["status"] in ("ok", "skipped") for e in report["benchmarks"].values()) else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,21 @@ _FAILS = "import sys\nprint('half a table')\nsys.stderr.write('Traceback: boom\\
 _NO_JSON = "print('a table but no JSON')\n"
 _SKIPS = _OK.replace('{"quick": a.quick, "speedup": 2.0}', '{"skipped": "no CUDA device"}')
 _HANGS = "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
+_SPAWNS = """
+import pathlib, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=-3, stderr=-3)  # DEVNULL
+pathlib.Path(__file__).with_name("child.pid").write_text(str(child.pid))
+print("started", flush=True)
+time.sleep(60)
+"""
 
 
 @pytest.fixture
 def scripts(tmp_path: Path) -> Path:
     directory = tmp_path / "repo" / "benchmarks"
     directory.mkdir(parents=True)
-    for name, text in {"ok": _OK, "fails": _FAILS, "no_json": _NO_JSON, "skips": _SKIPS, "hangs": _HANGS}.items():
+    texts = {"ok": _OK, "fails": _FAILS, "no_json": _NO_JSON, "skips": _SKIPS, "hangs": _HANGS, "spawns": _SPAWNS}
+    for name, text in texts.items():
         (directory / f"{name}.py").write_text(text)
     (directory / "_shared.py").write_text("")
     return directory
@@ -66,7 +75,7 @@ def test_environment_variable_names_the_directory(scripts: Path, monkeypatch: py
     """``$SPEEDKIT_BENCHMARKS_DIR`` points the command at another directory of scripts."""
     monkeypatch.setenv("SPEEDKIT_BENCHMARKS_DIR", str(scripts))
     assert find_benchmarks_dir() == scripts
-    assert discover(scripts) == ["fails", "hangs", "no_json", "ok", "skips"]
+    assert discover(scripts) == ["fails", "hangs", "no_json", "ok", "skips", "spawns"]
 
 
 @pytest.mark.parametrize(
@@ -126,6 +135,23 @@ def test_timeout_stops_a_benchmark(scripts: Path, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "report.md").is_file()
 
 
+def test_timeout_stops_the_processes_a_benchmark_started(scripts: Path, tmp_path: Path) -> None:
+    """The processes a benchmark started stop with it (the whole process group is killed), not only the script.
+
+    Killing the script alone left its children running; those holding its output pipes kept the run waiting for
+    them, long past ``timeout_s``.
+    """
+    report = run_benchmarks(["spawns"], out_dir=tmp_path / "out", benchmarks_dir=scripts, timeout_s=2, verbose=False)
+    assert report["benchmarks"]["spawns"]["status"] == "timeout"
+    stat = Path(f"/proc/{(scripts / 'child.pid').read_text()}/stat")
+    for _ in range(300):  # the kill was sent to the group; a loaded machine may take a moment to deliver it
+        if not stat.exists() or stat.read_text().split()[2] == "Z":  # gone, or dead and not yet reaped
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the benchmark's child process ({stat.parent.name}) is still running")
+
+
 def test_main_exit_code_and_listing(scripts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``main`` returns 0 when every benchmark passed or skipped, 1 when one failed; ``--list`` names them."""
     common = ["--benchmarks-dir", str(scripts), "--out", str(tmp_path / "out")]
@@ -134,7 +160,9 @@ def test_main_exit_code_and_listing(scripts: Path, tmp_path: Path, capsys: pytes
     assert main(["ok", "fails", *common]) == 1
     capsys.readouterr()
     assert main(["--list", *common]) == 0
-    assert capsys.readouterr().out.split() == ["fails", "hangs", "no_json", "ok", "skips"]
+    assert capsys.readouterr().out.split() == ["fails", "hangs", "no_json", "ok", "skips", "spawns"]
+    assert main(["ok", "--timeout", "0", *common]) == 2
+    assert "--timeout must be a positive number" in capsys.readouterr().err  # the flag, not the parameter
 
 
 def test_markdown_shows_a_benchmark_that_printed_nothing() -> None:

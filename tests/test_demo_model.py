@@ -139,9 +139,13 @@ def test_parse_seeds(text: str, seeds: list[int]) -> None:
     assert parse_seeds(text) == seeds
 
 
-@pytest.mark.parametrize("text", ["", "a-b", "-1", "4-2"])
+@pytest.mark.parametrize("text", ["", "a-b", "-1", "4-2", "0,4294967296", "0,0", "2-3,3"])
 def test_bad_seeds_are_refused(text: str) -> None:
-    """A malformed or empty seed list is a ValueError naming `seeds`."""
+    """A malformed or empty seed list, a seed numpy refuses or one given twice is a ValueError naming `seeds`.
+
+    A seed over 2**32 - 1 trained the seeds before it, then died in a traceback; a repeated one counted twice in
+    the median.
+    """
     with pytest.raises(ValueError, match="`seeds`"):
         parse_seeds(text)
 

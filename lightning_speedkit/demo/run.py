@@ -348,8 +348,9 @@ def parse_seeds(text: str) -> list[int]:
             seeds = [int(part) for part in text.split(",")]
     except ValueError:
         seeds = []
-    if not seeds or any(seed < 0 for seed in seeds):
-        raise ValueError(f"`seeds` must be a range like 0-4 or a list like 0,2,5 of seeds >= 0, got {text!r}.")
+    if not seeds or any(not 0 <= seed <= _MAX_SEED for seed in seeds) or len(set(seeds)) < len(seeds):
+        shown = f"a range like 0-4 or a list like 0,2,5 of different seeds in [0, {_MAX_SEED}]"
+        raise ValueError(f"`seeds` must be {shown}, got {text!r}.")
     return seeds
 
 
