@@ -65,7 +65,9 @@ class PresetChoices(dict[str, Any]):
         if self.get("overridden"):
             lines.append(f"  {'as asked':<11} {', '.join(f'{k}={v!r}' for k, v in self['overridden'].items())}")
         for name, decision in self.decisions().items():
-            lines.append(f"  {name:<11} {decision['decision']!s:<28} {decision['source']}: {decision['reason']}")
+            source, reason = decision["source"], decision["reason"]
+            shown = reason if reason.startswith(f"{source}:") else f"{source}: {reason}"  # not "skipped: skipped: ..."
+            lines.append(f"  {name:<11} {decision['decision']!s:<28} {shown}")
         return "\n".join(lines)
 
 

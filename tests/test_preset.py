@@ -583,3 +583,16 @@ def test_short_job_benchmark_quick_mode(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "short_job.json").read_text()) == result
     assert {row["run"] for row in result["rows"]} == {"plain", "preset"}
     assert all(not lever["probed"] for lever in result["levers"].values())
+
+
+def test_the_summary_says_skipped_once(tmp_path: Path) -> None:
+    """A decision whose reason already starts with its source ("skipped: resumed from ...") is not prefixed twice."""
+    trainer = preset(logger=False, verbose=False, default_root_dir=tmp_path)
+    lever = callback_of(trainer, speedkit.FusedOptimizer)
+    lever._decision = speedkit.trials.Decision.skipped("default", "skipped: resumed from a checkpoint without one")
+    other = callback_of(trainer, speedkit.ChannelsLast)
+    other._decision = speedkit.trials.Decision.skipped("default", "no convolutions at setup")
+    summary = trainer.speedkit.summary()
+    assert "skipped: skipped" not in summary
+    assert "skipped: resumed from a checkpoint without one" in summary
+    assert "skipped: no convolutions at setup" in summary
