@@ -104,9 +104,10 @@ class WeightAverage(LeanCallback):
     the fit validates, the module holds the average; after, the trained weights again, so training goes on as if there
     were no average. The module's tensors are read again at each epoch's first step: the average starts again from the
     weights when their shapes have changed (`StructuredPruning`, at an epoch's start), and when it is not finite at a
-    validation. A checkpoint's ``state_dict`` holds the average (what ``load_from_checkpoint`` gives you,
-    and what the monitored metric measured); the callback's state keeps the trained weights, so a resumed fit goes on
-    from them with the same average. After fit, the module holds the average.
+    validation, and when a `TrainingGuard` rolls the weights back (`rolled_back`). A checkpoint's ``state_dict`` holds
+    the average (what ``load_from_checkpoint`` gives you, and what the monitored metric measured); the callback's
+    state keeps the trained weights, so a resumed fit goes on from them with the same average. After fit, the module
+    holds the average; its batch-norm statistics, which each DDP rank averages from its own batches, rank zero's.
 
     Args:
         decay: The decay in [0, 1); None (default): from the steps between two validations, a time constant of
@@ -211,8 +212,19 @@ class WeightAverage(LeanCallback):
         self._put_back(pl_module)
         names, tensors = self._current(pl_module)
         if self._average is not None and self._matches(self._average, names, tensors):
+            buffers = {name for name, _ in pl_module.named_buffers()}
+            local = {n: _host_copy(a) for n, a in zip(names, self._average, strict=True) if n in buffers}
+            shared = trainer.strategy.broadcast(local, src=0)  # each rank averaged its own batches' statistics
             with torch.no_grad():
+                for name, average in zip(names, self._average, strict=True):
+                    if name in shared:  # rank zero's, as DDP's forward hands out its buffers: every rank ends alike
+                        average.copy_(shared[name])
                 torch._foreach_copy_(tensors, self._average)
+
+    def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
+        """`TrainingGuard` put the weights of ``step`` back: the average, which holds the broken steps, starts again."""
+        if self._average is not None:
+            self._start(*self._current(trainer.lightning_module), f"rolled back to step {step}")
 
     @override
     def on_save_checkpoint(

@@ -35,14 +35,7 @@ from lightning_speedkit.trials.snapshot import (
     take_state,
 )
 
-__all__ = [
-    "SNAPSHOT_EVERY",
-    "SNAPSHOT_SHARE",
-    "TrainingGuard",
-    "robust_z",
-    "snapshot_bytes",
-    "snapshot_interval",
-]
+__all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "snapshot_bytes", "snapshot_interval"]
 
 _TIMED_STEPS = 10
 """Steps timed after the first snapshot to choose the interval."""
@@ -98,10 +91,12 @@ class TrainingGuard(LeanCallback):
       (at too high an LR, typically). A stall rolls back to the first snapshot.
 
     A rollback restores the snapshot, multiplies every LR by ``backoff`` (through `lightning_speedkit.lr`, so a
-    `WarmupScheduler` follows) and goes on with the next batch. After ``max_rollbacks`` rollbacks the next trigger
-    raises a `RuntimeError` that says what happened. A snapshot larger than ``max_snapshot_bytes`` (default: a
-    quarter of host memory) is not taken: the guard then only watches and raises on the first trigger. Its state is
-    checkpointed (counters, events, the loss window); snapshots are not, since a checkpoint is one.
+    `WarmupScheduler` follows), calls ``rolled_back(trainer, step)`` on every callback that has it (a `WeightAverage`
+    starts again: its average holds the broken steps) and goes on with the next batch. After ``max_rollbacks``
+    rollbacks the next trigger raises a `RuntimeError` that says what happened. A snapshot larger than
+    ``max_snapshot_bytes`` (default: a quarter of host memory) is not taken: the guard then only watches and raises
+    on the first trigger. Its state is checkpointed (counters, events, the loss window); snapshots are not, since a
+    checkpoint is one.
 
     Args:
         every_n_steps: Optimizer steps between snapshots; None (default) for the guard's choice (`snapshot_interval`).
@@ -381,8 +376,8 @@ class TrainingGuard(LeanCallback):
         if trigger == "stalled":
             self._start_losses, self._stall_from = [], step
         finite = loss if math.isfinite(loss) else None  # None for NaN/inf: the report stays plain JSON
-        event = {"step": step, "trigger": trigger, "loss": finite, "restored_step": snapshot["step"]}
-        self._events.append({**event, "lr_scale": new_scale})
+        self._events.append({"step": step, "trigger": trigger, "loss": finite, "restored_step": snapshot["step"],
+                             "lr_scale": new_scale})  # fmt: skip
         rank_zero_warn(
             f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and"
             f" multiplied the LR by {self.backoff} (now x{new_scale:.3g}); rollback {self._rollbacks}"
@@ -397,3 +392,6 @@ class TrainingGuard(LeanCallback):
         put_back(trainer, snapshot)
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if callable(told := getattr(callback, "rolled_back", None)):
+                told(trainer, snapshot["step"])

@@ -205,6 +205,26 @@ def test_non_finite_average_is_started_again_before_validation(tmp_path: Path) -
     assert all(torch.isfinite(v).all() for seen in model.seen for v in seen.values() if v.is_floating_point())
 
 
+def test_a_guard_rollback_starts_the_average_again(tmp_path: Path) -> None:
+    """A `TrainingGuard` rollback tells the average, which starts again from the weights put back.
+
+    The average took in the broken step before the guard acted (a spike is judged on its second step), and nothing
+    told it of the rollback: without a validation to find it not finite, the fit ended holding a NaN average.
+    """
+    from lightning_speedkit import TrainingGuard
+
+    class _Poison(L.Callback):  # breaks the weights once: the next step's loss is NaN
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 5 and not guard.report()["rollbacks"]:
+                pl_module.net[0].weight.data.fill_(float("nan"))  # type: ignore[index]
+
+    guard, average = TrainingGuard(every_n_steps=2), WeightAverage(decay=0.9)
+    _, model = _fit(tmp_path, [guard, average, _Poison()], limit_val_batches=0)
+    assert guard.report()["rollbacks"] == 1
+    assert average.report()["restarts"] == [f"rolled back to step {guard.report()['events'][0]['restored_step']}"]
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+
+
 def test_preset_puts_the_average_after_the_guard() -> None:
     """``preset(average=True)`` adds it after TrainingGuard (a rolled-back step is never averaged); off by default."""
     names = preset(average=True, logger=False, verbose=False).speedkit["callbacks"]
@@ -223,18 +243,23 @@ def test_bad_input_names_the_argument(argument: str, value: float) -> None:
 
 def _rank_average(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's average (the module holds it after fit) and its decay (written by `RankWriter`)."""
-    weights = [x for p in pl_module.parameters() for x in p.detach().flatten().tolist()]
+    state = pl_module.state_dict()
+    weights = [x for name in sorted(state) if state[name].is_floating_point() for x in state[name].flatten().tolist()]
     return {"report": callback_of(trainer, WeightAverage).report(), "weights": weights}
 
 
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_ranks_hold_the_same_average(tmp_path: Path) -> None:
-    """2-process DDP: both ranks set the same decay from their own steps and end with the same averaged weights."""
+    """2-process DDP: both ranks set the same decay from their own steps and end with the same averaged weights.
+
+    Batch-norm statistics included: each rank averages its own batches' statistics, and they ended different; rank
+    zero's are every rank's at the end, as DDP's forward hands out rank zero's buffers.
+    """
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
     writer = RankWriter(tmp_path, _rank_average)
     L.seed_everything(0, verbose=False)
-    model = TinyClassifier(num_samples=256, batch_size=8)  # no batch norm: DDP keeps its buffers per rank
+    model = _Normed(num_samples=256, batch_size=8)
     trainer = tiny_trainer(tmp_path, callbacks=[WeightAverage(), writer], strategy=strategy, devices=2, max_epochs=2)
     trainer.fit(model)
     ranks = rank_records(tmp_path)
