@@ -514,7 +514,7 @@ def test_resume_mid_warmup_gives_the_uninterrupted_lr_sequence(tmp_path: Path, s
 
 
 def test_a_resumed_run_given_more_epochs_ends_its_schedule_at_the_new_budget(tmp_path: Path) -> None:
-    """Resumed from the end of a 2-epoch run with ``max_epochs=4``: the schedule is sized to 4 epochs, as a 4-epoch run's.
+    """Resumed from the end of a 2-epoch run with ``max_epochs=4``: the schedule is sized as a 4-epoch run's.
 
     The checkpoint's schedule ended at the old budget, so every step given after it ran at the floor (LR 0) without a
     word; ``total_steps`` left to the Trainer follows its budget on a resume, with one line saying so.
