@@ -40,6 +40,10 @@ __all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "sna
 _TIMED_STEPS = 10
 """Steps timed after the first snapshot to choose the interval."""
 
+UNDONE = 0.5
+"""The share of the loss's fall since the first steps (``window`` losses) a spike must take back: a classifier near a
+loss of 0.01 from 1.4 met two hard batches at 0.2 in a row (z far over 8), and the guard halved its LR for them."""
+
 
 def robust_z(value: float, window: Sequence[float]) -> float:
     """How many robust standard deviations ``value`` lies above the window's median (median absolute deviation).
@@ -83,7 +87,8 @@ class TrainingGuard(LeanCallback):
 
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
-      ``window`` losses on two steps in a row. One batch alone is not enough: late in training a single hard batch
+      ``window`` losses, and back up by at least `UNDONE` of the loss's fall since the first steps, on two steps in a
+      row. One batch alone is not enough: late in training a single hard batch
       can lie 8 MADs out (the demo: a batch loss of 0.55 against a median of 0.18), while weights a bad step broke
       give a high loss on the next batch too;
     - **stall**: with ``stall_steps``, the mean of the latest losses is still above ``stall_fraction`` times the mean
@@ -298,22 +303,19 @@ class TrainingGuard(LeanCallback):
         ``every_n_steps`` (the interval in use), ``check_every_n_steps`` (losses read at once), ``watch_only`` (why
         no snapshot is kept, if so) and ``unwatched`` (steps of manual optimization that returned no scalar loss).
         """
-        return {
-            "rollbacks": self._rollbacks,
-            "lr_scale": self._lr_scale,
-            "events": list(self._events),
-            "snapshot_bytes": self._snapshot_size,
-            "snapshot_s": self._snapshot_s,
-            "every_n_steps": self._every,
-            "watch_only": self._watch_only,
-            "check_every_n_steps": self.check_every_n_steps,
-            "unwatched": self._unwatched,
-        }
+        return {"rollbacks": self._rollbacks, "lr_scale": self._lr_scale, "events": list(self._events),
+                "snapshot_bytes": self._snapshot_size, "snapshot_s": self._snapshot_s, "every_n_steps": self._every,
+                "watch_only": self._watch_only, "check_every_n_steps": self.check_every_n_steps,
+                "unwatched": self._unwatched}  # fmt: skip
 
     def _judge(self, value: float, step: int) -> str | None:
         if not math.isfinite(value):
             return "non-finite loss"
-        spiked = len(self._losses) >= self.window and robust_z(value, list(self._losses)) > self.spike_z
+        window = list(self._losses)
+        spiked = len(window) >= self.window and robust_z(value, window) > self.spike_z
+        if spiked and self._start_losses:  # near convergence two hard batches are far out, but undo little
+            middle = statistics.median(window)
+            spiked = value > middle + UNDONE * max(0.0, statistics.fmean(self._start_losses) - middle)
         self._spiked, twice = spiked, spiked and self._spiked
         if twice:
             return "loss spike"
