@@ -162,6 +162,12 @@ class ChannelsLast(trials.Lever):
         if is_channels_last(pl_module):  # converted already (an earlier stage, or by the user)
             self._status = "channels_last"
             return
+        if stage != "fit" and self.measure and (self._decision is None or self._decision.decision != _NHWC):
+            # validate/test/predict: the layout is a fit's measured decision; none, or the default, leaves it as is
+            self._status = (
+                "default layout, as the fit decided" if self._decision else "left as it is: no fit measured it"
+            )
+            return
         if not has_convolutions(pl_module):
             self._status = "no convolutions at setup"
             rank_zero_info("ChannelsLast: no convolutions at setup; the layout is left as it is.")

@@ -178,6 +178,29 @@ def test_validate_after_fit_keeps_the_report(tmp_path: Path) -> None:
     assert converted > 0
 
 
+def test_validate_test_and_predict_leave_the_layout_a_fit_did_not_choose(tmp_path: Path) -> None:
+    """Outside a fit the layout is the fit's measured decision: none, or the default, leaves the model as it is.
+
+    ``validate``/``test``/``predict`` (every stage but fit) converted every conv net to channels-last, unmeasured,
+    and after a fit that kept the default layout (a short run, or NHWC measured slower) too. ``measure=False``
+    (convert without timing) still converts.
+    """
+    L.seed_everything(0, verbose=False)
+    model, callback = DemoClassifier(width=16, crop_size=16), ChannelsLast()
+    trainer = tiny_trainer(tmp_path / "eval", max_epochs=1, callbacks=[callback], limit_val_batches=2)
+    trainer.validate(model, _images(16), verbose=False)
+    assert not is_channels_last(model)
+    assert callback.report()["status"] == "left as it is: no fit measured it"
+    trainer.fit(model, _images(), _images(16))  # a few steps: the probe cannot pay back, the default is kept
+    assert callback.report()["decision"] == "default"
+    trainer.validate(model, _images(16), verbose=False)  # every stage but fit takes the same branch
+    assert not is_channels_last(model)
+    assert callback.report()["status"] == "default layout, as the fit decided"
+    unmeasured = ChannelsLast(measure=False)
+    tiny_trainer(tmp_path / "asked", callbacks=[unmeasured]).validate(model, _images(16), verbose=False)
+    assert is_channels_last(model)
+
+
 def _rank_state(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
     """Each rank's layout and weights at the end of training (written by `RankWriter`)."""
     weights = [p.detach().flatten().tolist() for p in pl_module.parameters()]
