@@ -126,6 +126,11 @@ class NvmlSampler:
                 self._nvml.nvmlShutdown()
 
 
+MIN_CPU_INTERVAL_S = 0.1
+"""The shortest interval a CPU share is read over: the sampler thread's first reading came microseconds after the
+sampler was opened, and psutil read 0.0 there (a short fit's monitor then reported 0% utilization)."""
+
+
 class ProcessSampler:
     """This process's CPU use and resident memory (psutil): the reading when there is no GPU or no NVML.
 
@@ -144,14 +149,19 @@ class ProcessSampler:
         self.fallback_reason = fallback_reason
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the measurement interval
+        self._since = time.monotonic()
         self._total = int(psutil.virtual_memory().total)
         self._cores = cpu_info().available_cores
 
     def sample(self) -> list[DeviceSample]:
-        """One reading of this process: CPU share of the cores it may use, and resident memory."""
-        busy = self._process.cpu_percent(None) / 100.0 / self._cores
-        rss = int(self._process.memory_info().rss)
-        return [DeviceSample("cpu", time.monotonic(), min(1.0, busy), rss, self._total)]
+        """One reading of this process: CPU share of the cores it may use, and resident memory.
+
+        The share is None until `MIN_CPU_INTERVAL_S` has passed since the last one was read.
+        """
+        now, busy = time.monotonic(), None
+        if now - self._since >= MIN_CPU_INTERVAL_S:  # over a shorter interval psutil reads 0.0 (or a capped 1.0)
+            busy, self._since = min(1.0, self._process.cpu_percent(None) / 100.0 / self._cores), now
+        return [DeviceSample("cpu", now, busy, int(self._process.memory_info().rss), self._total)]
 
     def close(self) -> None:
         """Nothing to release."""

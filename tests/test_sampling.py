@@ -13,6 +13,7 @@ import torch
 
 from lightning_speedkit.hardware import nvml_status
 from lightning_speedkit.sampling import (
+    MIN_CPU_INTERVAL_S,
     DeviceSample,
     DeviceSampler,
     NvmlSampler,
@@ -45,13 +46,21 @@ class FlakySampler:
 
 
 def test_process_sampler_reads_this_process() -> None:
-    """Without a GPU the process reading gives a CPU share in [0, 1] and a resident size within the machine's memory."""
+    """Without a GPU the process reading gives a CPU share in [0, 1] and a resident size within the machine's memory.
+
+    The share is None at once (psutil read 0.0 over the microseconds since the sampler opened: a short fit reported
+    0% utilization), and read once `MIN_CPU_INTERVAL_S` of this process's work has passed.
+    """
     sampler = ProcessSampler()
     assert isinstance(sampler, DeviceSampler)
+    assert sampler.sample()[0].utilization is None
+    began = time.monotonic()
+    while time.monotonic() - began < 1.5 * MIN_CPU_INTERVAL_S:
+        sum(range(10_000))  # busy: a share above 0
     (reading,) = sampler.sample()
     assert reading.device == "cpu"
     assert reading.utilization is not None
-    assert 0.0 <= reading.utilization <= 1.0
+    assert 0.0 < reading.utilization <= 1.0
     assert reading.memory_used_bytes is not None
     assert reading.memory_total_bytes is not None
     assert 0 < reading.memory_used_bytes < reading.memory_total_bytes
