@@ -184,7 +184,7 @@ def preset(
       LR scheduler of the user's own, that schedule alone, no decay on top: ``decay="auto"``), ``guard``
       (`TrainingGuard`: a last-good snapshot, rolled back at half the LR on a NaN or a loss spike) and ``monitor``
       (`UtilizationMonitor`). Out by default: ``batch_size`` (`BatchSizeFinder`; ``"auto"`` or ``True`` on CPU,
-      which never runs out of memory, searches for throughput), ``lr`` (`LRFinder`; ``lr="auto"``
+      which never runs out of memory, keeps the user's batch, with the reason), ``lr`` (`LRFinder`; ``lr="auto"``
       or ``True``: short LR trials at fit start keep the user's LR unless another is clearly and much better, then
       every LR is scaled to it and the warmup ramps to it), ``average`` (`WeightAverage`: validation, checkpoints
       and the weights after fit are a moving average of the trained weights, over a quarter of the steps between
@@ -234,8 +234,11 @@ def preset(
         slots["tune_precision"] = False
     asked = slots["batch_size"]
     if (asked is True or (isinstance(asked, str) and asked == "auto")) and choices["accelerator"] == "cpu":
-        slots["batch_size"] = {"objective": "throughput"}  # no out-of-memory error to stop a memory search on CPU
-        choices["reasons"]["batch_size"] = "BatchSizeFinder(objective='throughput'): a CPU never runs out of memory"
+        slots["batch_size"] = False  # no memory limit to find; throughput alone grew a small model's batch to the data
+        choices["reasons"]["batch_size"] = (
+            "yours: a CPU never runs out of memory, and the fastest batch changes the training (a tiny model's grew to"
+            " the whole data set, its LR x128); BatchSizeFinder(objective='throughput') searches anyway"
+        )
     chosen_callbacks = default_callbacks(callbacks=callbacks, remember=remember, **slots)
     choices.attach(chosen_callbacks)
     if not any(isinstance(c, RunSummary) for c in chosen_callbacks):
