@@ -58,7 +58,7 @@ class DeviceReadings:
     Example:
         >>> readings = DeviceReadings(interval_s=0.01)
         >>> readings.start(open_sampler, torch.device("cpu"))
-        >>> import time; time.sleep(0.05)
+        >>> import time; time.sleep(0.15)  # a CPU share needs `MIN_CPU_INTERVAL_S` of readings
         >>> sorted(readings.take()), readings.error
         (['cpu_utilization', 'rss_gb'], None)
         >>> readings.stop()
