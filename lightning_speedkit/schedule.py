@@ -26,6 +26,7 @@ __all__ = [
     "DECAYS",
     "TIME_EVERY",
     "budget_timer",
+    "budget_total",
     "check_cooldown",
     "check_schedule",
     "check_warmup",
@@ -333,6 +334,16 @@ def schedule_step(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
 
 
+def budget_total(estimated: float, start: int) -> int | None:
+    """The steps a schedule started at step ``start`` has in a budget of ``estimated`` steps (None: no end).
+
+    Example:
+        >>> budget_total(100, 10), budget_total(5, 10), budget_total(math.inf, 0)
+        (90, 1, None)
+    """
+    return None if math.isinf(estimated) else max(1, int(estimated) - start)
+
+
 def rebudgeted(total: int | None, start: int, estimated: float) -> int | None:
     """A schedule's new total when the Trainer's budget changed (a resumed fit given more epochs), else None.
 
@@ -342,9 +353,7 @@ def rebudgeted(total: int | None, start: int, estimated: float) -> int | None:
         >>> rebudgeted(50, 0, 100), rebudgeted(40, 10, 50), rebudgeted(None, 0, 100), rebudgeted(50, 0, math.inf)
         (100, None, None, None)
     """
-    if total is None or math.isinf(estimated):
-        return None
-    new = max(1, int(estimated) - start)
+    new = None if total is None else budget_total(estimated, start)
     return new if new != total else None
 
 

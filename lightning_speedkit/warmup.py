@@ -19,6 +19,7 @@ from lightning_speedkit.schedule import (
     AUTO,
     DECAYS,
     budget_timer,
+    budget_total,
     check_cooldown,
     check_schedule,
     check_warmup,
@@ -342,8 +343,7 @@ class WarmupScheduler(LeanCallback):
     def _resolve(self, trainer: pl.Trainer) -> None:
         start, total, warmup = schedule_step(trainer), self._total_spec, self._warmup_spec
         if total is None:
-            estimated = trainer.estimated_stepping_batches
-            total = None if math.isinf(estimated) else max(1, int(estimated) - start)
+            total = budget_total(trainer.estimated_stepping_batches, start)
         if not is_int(warmup):
             if total is None:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
