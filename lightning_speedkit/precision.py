@@ -189,7 +189,8 @@ class PrecisionTuner(trials.Lever):
     Trainer's precision by ``margin``. A candidate block whose loss is non-finite, or more than ``loss_tolerance``
     worse than the Trainer's precision's block just before it, is undone (the weights and optimizer state copied
     before it are put back) and the candidate rejected. A run too short for the probe to pay back keeps the Trainer's
-    precision, and `report` says why. Only plain fp32
+    precision, and `report` says why. The precision installed is the Trainer's from then on, as if it had been
+    built with it: a `validate`, `test` or `predict` after the fit runs in it too. Only plain fp32
     and autocast plugins are swapped: a Trainer built with a true-half, DeepSpeed, FSDP or other plugin is left
     alone. The life cycle (checkpointed decision, resume, report) is `lightning_speedkit.trials.Lever`'s.
 

@@ -38,6 +38,11 @@ class _Handicapped(TinyClassifier):
             return loss * 3.0
         return loss * float("nan") if precision == self.nan_in else loss
 
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        super().validation_step(batch, batch_idx)
+
 
 def _fit(tmp_path: Path, model: TinyClassifier, tuner: PrecisionTuner, **kwargs: Any) -> Any:
     trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_val_batches=0, **kwargs)
@@ -70,6 +75,21 @@ def test_a_faster_candidate_is_installed_and_trains(tmp_path: Path) -> None:
     assert report["step_ms"]["bf16-mixed"] < report["step_ms"]["32-true"]
     assert trainer.precision == "bf16-mixed"
     assert model.autocast_seen[-1] is True
+
+
+def test_the_precision_kept_is_the_trainers_after_the_fit(tmp_path: Path) -> None:
+    """Once bf16 is installed, a `validate` after the fit runs in it too, as under ``Trainer(precision=...)``."""
+    torch.manual_seed(0)
+    model = _Handicapped(slow_in="32-true")
+    tuner = PrecisionTuner(candidates=BOTH, probe_steps=4)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=2, limit_val_batches=2, num_sanity_val_steps=0)
+    trainer.fit(model)
+    assert tuner.report()["decision"] == "bf16-mixed"
+    model.autocast_seen.clear()
+    trainer.validate(model, verbose=False)
+    assert trainer.precision == "bf16-mixed"
+    assert model.autocast_seen
+    assert all(model.autocast_seen)
 
 
 def test_a_slower_candidate_is_rejected(tmp_path: Path) -> None:
