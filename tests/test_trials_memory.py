@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_speedkit as speedkit
 from lightning_speedkit.demo import DemoClassifier
-from lightning_speedkit.trials import Lever, TrialSession
+from lightning_speedkit.trials import Decision, Lever, TrialSession
 from lightning_speedkit.trials.counted import queued_steps
 from lightning_speedkit.trials.measure import DETERMINISTIC
 from lightning_speedkit.trials.memory import DecisionMemory, Remembering, fingerprint_key, outside_band
@@ -313,6 +313,34 @@ def test_doctor_lists_and_forget_clears_what_is_remembered(tmp_path: Path) -> No
     forgot = subprocess.run([str(script), "forget"], capture_output=True, text=True, check=True).stdout
     assert forgot.startswith("speedkit forget: 2 remembered decision(s) removed")
     assert DecisionMemory().entries() == []
+
+
+def test_forget_removes_the_decisions_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``forget`` removes the remembered decisions and nothing else of a directory the user chose.
+
+    The directories the decisions leave empty go too; the count is what was removed.
+    """
+    root = tmp_path / "mine"
+    monkeypatch.setenv("SPEEDKIT_DECISIONS_DIR", str(root))
+    memory = DecisionMemory()
+    decision = Decision(decision="channels_last", reason="faster", source="measured")
+    assert memory.remember({"lever": "ChannelsLast{}"}, decision) == ""
+    assert memory.remember({"lever": "PrecisionTuner{}"}, decision) == ""
+    (root / "notes.txt").write_text("mine")
+    (root / "project").mkdir()
+    (root / "project" / "train.json").write_text("{}")
+    beside = next(p for p in root.iterdir() if p.is_dir() and p.name != "project")
+    (beside / "keep.json").write_text('{"mine": true}')
+    assert memory.forget() == 2
+    assert [(e["lever"], e["reason"]) for e in memory.entries()] == [("keep", "unreadable")]  # not a decision: kept
+    assert (root / "notes.txt").read_text() == "mine"
+    assert (root / "project" / "train.json").is_file()
+    assert (beside / "keep.json").is_file()
+    empty = tmp_path / "empty"
+    monkeypatch.setenv("SPEEDKIT_DECISIONS_DIR", str(empty))
+    assert DecisionMemory().remember({"lever": "X"}, decision) == ""
+    assert DecisionMemory().forget() == 1
+    assert not empty.exists()  # nothing of the user's there: the directory goes too
 
 
 def test_the_fingerprint_key_is_stable_and_sensitive() -> None:

@@ -21,6 +21,7 @@ its report says why), never a crash. `DecisionMemory.entries` lists what is reme
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import hashlib
@@ -28,7 +29,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import statistics
 import weakref
 from collections.abc import Mapping
@@ -83,6 +83,20 @@ def fingerprint_key(print_: Mapping[str, Any]) -> str:
     """
     canonical = json.dumps(print_, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def _is_key(name: str) -> bool:
+    """Whether a directory name is a `fingerprint_key`: 20 lower-case hex digits."""
+    return len(name) == 20 and all(c in "0123456789abcdef" for c in name)
+
+
+def _is_entry(path: Path) -> bool:
+    """Whether the file at ``path`` is a remembered decision: JSON with this memory's ``format`` and a ``decision``."""
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(entry, dict) and entry.get("format") == FORMAT and isinstance(entry.get("decision"), dict)
 
 
 def _device(trainer: pl.Trainer) -> dict[str, Any]:
@@ -246,16 +260,33 @@ class DecisionMemory:
         return ""
 
     def forget(self) -> int:
-        """Remove every remembered decision; how many files there were."""
-        count = len(self.entries())
-        if self.root.exists():
-            shutil.rmtree(self.root)
-        return count
+        """Remove every remembered decision, and nothing else; how many there were.
+
+        Only this memory's own files go: a ``<fingerprint key>/<lever>.json`` holding a decision it wrote, then the
+        fingerprint directories and the root when that leaves them empty. Anything else a user keeps in the directory
+        (``$SPEEDKIT_DECISIONS_DIR`` may name any) stays.
+        """
+        removed = 0
+        keys = [p for p in self.root.iterdir() if p.is_dir() and _is_key(p.name)] if self.root.is_dir() else []
+        for directory in sorted(keys):
+            for path in sorted(directory.glob("*.json")):
+                if _is_entry(path):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            for stale in directory.glob(".*.json.*.tmp"):  # a write killed half-way (`report.atomic_file`)
+                stale.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: something of the user's is there
+                directory.rmdir()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+        return removed
 
     def entries(self) -> list[dict[str, Any]]:
         """What is remembered, a dict per file: ``path``, ``lever``, ``decision``, ``reason``, ``made``, ``device``."""
         found = []
         for path in sorted(self.root.glob("*/*.json")) if self.root.exists() else []:
+            if not _is_key(path.parent.name):  # not a directory of ours
+                continue
             try:
                 entry = json.loads(path.read_text())
                 decision = entry["decision"]
