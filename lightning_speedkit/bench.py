@@ -111,7 +111,8 @@ def run_benchmarks(
 
     Raises:
         BenchmarksNotFoundError: If there is no benchmarks directory.
-        ValueError: If ``names`` holds a benchmark that does not exist or ``timeout_s`` is not positive.
+        ValueError: If ``names`` holds a benchmark that does not exist, ``timeout_s`` is not positive, or ``out_dir``
+            cannot be made a directory (a file is there, no permission).
     """
     directory = find_benchmarks_dir(benchmarks_dir)
     available = discover(directory)
@@ -122,7 +123,11 @@ def run_benchmarks(
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"`timeout_s` must be a positive number of seconds or None, got {timeout_s!r}.")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file there, or no permission
+        shown = f"{os.fspath(out_dir)!r} ({err.strerror or err})"
+        raise ValueError(f"`out_dir` must be a directory this user can write to, got {shown}.") from None
     report: dict[str, Any] = {
         "speedkit_version": __version__,
         "quick": quick,
@@ -302,7 +307,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     except ValueError as exc:  # named as the command line names them
-        shown = str(exc).replace("`timeout_s`", "--timeout").replace("`names`", "NAME")
+        shown = str(exc).replace("`timeout_s`", "--timeout").replace("`names`", "NAME").replace("`out_dir`", "--out")
         print(f"speedkit bench: {shown}", file=sys.stderr)
         return 2
     print(f"\n{format_markdown(report)}\n\nwrote {Path(args.out) / 'report.md'} and report.json")

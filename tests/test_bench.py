@@ -163,6 +163,9 @@ def test_main_exit_code_and_listing(scripts: Path, tmp_path: Path, capsys: pytes
     assert capsys.readouterr().out.split() == ["fails", "hangs", "no_json", "ok", "skips", "spawns"]
     assert main(["ok", "--timeout", "0", *common]) == 2
     assert "--timeout must be a positive number" in capsys.readouterr().err  # the flag, not the parameter
+    (tmp_path / "a_file").write_text("")
+    assert main(["ok", "--benchmarks-dir", str(scripts), "--out", str(tmp_path / "a_file")]) == 2  # no traceback
+    assert "--out must be a directory this user can write to" in capsys.readouterr().err
 
 
 def test_markdown_shows_a_benchmark_that_printed_nothing() -> None:
