@@ -137,7 +137,7 @@ def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None
 
 
 def default_callbacks(
-    callbacks: Sequence[Callback] | None = None, remember: bool = True, **slots: Any
+    callbacks: Callback | Sequence[Callback] | None = None, remember: bool = True, **slots: Any
 ) -> list[Callback]:
     """The callbacks of `SLOTS` in acting order, with the user's own merged in.
 
@@ -149,7 +149,7 @@ def default_callbacks(
     slot (never a duplicate); the user's other callbacks follow ours.
 
     Args:
-        callbacks: The user's callbacks.
+        callbacks: The user's callbacks (a list, or one, as the Trainer takes them).
         remember: Whether the levers built here remember their decisions across runs (their ``remember``;
             `lightning_speedkit.trials.memory`).
         **slots: One value per slot argument: ``channels_last``, ``tune_precision``, ``fused_optimizer``,
@@ -173,10 +173,12 @@ def default_callbacks(
     unknown = sorted(set(slots) - known)
     if unknown:
         raise ValueError(f"`{unknown[0]}` is not a speedkit callback slot; the slots are {', '.join(sorted(known))}.")
+    if isinstance(callbacks, Callback):  # one, as `Trainer(callbacks=...)` takes it
+        callbacks = [callbacks]
     if callbacks is not None and (
         not isinstance(callbacks, (list, tuple)) or any(not isinstance(c, Callback) for c in callbacks)
     ):
-        raise ValueError(f"`callbacks` must be a list of lightning Callbacks, got {callbacks!r}.")
+        raise ValueError(f"`callbacks` must be a Callback or a list of them, got {callbacks!r}.")
     ours = [build_slot(slot, slots.get(slot.argument, slot.default), remember) for slot in SLOTS]
     user = list(callbacks or ())
     merged = []

@@ -135,7 +135,7 @@ def preset(
     precision: str | int = "auto",
     strategy: str | Strategy = "auto",
     logger: Logger | bool | str = "auto",
-    callbacks: Sequence[Callback] | None = None,
+    callbacks: Callback | Sequence[Callback] | None = None,
     accelerator: str = "auto",
     verbose: bool = True,
     remember: bool = True,

@@ -192,6 +192,18 @@ def test_user_callback_replaces_ours_of_the_same_type() -> None:
     assert chosen[-1] is other
 
 
+def test_one_callback_is_taken_as_the_trainer_takes_it() -> None:
+    """``callbacks=<one Callback>``, which ``Trainer(callbacks=...)`` accepts, is taken as a list of it, not refused.
+
+    Anything else but a Callback or a list of them is refused, naming ``callbacks``.
+    """
+    mine = speedkit.WarmupScheduler(warmup=3)
+    assert [c for c in default_callbacks(callbacks=mine) if isinstance(c, speedkit.WarmupScheduler)] == [mine]
+    assert mine in preset(callbacks=mine, logger=False, verbose=False).callbacks
+    with pytest.raises(ValueError, match=r"`callbacks` must be a Callback or a list of them, got 3"):
+        default_callbacks(callbacks=3)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
