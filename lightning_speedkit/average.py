@@ -146,6 +146,7 @@ class WeightAverage(LeanCallback):
         self._names: list[str] = []
         self._average: list[Tensor] | None = None
         self._trained: list[Tensor] | None = None  # the trained weights while the module holds the average
+        self._after_fit: list[Tensor] | None = None  # the same, on the host, from the fit's end to the next fit
         self._module_tensors: list[Tensor] = []  # the module's averaged tensors, as last read
         self._reread = True
         self._updates = 0
@@ -158,6 +159,7 @@ class WeightAverage(LeanCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_fit = None
         if self.decay is None and self._decay is None:  # a resume keeps the decay it had
             self._interval = validation_interval(trainer)
             self._decay = ema_decay(self._interval, self.share)
@@ -219,6 +221,7 @@ class WeightAverage(LeanCallback):
                 for name, average in zip(names, self._average, strict=True):
                     if name in shared:  # rank zero's, as DDP's forward hands out its buffers: every rank ends alike
                         average.copy_(shared[name])
+                self._after_fit = [_host_copy(t) for t in tensors]  # a checkpoint saved after fit resumes from them
                 torch._foreach_copy_(tensors, self._average)
 
     def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
@@ -258,7 +261,7 @@ class WeightAverage(LeanCallback):
     def state_dict(self) -> dict[str, Any]:
         trained = None
         if self._average is not None:
-            values = self._trained if self._trained is not None else self._module_tensors
+            values = next(v for v in (self._trained, self._after_fit, self._module_tensors) if v is not None)
             trained = {name: _host_copy(value) for name, value in zip(self._names, values, strict=True)}
         return {
             "decay": self._decay,

@@ -175,6 +175,30 @@ def test_checkpoint_holds_the_average_and_a_resume_matches_the_straight_run(tmp_
     torch.testing.assert_close(loaded.state_dict()["net.0.weight"], expected["net.0.weight"])
 
 
+def test_a_checkpoint_saved_after_fit_resumes_from_the_trained_weights(tmp_path: Path) -> None:
+    """A checkpoint saved after fit keeps the trained weights in the callback's state: a resume from it matches.
+
+    After fit the module holds the average; ``trainer.save_checkpoint`` used to store that as the trained weights too.
+    """
+    straight = WeightAverage(decay=0.8)
+    _, straight_model = _fit(tmp_path / "straight", [straight], max_epochs=3)
+    steps, first = _Steps(), WeightAverage(decay=0.8)
+    trainer, _ = _fit(tmp_path / "first", [steps, first], max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    saved = torch.load(tmp_path / "after_fit.ckpt", weights_only=False)
+    assert torch.equal(
+        saved["callbacks"][first.state_key]["trained"]["net.0.weight"], steps.weights[-1]["net.0.weight"]
+    )
+    resumed = WeightAverage(decay=0.8)
+    L.seed_everything(0, verbose=False)
+    model = _Normed(num_samples=64, batch_size=8)
+    tiny_trainer(tmp_path / "resumed", callbacks=[resumed], max_epochs=3).fit(
+        model, ckpt_path=tmp_path / "after_fit.ckpt"
+    )
+    for name, value in straight_model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+
+
 def test_average_starts_again_when_the_weights_change_shape(tmp_path: Path) -> None:
     """Replaced parameters restart the average from the weights, and say so; training goes on."""
     average = WeightAverage(decay=0.5)
