@@ -15,7 +15,7 @@ from lightning_speedkit.checks import check_bool, check_choice, check_number, ch
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
     cyclic,
-    param_group_lrs,
+    lead_lr,
     range_test_factors,
     rescale_run_lrs,
     rises,
@@ -161,6 +161,10 @@ class LRFinder(trials.Lever):
             reason = f"skipped: the optimizer ({names}) has no `lr` in its param groups; the run is left as it is"
             rank_zero_warn(f"LRFinder: {reason}.")
             return trials.Decision.skipped("x1", reason, scale=1.0)
+        if lead_lr(trainer.optimizers) == 0.0:
+            reason = "skipped: every param group's LR is 0, which no scale changes; the run is left as it is"
+            rank_zero_warn(f"LRFinder: {reason}.")
+            return trials.Decision.skipped("x1", reason, scale=1.0)
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped("x1", resumed, scale=1.0)
@@ -215,14 +219,14 @@ class LRFinder(trials.Lever):
         """Nothing beside the decision.
 
         The decision: ``decision`` (``"x<scale>"``), ``reason``, ``source``, ``method``, ``user_lr`` and
-        ``suggested_lr`` (the first param group's), ``chosen_lr``, ``scale``, ``steps`` (search steps run),
-        ``probe_s``, ``probed``, and ``trials`` (``scales`` and each trial's ``losses``) or, for a range test,
-        ``curve`` (``lrs``, ``losses``, ``smoothed``).
+        ``suggested_lr`` (the first non-zero param group's: `lightning_speedkit.lr.lead_lr`), ``chosen_lr``,
+        ``scale``, ``steps`` (search steps run), ``probe_s``, ``probed``, and ``trials`` (``scales`` and each trial's
+        ``losses``) or, for a range test, ``curve`` (``lrs``, ``losses``, ``smoothed``).
         """
         return {}
 
     def _trials(self, trainer: pl.Trainer, left: float) -> dict[str, Any]:
-        user_lr = param_group_lrs(trainer.optimizers)[0][0]
+        user_lr = lead_lr(trainer.optimizers)
         k = self._trial_steps(left)
         budget = self.max_fraction * left
         curves, probe_s, rise, used = self._walk(trainer, k, _fits(budget, k))
@@ -304,7 +308,7 @@ class LRFinder(trials.Lever):
         return curves, session.elapsed_s, rise, ran[0]
 
     def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
-        user_lr = param_group_lrs(trainer.optimizers)[0][0]
+        user_lr = lead_lr(trainer.optimizers)
         with TrialSession(trainer, self.steps, warmup=0) as session:
             batches = session.batches_per_epoch()
             result = session.run(RangeTest(self.factors, self.smoothing, self.divergence), max_batches=batches)

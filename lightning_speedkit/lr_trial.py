@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.lr import diverged, param_group_lrs, scale_trainer_lrs, smooth_losses
+from lightning_speedkit.lr import diverged, lead_lr, param_group_lrs, scale_trainer_lrs, smooth_losses
 from lightning_speedkit.lr_search import REFERENCE
 
 __all__ = ["RangeTest", "Scaled", "broke_after"]
@@ -103,7 +103,7 @@ class Scaled(trials.Setting):
     instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) Under manual
     optimization its steps run in full, each at LR 0 (`_AtZero`). A trial at another scale ends at the first step
     whose loss is over ``ceiling`` (`broke_after`): it has broken already. It keeps the LR each of its steps trained
-    at in ``lrs`` (the first optimizer's first param group's; the reference trial keeps none): the user's schedule
+    at in ``lrs`` (`lightning_speedkit.lr.lead_lr`; the reference trial keeps none): the user's schedule
     steps inside it (`lightning_speedkit.lr.rises`).
     """
 
@@ -152,7 +152,7 @@ class Scaled(trials.Setting):
 
 
 class _Trace(Callback):
-    """Keeps the first param group's LR at each step's start: the LR the step trains at.
+    """Keeps the run's LR (`lightning_speedkit.lr.lead_lr`) at each step's start: the LR the step trains at.
 
     The user's schedulers step after the update, so a trial at the user's LR shows whether their schedule rises under
     it (`lightning_speedkit.lr.rises`).
@@ -165,9 +165,8 @@ class _Trace(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
-        if groups:
-            self.lrs.append(float(groups[0]["lr"]))
+        if trainer.optimizers:
+            self.lrs.append(lead_lr(trainer.optimizers))
 
 
 class _AtZero(Callback):

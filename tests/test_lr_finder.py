@@ -393,6 +393,64 @@ def test_a_schedule_that_rises_under_the_trial_at_your_lr_keeps_it(tmp_path: Pat
     assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(1e-4)
 
 
+class _FrozenFirst(_Scheduled):
+    """`_Scheduled`, but the first layer is its own first param group at LR 0 (a backbone frozen by its LR)."""
+
+    def __init__(self, schedule: str, head_lr: float | None = None, **kwargs: Any) -> None:
+        super().__init__(schedule, **kwargs)
+        self.head_lr = self.lr if head_lr is None else head_lr
+
+    def configure_optimizers(self) -> Any:
+        groups = [{"params": self.net[0].parameters(), "lr": 0.0}, {"params": self.net[2].parameters()}]
+        optimizer = torch.optim.Adam(groups, lr=self.head_lr)
+        if self.schedule == "none":
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[0.0, self.head_lr], total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+def _frozen_first(schedule: str, head_lr: float = 1e-4) -> _FrozenFirst:
+    L.seed_everything(0, verbose=False)
+    return _FrozenFirst(schedule, head_lr=head_lr, lr=head_lr, optimizer="adam", num_samples=256, batch_size=16)
+
+
+@pytest.mark.parametrize("method", ["trials", "range"])
+def test_a_first_param_group_at_lr_zero_does_not_stand_for_the_run(tmp_path: Path, method: str) -> None:
+    """The run's LR is the first non-zero group's, the frozen group stays at 0 and the head's LR is scaled.
+
+    A range test divided by the frozen group's 0 and crashed; both methods reported 0 as the user's and chosen LR.
+    """
+    finder = LRFinder(method=method, max_fraction=1.0)
+    trainer = _fit(tmp_path, _frozen_first("none"), finder)
+    report = finder.report()
+    assert report["user_lr"] == pytest.approx(1e-4)
+    scales = report["trials"]["scales"] if method == "trials" else [lr / 1e-4 for lr in report["curve"]["lrs"]]
+    assert max(scales) >= 10.0  # the head's LR was tried higher: the curve is not a row of zeros
+    assert report["chosen_lr"] == pytest.approx(1e-4 * report["scale"])
+    assert param_group_lrs(trainer.optimizers)[0] == [0.0, pytest.approx(report["chosen_lr"])]
+
+
+def test_a_cycle_rising_in_a_group_after_a_frozen_one_is_seen(tmp_path: Path) -> None:
+    """`OneCycleLR` over a frozen first group and the head: the trial at the user's LR sees the head's rise.
+
+    It read the frozen group's flat 0, saw no rise and raised the whole cycle x100; the LR is kept now.
+    """
+    finder = LRFinder(**FINDER)
+    with pytest.warns(UserWarning, match="raised the LR from"):
+        trainer = _fit(tmp_path, _frozen_first("onecycle"), finder, max_epochs=3)
+    assert (finder.report()["scale"], finder.report()["probed"]) == (1.0, True)
+    assert [g["max_lr"] for g in trainer.optimizers[0].param_groups] == [0.0, pytest.approx(1e-4)]
+
+
+def test_every_param_group_at_lr_zero_is_left_as_it_is(tmp_path: Path) -> None:
+    """No LR to scale (every group at 0): the finder says so, with a warning, and runs nothing."""
+    finder = LRFinder(**FINDER)
+    with pytest.warns(UserWarning, match="every param group's LR is 0"):
+        _fit(tmp_path, _frozen_first("none", head_lr=0.0), finder, max_epochs=1)
+    assert (finder.report()["source"], finder.report()["scale"], finder.report()["probed"]) == ("skipped", 1.0, False)
+
+
 def test_a_range_test_skips_a_cycle_it_cannot_see(tmp_path: Path) -> None:
     """A range test sets every step's LR, so it cannot see `OneCycleLR` rise: it skips the search, with a warning."""
     finder = LRFinder(**RANGE)
