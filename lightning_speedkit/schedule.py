@@ -25,6 +25,8 @@ __all__ = [
     "AUTO",
     "DECAYS",
     "TIME_EVERY",
+    "budget_pending",
+    "budget_steps",
     "budget_timer",
     "budget_total",
     "check_cooldown",
@@ -332,6 +334,34 @@ def schedule_step(trainer: pl.Trainer) -> int:
     if module is None or module.automatic_optimization:
         return trainer.global_step
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
+
+
+def budget_steps(trainer: pl.Trainer) -> float:
+    """The Trainer's budget (``trainer.estimated_stepping_batches``) in the unit of `schedule_step`.
+
+    The same under automatic optimization. Under manual optimization the schedule counts batches, while ``max_steps``
+    counts every ``optimizer.step()`` (two a batch in a GAN): a ``max_steps`` budget is then ``max_steps`` over the
+    optimizer steps a batch has taken so far (one, before a batch has ended), or the epochs' batches when fewer.
+    """
+    estimated = float(trainer.estimated_stepping_batches)
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization or trainer.max_steps == -1:
+        return estimated
+    batches = schedule_step(trainer)
+    per_batch = trainer.global_step / batches if batches and trainer.global_step else 1.0
+    epochs, per_epoch = trainer.max_epochs, float(trainer.num_training_batches)
+    by_epochs = math.inf if epochs in (None, -1) or math.isinf(per_epoch) else math.ceil(per_epoch) * max(epochs, 1)
+    return float(min(math.ceil(trainer.max_steps / per_batch), by_epochs))
+
+
+def budget_pending(trainer: pl.Trainer, start: int) -> bool:
+    """Whether `budget_steps` still guesses a batch's optimizer steps: none of a schedule's from ``start`` has ended.
+
+    Only under manual optimization with a ``max_steps`` budget; a schedule sized then is sized again after a batch.
+    """
+    module = trainer.lightning_module
+    manual = module is not None and not module.automatic_optimization
+    return manual and trainer.max_steps != -1 and schedule_step(trainer) == start
 
 
 def budget_total(estimated: float, start: int) -> int | None:

@@ -18,6 +18,8 @@ from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, chec
 from lightning_speedkit.schedule import (
     AUTO,
     DECAYS,
+    budget_pending,
+    budget_steps,
     budget_timer,
     budget_total,
     check_cooldown,
@@ -55,8 +57,9 @@ class WarmupScheduler(LeanCallback):
 
     The step is `lightning_speedkit.schedule.schedule_step` (optimizer steps; batches under manual optimization), so
     accumulation counts right and an epoch ``interval`` cannot stretch the warmup. The multiplier is `warmup_factor`
-    of the steps since the schedule started; ``total_steps`` defaults to the Trainer's remaining
-    ``estimated_stepping_batches``, read again on a resume (a run given more epochs ends its schedule there).
+    of the steps since the schedule started; ``total_steps`` defaults to the Trainer's remaining budget
+    (`lightning_speedkit.schedule.budget_steps`: ``estimated_stepping_batches``, counted in batches under manual
+    optimization), read again on a resume (a run given more epochs ends its schedule there).
 
     How it composes with your scheduler: the multiplier is applied only *inside* each ``optimizer.step()`` (torch
     step pre/post hooks on every optimizer): each group's LR is multiplied just before the update and put back
@@ -131,7 +134,7 @@ class WarmupScheduler(LeanCallback):
         self._attached: list[Optimizer] = []
         self._handles: list[RemovableHandle] = []
         self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
-        self._warned_overwrite = self._resumed = False
+        self._warned_overwrite = self._resumed = self._provisional = False
         self._check = CooldownCheck()
         self._pinned: float | None = None  # a cool-down trial's multiplier, during its steps
 
@@ -186,7 +189,7 @@ class WarmupScheduler(LeanCallback):
             self._resolve(trainer)
         elif self._resumed and self._total_spec is None:  # sized from the Trainer's budget: read it again
             s = self._schedule
-            if (total := rebudgeted(s.total_steps, s.start_step, trainer.estimated_stepping_batches)) is not None:
+            if (total := rebudgeted(s.total_steps, s.start_step, budget_steps(trainer))) is not None:
                 rank_zero_info(
                     f"WarmupScheduler: the budget changed since the checkpoint: {total} steps, not {s.total_steps}."
                 )
@@ -206,6 +209,8 @@ class WarmupScheduler(LeanCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._provisional and self._schedule is not None:  # a batch's optimizer steps are known now
+            self._resolve(trainer, self._schedule.start_step)
         window = self._check_window() if self._method == "loss" else None  # a trial watches no loss of the run
         if window is None or self._schedule is None:
             if self._schedule is not None:
@@ -226,12 +231,8 @@ class WarmupScheduler(LeanCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         schedule = None if self._schedule is None else self._schedule._asdict()
-        return {
-            "warmup": self._warmup_spec,
-            "total_steps": self._total_spec,
-            "schedule": schedule,
-            "cooldown_check": self._check.state(),
-        }
+        spec = {"warmup": self._warmup_spec, "total_steps": self._total_spec}
+        return {**spec, "schedule": schedule, "cooldown_check": self._check.state()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -280,15 +281,10 @@ class WarmupScheduler(LeanCallback):
             return self._pinned
         if s is None:
             return 1.0
+        cooldown = 0.0 if self._check.held else self.cooldown  # held: the LR stays at its peak to the end
+        done, decay, floor = max(0, step - s.start_step), self._decay, self.min_lr_ratio
         return factor_at(
-            max(0, step - s.start_step),
-            s.warmup_steps,
-            s.total_steps,
-            self._decay,
-            self.min_lr_ratio,
-            self.start_factor,
-            0.0 if self._check.held else self.cooldown,  # held: the LR stays at its peak to the end
-            self._time_fraction,
+            done, s.warmup_steps, s.total_steps, decay, floor, self.start_factor, cooldown, self._time_fraction
         )
 
     def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None:
@@ -340,10 +336,12 @@ class WarmupScheduler(LeanCallback):
         """Fix the multiplier at ``factor`` for a cool-down trial's steps (None: the schedule's again)."""
         self._pinned = factor
 
-    def _resolve(self, trainer: pl.Trainer) -> None:
-        start, total, warmup = schedule_step(trainer), self._total_spec, self._warmup_spec
+    def _resolve(self, trainer: pl.Trainer, start: int | None = None) -> None:
+        start = schedule_step(trainer) if start is None else start
+        total, warmup = self._total_spec, self._warmup_spec
+        self._provisional = total is None and budget_pending(trainer, start)  # resolved again after the first batch
         if total is None:
-            total = budget_total(trainer.estimated_stepping_batches, start)
+            total = budget_total(budget_steps(trainer), start)
         if not is_int(warmup):
             if total is None:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
@@ -356,6 +354,8 @@ class WarmupScheduler(LeanCallback):
             )
         check_schedule(int(warmup), total, self._decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
         self._schedule = _Schedule(int(warmup), total, start)
+        if self._provisional:
+            return
         budget = f"{total} steps" + (" or the time budget, whichever ends first" if timed else "")
         shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self._decay == "wsd" else self._decay
         rank_zero_info(

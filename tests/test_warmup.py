@@ -396,21 +396,29 @@ class TwoOptimizerManual(TinyClassifier):
 
 
 @pytest.mark.filterwarnings("ignore:WarmupScheduler. the cosine decay multiplies")
-def test_manual_optimization_every_group_of_every_optimizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("budget", "batches"),
+    [({"max_epochs": 2}, 16), ({"max_steps": 32, "max_epochs": -1}, 16), ({"max_steps": 24, "max_epochs": 2}, 12)],
+)
+def test_manual_optimization_every_group_of_every_optimizer(
+    tmp_path: Path, budget: dict[str, int], batches: int
+) -> None:
     """Manual optimization: every group of every optimizer gets the factor of the batches trained, over the whole run.
 
     ``global_step`` counts each optimizer's step (two a batch here) while the budget counts batches: the schedule ran
     on ``global_step`` and ended half-way, leaving the second half of a GAN's run at LR 0 under preset's defaults.
-    In-step schedulers keep their own curve.
+    A ``max_steps`` budget counts optimizer steps, so it is read in batches once the first batch shows two a batch:
+    it sized the schedule twice too long, and the run ended half-way through it, never cooled down. In-step
+    schedulers keep their own curve.
     """
     L.seed_everything(0, verbose=False)
     recorder, warmup = LRRecorder(), WarmupScheduler(warmup=6)
-    fit(tmp_path, TwoOptimizerManual(), warmup, recorder, max_epochs=2)
-    assert warmup.schedule == (6, 16, 0)  # 16 batches, 32 optimizer steps
-    assert [(step, index) for step, index, _ in recorder.steps] == [(k, k % 2) for k in range(32)]
+    fit(tmp_path, TwoOptimizerManual(), warmup, recorder, **budget)
+    assert warmup.schedule == (6, batches, 0)  # two optimizer steps a batch
+    assert [(step, index) for step, index, _ in recorder.steps] == [(k, k % 2) for k in range(2 * batches)]
     for step, index, lrs in recorder.steps:
         bases, gamma = ([0.1, 0.02], 0.9) if index == 0 else ([0.3], 0.5)
-        expected = [base * gamma ** (step // 2) * warmup_factor(step // 2, 6, 16) for base in bases]
+        expected = [base * gamma ** (step // 2) * warmup_factor(step // 2, 6, batches) for base in bases]
         assert lrs == pytest.approx(expected), (step, index)
     assert recorder.steps[-1][2][0] > 0  # the last batch is in the cool-down, not past it
 
