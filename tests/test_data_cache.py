@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import re
@@ -122,6 +123,60 @@ def test_fingerprints_are_stable_and_sensitive() -> None:
     assert dataset_fingerprint(Source()) == dataset_fingerprint(Source())
     assert dataset_fingerprint(Source()) != dataset_fingerprint(Source(offset=1))
     assert callable_fingerprint(double_first) != callable_fingerprint(triple_first)
+
+
+def _scaled(sample: tuple[Any, ...], factor: float) -> tuple[Any, ...]:
+    return (sample[0] * factor, *sample[1:])
+
+
+def _make_scaled(factor: float) -> Any:
+    def pre(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _scaled(sample, factor)
+
+    return pre
+
+
+class _Scale:
+    """A callable transform object holding a value and another transform (as a ``Compose`` holds its steps)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.then = factor, functools.partial(_scaled, factor=1.0)
+
+    def __call__(self, sample: tuple[Any, ...]) -> tuple[Any, ...]:
+        return self.then(_scaled(sample, self.factor))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda f: functools.partial(_scaled, factor=f), _make_scaled, _Scale, lambda f: _Scale(f).__call__],
+    ids=["partial", "closure", "object", "bound-method"],
+)
+def test_a_pre_transform_that_differs_only_in_its_values_gets_a_new_cache(tmp_path: Path, make: Any) -> None:
+    """A transform's values are part of its fingerprint, so ``make(100.0)`` after ``make(1.0)`` gets a new cache.
+
+    A partial's arguments, a closure's captured values, a callable object's attributes and a bound method's object:
+    the x100 transform was served the x1 cache, silently.
+    """
+    one, hundred = make(1.0), make(100.0)
+    assert callable_fingerprint(one) == callable_fingerprint(make(1.0)) != callable_fingerprint(hundred)
+    CachedDataset(Source(), tmp_path, pre_transform=one)
+    assert np.array_equal(CachedDataset(Source(), tmp_path, pre_transform=hundred)[3][0], Source()[3][0] * 100.0)
+
+
+def test_a_transform_fingerprint_is_the_same_in_another_process() -> None:
+    """A transform's fingerprint holds no memory address: every process gives the same, so the cache is built once.
+
+    A partial, a closure, a transform object and a bound builtin, in two processes (as a DataLoader worker, a DDP
+    rank or the next run would).
+    """
+    code = (
+        "import functools, sys; sys.path.insert(0, 'tests'); import test_data_cache as t;"
+        " from lightning_speedkit.data import callable_fingerprint as f;"
+        " print(f(functools.partial(t._scaled, factor=2.0)), f(t._make_scaled(2.0)), f(t._Scale(2.0)), f('ab'.upper))"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in range(2)]
+    assert runs[0].stdout == runs[1].stdout
+    assert len(set(runs[0].stdout.split())) == 4
 
 
 def test_a_source_of_dicts_or_objects_is_cached_once_not_once_a_run(tmp_path: Path) -> None:

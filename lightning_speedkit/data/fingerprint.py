@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -45,28 +47,92 @@ def check_source(name: str, source: object) -> int:
 
 
 def callable_fingerprint(fn: Callable[..., Any] | None) -> str:
-    """A stable identity for a transform: its qualified name plus a hash of its source code (or its ``repr``).
+    """A stable identity for a transform: its qualified name plus a hash of its code and of the values it holds.
+
+    The values count as much as the code: a ``functools.partial``'s function, arguments and keywords; a closure's
+    captured values and a function's defaults (``make_resize(64)`` against ``make_resize(128)``); a bound method's
+    object; a callable object's attributes (a ``Compose`` of transforms, each by its own code and attributes). Values
+    are hashed as `_feed` hashes samples (an object that is neither by its type alone); a global read by the code is
+    not seen: name the data's version in ``fingerprint`` then.
 
     Raises:
         ValueError: If ``fn`` is neither callable nor None.
 
     Example:
+        >>> import functools
         >>> callable_fingerprint(None)
         'none'
         >>> callable_fingerprint(len) == callable_fingerprint(len)
         True
+        >>> callable_fingerprint(functools.partial(round, ndigits=1)) == callable_fingerprint(
+        ...     functools.partial(round, ndigits=2))
+        False
     """
     if fn is None:
         return "none"
     if not callable(fn):
         raise ValueError(f"`fn` must be a function (a transform) or None, got {short_repr(fn)}.")
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    digest = hashlib.sha256()
+    _feed_callable(digest, fn, 0)
+    return f"{name}:{digest.hexdigest()[:16]}"
+
+
+_DEPTH = 8
+"""How deep `_feed_callable` follows transforms held by transforms (a guard against cycles)."""
+
+
+def _feed_callable(digest: Any, fn: Any, depth: int) -> None:
+    """Add a transform's code and the values it holds to ``digest`` (see `callable_fingerprint`)."""
+    if depth > _DEPTH:
+        digest.update(b"deeper")
+        return
+    if isinstance(fn, functools.partial):
+        digest.update(b"partial")
+        _feed_callable(digest, fn.func, depth + 1)
+        _feed_held(digest, (fn.args, fn.keywords), depth)
+        return
+    if inspect.ismethod(fn):
+        _feed_callable(digest, fn.__func__, depth + 1)
+        _feed_held(digest, getattr(fn.__self__, "__dict__", {}), depth)
+        return
+    if inspect.isbuiltin(fn):  # its repr may hold an address; a bound one's object counts (`"abc".upper`)
+        digest.update(f"builtin:{getattr(fn, '__module__', '')}.{fn.__qualname__}".encode())
+        if not inspect.ismodule(owner := getattr(fn, "__self__", None)):
+            _feed_held(digest, owner, depth + 1)
+        return
     try:
         body = inspect.getsource(fn if inspect.isroutine(fn) else type(fn))
     except (OSError, TypeError):
-        body = repr(fn)
-    state = repr(sorted(vars(fn).items())) if hasattr(fn, "__dict__") and not inspect.isroutine(fn) else ""
-    return f"{name}:{hashlib.sha256((body + state).encode()).hexdigest()[:16]}"
+        body = f"{type(fn).__module__}.{type(fn).__qualname__}:{getattr(fn, '__qualname__', '')}"
+    digest.update(body.encode())
+    if inspect.isfunction(fn):
+        cells = []
+        for cell in fn.__closure__ or ():
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                cells.append(cell.cell_contents)
+        _feed_held(digest, (fn.__defaults__, fn.__kwdefaults__, cells), depth)
+    elif not inspect.isroutine(fn) and hasattr(fn, "__dict__"):  # a callable object: its attributes
+        _feed_held(digest, vars(fn), depth)
+
+
+def _feed_held(digest: Any, value: Any, depth: int) -> None:
+    """Add a value a transform holds: transforms by `_feed_callable`, containers item by item, the rest by `_feed`."""
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=repr):
+            _feed(digest, key)
+            _feed_held(digest, value[key], depth)
+    elif isinstance(value, (tuple, list)):
+        digest.update(f"{type(value).__name__}:{len(value)}".encode())
+        for item in value:
+            _feed_held(digest, item, depth)
+    elif callable(value) and not isinstance(value, (type, torch.Tensor)):
+        _feed_callable(digest, value, depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, np.ndarray)) and depth < _DEPTH:
+        digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())
+        _feed_held(digest, vars(value), depth + 1)
+    else:
+        _feed(digest, value)
 
 
 def dataset_fingerprint(dataset: Any) -> str:
