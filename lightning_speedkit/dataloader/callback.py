@@ -128,7 +128,8 @@ class DataLoaderTuner(Lever):
     so on a run long enough to probe it still repays."""
 
     WARMUP = 2
-    """Untimed steps at the start of each trial: worker processes start and fill their prefetch queues."""
+    """Untimed steps at the start of each trial: worker processes start (their prefetched batches are bounded in
+    `LoaderTrials`: `lightning_speedkit.dataloader.counted.steady_bound`)."""
 
     COUNTED = True
 
