@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -74,12 +74,14 @@ def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str =
     return WandbLogger(project=project, save_dir=str(save_dir), **kwargs)
 
 
-def choose_logger(logger: Logger | bool | str, root: Any) -> tuple[Logger | bool, str]:
+def choose_logger(
+    logger: Logger | Sequence[Logger] | bool | str, root: Any
+) -> tuple[Logger | list[Logger] | bool, str]:
     """The logger `~lightning_speedkit.preset` gives the Trainer, and a one-line reason.
 
     ``"auto"`` or True: W&B when wandb is installed (`speedkit_wandb_logger`), else CSV; ``"wandb"``: W&B or an
-    ImportError; ``"csv"``: CSV; False: none; a Logger: yours. Files go under ``root`` (the Trainer's
-    ``default_root_dir``), else the working directory.
+    ImportError; ``"csv"``: CSV; False: none; a Logger (or a list of them): yours. Files go under ``root`` (the
+    Trainer's ``default_root_dir``), else the working directory.
 
     Raises:
         ValueError: For any other ``logger`` (``1`` is not True).
@@ -91,14 +93,18 @@ def choose_logger(logger: Logger | bool | str, root: Any) -> tuple[Logger | bool
         >>> choose_logger(1, None)
         Traceback (most recent call last):
         ...
-        ValueError: `logger` must be 'auto', 'wandb', 'csv', True, False or a Logger, got 1.
+        ValueError: `logger` must be 'auto', 'wandb', 'csv', True, False, a Logger or a list of them, got 1.
     """
     if isinstance(logger, Logger):
         return logger, "as asked: yours"
+    if isinstance(logger, (list, tuple)) and logger and all(isinstance(one, Logger) for one in logger):
+        return list(logger), "as asked: yours"
     if logger is False:
         return False, "none, as asked"
     if not (logger is True or (isinstance(logger, str) and logger in ("auto", "wandb", "csv"))):  # 1 is not True
-        raise ValueError(f"`logger` must be 'auto', 'wandb', 'csv', True, False or a Logger, got {logger!r}.")
+        raise ValueError(
+            f"`logger` must be 'auto', 'wandb', 'csv', True, False, a Logger or a list of them, got {logger!r}."
+        )
     save_dir = str(root) if root is not None else os.getcwd()
     if logger == "csv":
         return CSVLogger(save_dir=save_dir, name="speedkit"), "CSV, as asked: metrics.csv"
@@ -124,7 +130,8 @@ class RunSummary(LeanCallback):
     Writes ``speedkit_summary.json`` (atomically) into the first logger's ``log_dir`` (else the Trainer's
     ``default_root_dir``) and, for a W&B logger, puts the flattened scalars and labels
     (`~lightning_speedkit.report.flatten_reports`: ``speedkit/<Callback>/<key>``) into the run summary and groups
-    ``speedkit/*`` metrics on ``trainer/global_step``. Rank zero only; `report` returns what was gathered.
+    ``speedkit/*`` metrics on ``trainer/global_step``. Rank zero only; `report` returns what was gathered. A
+    ``fast_dev_run`` writes nothing (as Lightning's loggers and checkpoints), but `report` has it.
     """
 
     def __init__(self) -> None:
@@ -144,7 +151,7 @@ class RunSummary(LeanCallback):
         for problem in problems:
             rank_zero_warn(f"RunSummary: {problem}.")
         self.summary = reports
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or trainer.fast_dev_run:  # type: ignore[attr-defined]  # a dry run: no file
             return
         directory = Path(trainer.loggers[0].log_dir or trainer.default_root_dir) if trainer.loggers else None
         directory = directory or Path(trainer.default_root_dir)

@@ -134,7 +134,7 @@ def preset(
     num_nodes: int = 1,
     precision: str | int = "auto",
     strategy: str | Strategy = "auto",
-    logger: Logger | bool | str = "auto",
+    logger: Logger | Sequence[Logger] | bool | str = "auto",
     callbacks: Callback | Sequence[Callback] | None = None,
     accelerator: str = "auto",
     verbose: bool = True,
@@ -254,7 +254,8 @@ def preset(
         if fork:
             choices["reasons"]["strategy"] += "; forked from this interactive session (a notebook re-runs no script)"
     chosen_logger, choices["reasons"]["logger"] = choose_logger(logger, trainer_kwargs.get("default_root_dir"))
-    choices["logger"] = type(chosen_logger).__name__ if isinstance(chosen_logger, Logger) else str(chosen_logger)
+    named = chosen_logger if isinstance(chosen_logger, list) else [chosen_logger]
+    choices["logger"] = ", ".join(type(one).__name__ if isinstance(one, Logger) else str(one) for one in named)
     if not (logger == "auto" or logger is True):
         choices["overridden"]["logger"] = logger if isinstance(logger, (str, bool)) else choices["logger"]
     choices["callbacks"] = [type(c).__name__ for c in chosen_callbacks]

@@ -100,6 +100,13 @@ def test_every_lever_is_in_the_contract_tables() -> None:
     assert levers | {"Compile"} == set(LEVERS)
 
 
+@pytest.mark.parametrize("name", LEVERS)
+def test_a_misspelt_argument_is_named_with_the_lever(name: str) -> None:
+    """``BatchSizeFinder(max_vall=64)`` says which class refused it (it raised a bare "unexpected keyword argument")."""
+    with pytest.raises(TypeError, match=f"^{name}: got an unexpected keyword argument 'misspelt'"):
+        getattr(speedkit, name)(misspelt=1)
+
+
 def _fit(tmp_path: Path, callbacks: list[L.Callback], ckpt_path: Path | None = None, **kwargs: Any) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     saver = ModelCheckpoint(tmp_path / "ckpt", filename="last")

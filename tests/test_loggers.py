@@ -74,6 +74,34 @@ def test_run_summary_leaves_other_run_summaries_out(tmp_path: Path) -> None:
     assert first.report() == second.report() == {"Decides": {"decision": "kept", "steps": 3}}
 
 
+def test_a_fast_dev_run_writes_no_summary_over_the_real_runs(tmp_path: Path) -> None:
+    """``fast_dev_run`` writes nothing, as Lightning's loggers and checkpoints: the real run's summary file stays.
+
+    It overwrote the real run's ``speedkit_summary.json`` with its one batch's reports; `report` still has them.
+    """
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[Decides(), RunSummary()]).fit(TinyClassifier())
+    written = (tmp_path / "speedkit_summary.json").read_text()
+    (tmp_path / "speedkit_summary.json").write_text(written.replace('"kept"', '"the real run\'s"'))
+    dry = RunSummary()
+    tiny_trainer(tmp_path, fast_dev_run=True, callbacks=[Decides(), dry]).fit(TinyClassifier())
+    assert "the real run's" in (tmp_path / "speedkit_summary.json").read_text()
+    assert dry.report() == {"Decides": {"decision": "kept", "steps": 3}}
+
+
+def test_preset_takes_a_list_of_loggers_as_the_trainer_does(tmp_path: Path) -> None:
+    """``preset(logger=[a, b])`` is used as it is (it was refused, where ``Trainer(logger=[...])`` takes it)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_speedkit import preset
+
+    loggers = [CSVLogger(tmp_path, name="a"), CSVLogger(tmp_path, name="b")]
+    trainer = preset(logger=loggers, verbose=False, default_root_dir=tmp_path)
+    assert trainer.loggers == loggers
+    assert trainer.speedkit["logger"] == "CSVLogger, CSVLogger"
+    with pytest.raises(ValueError, match="a Logger or a list of them, got \\[1\\]"):
+        preset(logger=[1], verbose=False)
+
+
 _PRESET_EXPORT_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})

@@ -188,7 +188,10 @@ class Lever(LeanCallback):
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Record the constructor's arguments, for `state_key` (every lever's arguments have defaults)."""
         lever = super().__new__(cls)
-        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        except TypeError as error:  # a misspelt or extra argument: named with the class, as `__init__` would be
+            raise TypeError(f"{cls.__name__}: {error}") from None
         bound.apply_defaults()
         lever._arguments = dict(list(bound.arguments.items())[1:])
         lever._decision = lever._memory = lever._counted = None
@@ -286,7 +289,7 @@ class Lever(LeanCallback):
         On counted trials when the lever takes them (`COUNTED`) and no setting changes the math: the decision then
         comes after the first training steps (this returns None); else on restored trials (`trials.measure`).
         """
-        from lightning_speedkit.trials.measure import measure, probe_cost
+        from lightning_speedkit.trials.measure import PROBE_ROUNDS, measure, probe_cost
 
         plan = self.plan(trainer, pl_module)
         if isinstance(plan, Decision):
@@ -306,17 +309,9 @@ class Lever(LeanCallback):
             self._counted = self.counted_trials(current, others, block, warmup=min(self.WARMUP, block - 1))
             self._counted.join(trainer)
             return None
-        return measure(
-            trainer,
-            current,
-            others,
-            self.probe_steps,
-            self.margin,
-            self.MAX_GAIN,
-            warmup=min(self.WARMUP, self.probe_steps - 1),
-            loss_tolerance=self.loss_tolerance,
-            after_reference=self.after_reference,
-        )
+        steps, warmup, tolerance = self.probe_steps, min(self.WARMUP, self.probe_steps - 1), self.loss_tolerance
+        rounds, after = PROBE_ROUNDS, self.after_reference
+        return measure(trainer, current, others, steps, self.margin, self.MAX_GAIN, warmup, rounds, tolerance, after)
 
     def block_steps(self, trainer: pl.Trainer, settings: int) -> int:
         """Steps per block of a counted probe of ``settings`` settings: ``probe_steps``, or fitted with `MIN_BLOCK`."""
