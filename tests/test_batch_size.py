@@ -345,6 +345,45 @@ def test_even_batch_one_out_of_memory_is_an_error(tmp_path: Path) -> None:
         fit(tmp_path, model, BatchSizeFinder(max_val=64))
 
 
+def test_a_search_stopped_by_max_trials_says_so(tmp_path: Path) -> None:
+    """Sizes 64 and 32 out of memory with ``max_trials=2``: the error names the stop, not "make the model smaller"."""
+    with pytest.raises(ValueError, match=r"even a batch of 32 ran out .* stopped at `max_trials`=2: raise it"):
+        fit(tmp_path, limited(10, batch_size=64), BatchSizeFinder(max_val=1000, max_trials=2))
+
+
+class OneCycle(TinyClassifier):
+    """A ``OneCycleLR`` sized from ``trainer.estimated_stepping_batches`` in ``configure_optimizers``."""
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """SGD under a one-cycle schedule over the fit's steps, as estimated then."""
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=total)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+def test_a_schedule_sized_for_the_old_step_count_is_named(tmp_path: Path) -> None:
+    """``configure_optimizers`` runs before the search: a OneCycleLR sized for the configured batch's steps.
+
+    A smaller batch (more steps) made torch raise mid-fit at the schedule's end ("Tried to step 9 times"): it is
+    refused before a step, naming the cause. A larger batch cut the cycle short, silently: a warning names it.
+    """
+    L.seed_everything(0, verbose=False)
+    shrinks = OneCycle(num_samples=SAMPLES, batch_size=64)
+    MemoryLimit(20).attach(shrinks)
+    with pytest.raises(
+        ValueError, match=r"the fit 15 optimizer steps, but your OneCycleLR was sized for 4 .* at step 5"
+    ):
+        fit(tmp_path, shrinks, BatchSizeFinder(max_val=1000, remember=False))
+    L.seed_everything(0, verbose=False)
+    grows = OneCycle(num_samples=SAMPLES, batch_size=8)
+    MemoryLimit(64).attach(grows)
+    with pytest.warns(UserWarning, match=r"your OneCycleLR was sized for 32 .*: its schedule is cut short"):
+        fit(tmp_path, grows, finder := BatchSizeFinder(max_val=1000, remember=False))
+    assert finder.report()["batch_size"] > 8
+
+
 OPTIMIZER_OOM = "CUDA out of memory. Tried to allocate the optimizer's state"
 
 
@@ -481,6 +520,24 @@ def test_resume_restores_the_decision_without_searching(
     )
     for (name, ours), theirs in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+def test_a_resumed_fit_keeps_the_accumulation_the_user_asks_for_now(tmp_path: Path) -> None:
+    """Without ``keep_global_batch`` the accumulation is the user's: a resume given another keeps it.
+
+    The finder wrote the checkpoint's over it, silently, though it never decides it.
+    """
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    fit(tmp_path, limited(100), BatchSizeFinder(max_val=1000), ckpt, max_epochs=1, enable_checkpointing=True)
+    trainer = fit(
+        tmp_path,
+        limited(100),
+        BatchSizeFinder(max_val=1000),
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"),
+    )
+    assert trainer.accumulate_grad_batches == 2
 
 
 # ---------------------------------------------------------------- DDP

@@ -26,7 +26,7 @@ from lightning_speedkit.checks import check_bool, check_choice, check_int, check
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import BatchSize, Decision, Lever, TrialResult, TrialSession
-from lightning_speedkit.trials.loaders import forget_peeks
+from lightning_speedkit.trials.loaders import forget_peeks, peek_train_loader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -246,9 +246,11 @@ class BatchSizeFinder(Lever):
                 if not trial.fits:
                     size = None if size == 1 else apply_margin(size, self.margin) if self.margin else size - 1
         if size is None:
+            fix = "make the model or its inputs smaller, or use gradient checkpointing"
+            if min(results) > 1:  # the search stopped before it got to 1
+                fix = f"the search stopped at `max_trials`={self.max_trials}: raise it, or lower `init_val`"
             raise ValueError(
-                f"BatchSizeFinder: even a batch of {min(results)} ran out of memory ({trials[-1].error}); make the"
-                " model or its inputs smaller, or use gradient checkpointing."
+                f"BatchSizeFinder: even a batch of {min(results)} ran out of memory ({trials[-1].error}); {fix}."
             )
         reason = choice.reason if size == choice.size else f"{choice.reason}; {choice.size} failed verification"
         reason += f"; cap {cap}" if cap == max(results) and results[cap] else ""
@@ -282,11 +284,15 @@ class BatchSizeFinder(Lever):
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision, resumed: bool) -> None:
         found = decision.extra
         size, accumulation, scale = found["batch_size"], found["accumulate_grad_batches"], found["lr_scale"]
+        before = peek_train_loader(trainer, _estimated)
         lightning_setattr(pl_module, self.batch_arg_name, size)
-        trainer.accumulate_grad_batches = accumulation
+        if self.keep_global_batch:  # else the accumulation is the user's, a resumed fit's new one too
+            trainer.accumulate_grad_batches = accumulation
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
         forget_peeks(trainer)  # the loader is built again, of batches of the new size
+        if not resumed:
+            check_sized_schedulers(trainer, before, peek_train_loader(trainer, _estimated))
         if resumed:  # the LR and the warmup are restored with the optimizers, schedulers and warmup callback
             if found.get("world_size", trainer.world_size) != trainer.world_size:
                 rank_zero_warn(
@@ -307,3 +313,38 @@ class BatchSizeFinder(Lever):
                 f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
                 f"{searched}."
             )
+
+
+def _estimated(trainer: pl.Trainer) -> float:
+    return float(trainer.estimated_stepping_batches)
+
+
+_LENGTHS = ("total_steps", "T_max", "total_iters")
+"""Scheduler attributes that hold its length in steps: ``OneCycleLR``'s, ``CosineAnnealingLR``'s, ``LinearLR``'s."""
+
+
+def check_sized_schedulers(trainer: pl.Trainer, before: float, after: float) -> None:
+    """Name a step-interval LR scheduler sized for the fit's ``before`` steps when a new batch makes them ``after``.
+
+    ``configure_optimizers`` ran before the batch size was found, so a schedule sized from
+    ``trainer.estimated_stepping_batches`` is not the fit's length any more: a longer fit steps ``OneCycleLR`` past
+    its end (torch raises there, mid-fit: raised here, before a step), a shorter one ends before the schedule does.
+
+    Raises:
+        ValueError: For a ``OneCycleLR`` of ``before`` total steps in a fit now longer.
+    """
+    if after == before:
+        return
+    for config in trainer.lr_scheduler_configs:
+        scheduler, name = config.scheduler, type(config.scheduler).__name__
+        length = next((getattr(scheduler, a) for a in _LENGTHS if getattr(scheduler, a, None) == before), None)
+        if config.interval != "step" or length is None:
+            continue
+        problem = (
+            f"BatchSizeFinder: the new batch size makes the fit {after:g} optimizer steps, but your {name} was sized"
+            f" for {before:g} in `configure_optimizers`, before the batch was found"
+        )
+        fix = "pass the batch size the finder found (its report), or leave the schedule to `WarmupScheduler`"
+        if name == "OneCycleLR" and after > before:
+            raise ValueError(f"{problem}: it would raise at step {before + 1:g}; {fix}.")
+        rank_zero_warn(f"{problem}: its schedule {'ends early' if after > before else 'is cut short'}; {fix}.")
