@@ -345,6 +345,18 @@ def test_even_batch_one_out_of_memory_is_an_error(tmp_path: Path) -> None:
         fit(tmp_path, model, BatchSizeFinder(max_val=64))
 
 
+@pytest.mark.parametrize(("options", "cap"), [({"val_check_interval": 10}, 25), ({"limit_train_batches": 0.5}, 128)])
+def test_the_size_leaves_the_trainers_own_settings_valid(tmp_path: Path, options: dict[str, Any], cap: int) -> None:
+    """The size found leaves the Trainer's settings valid: the search took the whole data set, refused by Lightning.
+
+    An epoch of it still holds ``val_check_interval`` batches, and a ``limit_train_batches`` fraction of it one batch.
+    """
+    finder = BatchSizeFinder(max_val=1000, remember=False)
+    trainer = fit(tmp_path, limited(), finder, max_epochs=1, **options)
+    assert finder.report()["batch_size"] == cap
+    assert trainer.global_step > 0
+
+
 def test_a_search_stopped_by_max_trials_says_so(tmp_path: Path) -> None:
     """Sizes 64 and 32 out of memory with ``max_trials=2``: the error names the stop, not "make the model smaller"."""
     with pytest.raises(ValueError, match=r"even a batch of 32 ran out .* stopped at `max_trials`=2: raise it"):

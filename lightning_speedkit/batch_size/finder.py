@@ -21,6 +21,7 @@ from lightning_speedkit.batch_size.search import (
     hold_global_batch,
     lr_scale_factor,
     next_trial_size,
+    run_cap,
 )
 from lightning_speedkit.checks import check_bool, check_choice, check_int, check_margin, check_number, is_int
 from lightning_speedkit.lr import rescale_run_lrs
@@ -224,7 +225,9 @@ class BatchSizeFinder(Lever):
         warmup = min(1, self.steps_per_trial - 1)
         with TrialSession(trainer, self.steps_per_trial, warmup=warmup, validate=True) as session:
             per_rank = session.samples_per_rank()
-            cap = min(v for v in (self.max_val, per_rank, 2**31) if v is not None)
+            settings = (trainer.limit_train_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch)
+            fits_run = None if per_rank is None else run_cap(per_rank, *settings)
+            cap = min(v for v in (self.max_val, per_rank, fits_run, 2**31) if v is not None)
             init = self.init_val or configured
             while len(trials) < self.max_trials:
                 size = next_trial_size(mode, results, init, cap)

@@ -18,6 +18,7 @@ __all__ = [
     "hold_global_batch",
     "lr_scale_factor",
     "next_trial_size",
+    "run_cap",
 ]
 
 MODES = ("binsearch", "power")
@@ -167,3 +168,21 @@ def hold_global_batch(global_batch: int, max_per_device: int, world_size: int) -
             if per_rank % accumulation == 0:
                 return per_rank // accumulation, accumulation
     return math.ceil(per_rank / fewest), fewest
+
+
+def run_cap(samples: int, limit_train_batches: float, val_check_interval: float, every_n_epoch: int | None) -> int:
+    """The largest batch whose epoch of ``samples`` still holds the batches the Trainer's own settings need.
+
+    Lightning refuses a fit whose epoch is shorter than an int ``val_check_interval`` (with epoch-based validation,
+    ``every_n_epoch`` set), or whose fraction ``limit_train_batches`` of it is under one batch; the trials set their
+    own batch limits, so only the fit after the search would fail.
+
+    Example:
+        >>> run_cap(256, 1.0, 10, 1)  # validation every 10 batches: an epoch of 10 at least
+        25
+        >>> run_cap(256, 0.5, 1.0, 1), run_cap(256, 1.0, 1.0, 1), run_cap(256, 8, 10, None)
+        (128, 256, 256)
+    """
+    fraction = limit_train_batches if isinstance(limit_train_batches, float) and limit_train_batches > 0 else 1.0
+    interval = val_check_interval if isinstance(val_check_interval, int) and every_n_epoch is not None else 1
+    return max(1, samples // math.ceil(interval / fraction))
