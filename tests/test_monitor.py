@@ -304,6 +304,14 @@ def test_heavy_model_is_compute_bound_with_mfu_from_flop_counter(tmp_path: Path)
     expected = report["flops_per_batch"] / report["step_time_s"] / 1e15
     assert report["mfu"] == pytest.approx(expected)
     assert 0 < report["mfu"] < 1
+    assert report["mfu_reason"] is None
+
+
+def test_without_a_peak_the_report_says_why_there_is_no_mfu(tmp_path: Path) -> None:
+    """On a CPU MFU needs ``peak_flops``, even with ``flops_per_batch`` given: the report names what to pass."""
+    report = fit(tmp_path, TinyClassifier(), UtilizationMonitor(window=4, flops_per_batch=1e9)).report()
+    assert (report["mfu"], report["peak_flops"]) == (None, None)
+    assert "pass `peak_flops`" in report["mfu_reason"]
 
 
 def test_given_flops_per_batch_and_impossible_mfu_warns(tmp_path: Path) -> None:

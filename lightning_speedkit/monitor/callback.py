@@ -279,7 +279,8 @@ class UtilizationMonitor(LeanCallback):
         ``median_data_wait_fraction`` (the median step's share, what the diagnosis used; all for the latest window),
         ``steps`` (``trainer.global_step`` at the latest window), ``batches`` (timed in all, across resumes),
         ``windows``, ``label_counts``, ``total`` (the same fractions and rate over every timed step),
-        ``utilization``, ``mfu``, ``flops_per_batch``, ``peak_flops``, ``device``, ``loader`` (settings dict or
+        ``utilization``, ``mfu`` (``mfu_reason``: why there is none), ``flops_per_batch``, ``peak_flops``,
+        ``device``, ``loader`` (settings dict or
         None), ``sampling_error`` (why readings stopped, or why NVML was not used); figures not available are None.
         """
         totals = self._totals()
@@ -296,14 +297,13 @@ class UtilizationMonitor(LeanCallback):
             "batches": self._batches,
             "windows": self._windows,
             "label_counts": dict(self._label_counts),
-            "total": {
-                **asdict(totals),  # steps, samples, data_wait_s, h2d_s, compute_s
-                "data_wait_fraction": totals.data_wait_fraction,
-                "h2d_fraction": totals.h2d_fraction,
-                "samples_per_second": totals.samples_per_second,
+            "total": {  # steps, samples, data_wait_s, h2d_s, compute_s, and the fractions and rate over them all
+                **asdict(totals),
+                **{k: getattr(totals, k) for k in ("data_wait_fraction", "h2d_fraction", "samples_per_second")},
             },
             "utilization": last.get("utilization"),
             "mfu": last.get("mfu"),
+            "mfu_reason": None if self._peak else f"no peak FLOP/s known for {self._device_name!r}: pass `peak_flops`",
             "flops_per_batch": self.flops_per_batch or self._flops,
             "peak_flops": self._peak,
             "device": self._device_name,
