@@ -534,6 +534,20 @@ def test_resume_restores_the_decision_without_searching(
         assert torch.equal(ours, theirs), name
 
 
+def test_a_second_fit_of_the_module_scales_the_lr_from_the_users_batch(tmp_path: Path) -> None:
+    """A second fit of the module searches and scales the LR from the user's batch, not the size written over it.
+
+    The found size is written over the module's ``batch_size`` and read back by the next fit, whose optimizer is built
+    again from the user's LR: it kept that LR (x1) at 36.
+    """
+    model = limited(40)
+    for _ in range(2):
+        finder = BatchSizeFinder(max_val=1000, remember=False)
+        trainer = fit(tmp_path, model, finder)
+        assert (finder.report()["configured_batch_size"], finder.report()["batch_size"]) == (8, 36)
+        assert trainer.optimizers[0].param_groups[0]["initial_lr"] == pytest.approx(BASE_LR * 36 / 8)
+
+
 def test_a_resumed_fit_keeps_the_accumulation_the_user_asks_for_now(tmp_path: Path) -> None:
     """Without ``keep_global_batch`` the accumulation is the user's: a resume given another keeps it.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
@@ -217,6 +218,8 @@ class BatchSizeFinder(Lever):
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         started = time.perf_counter()
         configured = int(lightning_getattr(pl_module, self.batch_arg_name))  # type: ignore[arg-type]
+        origin, applied = _APPLIED.get(pl_module, (configured, configured))
+        configured = origin if applied == configured else configured  # the size an earlier fit found: not the user's
         world, accumulation = trainer.world_size, trainer.accumulate_grad_batches
         mode = "power" if self.objective == "throughput" else self.mode
         trials: list[TrialResult] = []
@@ -289,6 +292,7 @@ class BatchSizeFinder(Lever):
         size, accumulation, scale = found["batch_size"], found["accumulate_grad_batches"], found["lr_scale"]
         before = peek_train_loader(trainer, _estimated)
         lightning_setattr(pl_module, self.batch_arg_name, size)
+        _APPLIED[pl_module] = (found["configured_batch_size"], size)
         if self.keep_global_batch:  # else the accumulation is the user's, a resumed fit's new one too
             trainer.accumulate_grad_batches = accumulation
         trainer.fit_loop._combined_loader = None
@@ -316,6 +320,11 @@ class BatchSizeFinder(Lever):
                 f" device(s) x {accumulation} accumulation; LR x{scale:.4g} ({self.lr_scaling}); "
                 f"{searched}."
             )
+
+
+_APPLIED: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+"""The batch size the user configured on a module and the size written over it: a later fit of the same module reads
+the written size back, and must search and scale the LR from the user's (the optimizer is built from their LR)."""
 
 
 def _estimated(trainer: pl.Trainer) -> float:
