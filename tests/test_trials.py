@@ -17,6 +17,7 @@ import torch
 from conftest import TinyClassifier, rank_records, tiny_trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torchmetrics import SumMetric
 from typing_extensions import override
 
 from lightning_speedkit.trials import AsIs, BatchSize, LeaveOut, Setting, TrialSession, measure
@@ -154,6 +155,32 @@ def test_trials_at_an_epoch_start_mid_fit_leave_the_run_exactly_as_without_them(
     assert [len(r.step_s) for r in results] == [3, 3, 3]
     assert results[0].losses == results[2].losses
     assert results[1].losses[1:] != results[0].losses[1:]  # the LR schedule's steps train differently
+
+
+class _Counting(TinyClassifier):
+    """Counts the samples it trained on in a torchmetrics `SumMetric` that spans the fit (never reset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = SumMetric()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.seen.update(torch.tensor(float(len(batch[0]))))
+        return super().training_step(batch, batch_idx)
+
+
+def test_trials_mid_fit_take_out_their_metric_updates_and_keep_the_runs(tmp_path: Path) -> None:
+    """A metric's state is not in ``state_dict``: trials at a later epoch put back what it held, not an empty metric.
+
+    The session reset every metric: a counter spanning the fit lost the epochs before the trials (preset's cool-down
+    trial at the last epoch left a fit of 6,400 samples counting 1,600).
+    """
+    L.seed_everything(0, verbose=False)
+    model = _Counting()
+    trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[_MidFitTrials()])
+    trainer.fit(model)
+    assert model.seen.compute().item() == trainer.global_step * model.batch_size
 
 
 def test_every_trial_starts_from_the_same_state_and_batches(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_speedkit.batch import batch_size_of
@@ -32,7 +31,14 @@ from lightning_speedkit.trials.loaders import (
 )
 from lightning_speedkit.trials.replay import fetch_batches, replaying
 from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
-from lightning_speedkit.trials.snapshot import loop_flags, put_back, restore_loop_flags, take_state
+from lightning_speedkit.trials.snapshot import (
+    loop_flags,
+    metric_states,
+    put_back,
+    put_metric_states,
+    restore_loop_flags,
+    take_state,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -167,6 +173,7 @@ class TrialSession:
             "loop": copy.deepcopy(fit_loop.state_dict()),
             "loop_flags": loop_flags(fit_loop),
             "modes": {name: sub.training for name, sub in module.named_modules()},
+            "metrics": metric_states(module),
             "forward": module.__dict__.get("forward"),
             "stage": trainer.state.stage,
             "callbacks": trainer.callbacks,  # type: ignore[attr-defined]
@@ -366,31 +373,23 @@ class TrialSession:
 
     def _put_back(self) -> None:
         """The run as on entry: state, callbacks, loggers, limits, modes, metrics, loaders; memory released."""
-        trainer, module, fit_loop = self.trainer, self.trainer.lightning_module, self.trainer.fit_loop
-        saved = self._saved
+        trainer, fit_loop, saved = self.trainer, self.trainer.fit_loop, self._saved
+        epoch_loop = fit_loop.epoch_loop
         self._restore_state()
         restore_loop_flags(saved["loop_flags"])
         trainer.callbacks, trainer.loggers = saved["callbacks"], saved["loggers"]  # type: ignore[attr-defined]
         trainer.limit_train_batches, trainer.limit_val_batches, trainer.accumulate_grad_batches = saved["limits"]
-        fit_loop.max_epochs, fit_loop.min_epochs, fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = saved[
-            "loop_limits"
-        ]
+        fit_loop.max_epochs, fit_loop.min_epochs, epoch_loop.max_steps, epoch_loop.min_steps = saved["loop_limits"]
         self._restore_modes()
         trainer.state.stage = saved["stage"]
         trainer.should_stop = False
-        for sub in module.modules():  # metric states are not in state_dict: clear what the trials accumulated
-            if isinstance(sub, Metric):
-                sub.reset()
+        put_metric_states(saved["metrics"])  # not in state_dict: what the run had accumulated, not the trials' updates
         connector = trainer._logger_connector
         connector.reset_results()
         connector.reset_metrics()
-        if saved["data"] is not None:
-            fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch = saved[
-                "data"
-            ]
-        else:
-            fit_loop._combined_loader = None
-        fit_loop.epoch_loop.val_loop._combined_loader = None
+        data = saved["data"] or (None, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch)
+        fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch = data
+        epoch_loop.val_loop._combined_loader = None
         fit_loop._last_train_dl_reload_epoch = saved["reload_epoch"]
         put_back_iterators(saved["iterators"])
         # A failed trial was collected in `run`; on an accelerator, cycles may still pin device memory that the

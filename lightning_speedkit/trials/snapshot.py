@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loops.loop import _Loop
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torchmetrics import Metric
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -24,7 +25,9 @@ __all__ = [
     "cpu_copy",
     "host_memory",
     "loop_flags",
+    "metric_states",
     "put_back",
+    "put_metric_states",
     "reset_grad_scaler",
     "restore_loop_flags",
     "snapshot_bytes",
@@ -185,3 +188,35 @@ def snapshot_interval(
     while step_s > 0 and snapshot_s > share * interval * step_s:
         interval *= 2
     return interval
+
+
+_METRIC_FIELDS = ("_update_count", "_computed", "_forward_cache")
+"""What a torchmetrics `Metric` holds beside its states (``_defaults``) that ``compute`` and ``update`` read."""
+
+
+def metric_states(module: nn.Module) -> list[tuple[Metric, dict[str, Any]]]:
+    """Each torchmetrics `Metric` in ``module`` with a copy of what it has accumulated, for `put_metric_states`.
+
+    Metric states are not in ``state_dict`` (unless persistent): put back, a trial's updates are taken out and the
+    run's kept (resetting them lost what a metric had gathered over the epochs before a later trial).
+
+    Example:
+        >>> from torchmetrics import SumMetric
+        >>> total = SumMetric(); total.update(3.0)
+        >>> saved = metric_states(nn.ModuleDict({"total": total})); total.update(4.0); put_metric_states(saved)
+        >>> total.compute().item()
+        3.0
+    """
+    saved = []
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            names = [name for name in (*sub._defaults, *_METRIC_FIELDS) if hasattr(sub, name)]
+            saved.append((sub, {name: copy.deepcopy(getattr(sub, name)) for name in names}))
+    return saved
+
+
+def put_metric_states(saved: list[tuple[Metric, dict[str, Any]]]) -> None:
+    """Put back the states `metric_states` copied (copies again: the same saved states may be put back twice)."""
+    for metric, state in saved:
+        for name, value in state.items():
+            setattr(metric, name, copy.deepcopy(value))
