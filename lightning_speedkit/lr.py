@@ -29,7 +29,6 @@ __all__ = [
     "WarmupLike",
     "cyclic",
     "diverged",
-    "lead_lr",
     "param_group_lrs",
     "range_test_factors",
     "rescale_run_lrs",
@@ -72,20 +71,6 @@ def param_group_lrs(optimizers: Iterable[Optimizer]) -> list[list[float]]:
         [[0.1, 0.5]]
     """
     return [[float(group["lr"]) for group in opt.param_groups] for opt in optimizers]
-
-
-def lead_lr(optimizers: Iterable[Optimizer]) -> float:
-    """The run's LR as a report names it: the first param group's that is not 0 (0.0 when every one is).
-
-    A group at LR 0 (a backbone frozen by its LR) scales to 0, so it cannot stand for the others.
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": 0.0}, {"params": [torch.zeros(1)]}], lr=0.1)
-        >>> lead_lr([opt])
-        0.1
-    """
-    return next((lr for lrs in param_group_lrs(optimizers) for lr in lrs if lr != 0.0), 0.0)
 
 
 def warmup_start(optimizers: Iterable[Optimizer]) -> tuple[float, float] | None:

@@ -15,7 +15,6 @@ from lightning_speedkit.checks import check_bool, check_choice, check_number, ch
 from lightning_speedkit.lr import (
     MIN_SIGNAL,
     cyclic,
-    lead_lr,
     range_test_factors,
     rescale_run_lrs,
     rises,
@@ -24,7 +23,7 @@ from lightning_speedkit.lr import (
     warmup_start,
 )
 from lightning_speedkit.lr_search import GRID, REFERENCE, broke_ceiling, choose_scale, next_scale, plateau, scored, walk
-from lightning_speedkit.lr_trial import RangeTest, Scaled
+from lightning_speedkit.lr_trial import RangeTest, Scaled, lead_lr
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import TrialSession
 
@@ -161,14 +160,12 @@ class LRFinder(trials.Lever):
             reason = f"skipped: the optimizer ({names}) has no `lr` in its param groups; the run is left as it is"
             rank_zero_warn(f"LRFinder: {reason}.")
             return trials.Decision.skipped("x1", reason, scale=1.0)
-        if lead_lr(trainer.optimizers) == 0.0:
-            reason = "skipped: every param group's LR is 0, which no scale changes; the run is left as it is"
-            rank_zero_warn(f"LRFinder: {reason}.")
-            return trials.Decision.skipped("x1", reason, scale=1.0)
         resumed = self.resumed_without_decision(trainer)
         if resumed:
             return trials.Decision.skipped("x1", resumed, scale=1.0)
-        reason = _schedule_rules_out(trainer, self.method)
+        reason = _schedule_rules_out(trainer, self.method)  # a warmup of the user's from 0 is named as such
+        if not reason and lead_lr(trainer.optimizers) == 0.0:
+            reason = "skipped: every param group's LR is 0, which no scale changes; the run is left as it is"
         if reason:
             rank_zero_warn(f"LRFinder: {reason}.")
             return trials.Decision.skipped("x1", reason, scale=1.0, steps=0)
@@ -219,7 +216,7 @@ class LRFinder(trials.Lever):
         """Nothing beside the decision.
 
         The decision: ``decision`` (``"x<scale>"``), ``reason``, ``source``, ``method``, ``user_lr`` and
-        ``suggested_lr`` (the first non-zero param group's: `lightning_speedkit.lr.lead_lr`), ``chosen_lr``,
+        ``suggested_lr`` (the first non-zero param group's: `lightning_speedkit.lr_trial.lead_lr`), ``chosen_lr``,
         ``scale``, ``steps`` (search steps run), ``probe_s``, ``probed``, and ``trials`` (``scales`` and each trial's
         ``losses``) or, for a range test, ``curve`` (``lrs``, ``losses``, ``smoothed``).
         """

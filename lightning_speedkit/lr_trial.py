@@ -4,17 +4,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_speedkit import trials
-from lightning_speedkit.lr import diverged, lead_lr, param_group_lrs, scale_trainer_lrs, smooth_losses
+from lightning_speedkit.lr import diverged, param_group_lrs, scale_trainer_lrs, smooth_losses
 from lightning_speedkit.lr_search import REFERENCE
 
-__all__ = ["RangeTest", "Scaled", "broke_after"]
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["RangeTest", "Scaled", "broke_after", "lead_lr"]
+
+
+def lead_lr(optimizers: Sequence[Optimizer]) -> float:
+    """The run's LR as a report names it: the first param group's that is not 0 (0.0 when every one is).
+
+    A group at LR 0 (a backbone frozen by its LR) scales to 0, so it cannot stand for the others.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": 0.0}, {"params": [torch.zeros(1)]}], lr=0.1)
+        >>> lead_lr([opt])
+        0.1
+    """
+    return next((lr for lrs in param_group_lrs(optimizers) for lr in lrs if lr != 0.0), 0.0)
 
 
 def broke_after(ceiling: float) -> Callable[[Sequence[float]], bool]:
@@ -103,7 +120,7 @@ class Scaled(trials.Setting):
     instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) Under manual
     optimization its steps run in full, each at LR 0 (`_AtZero`). A trial at another scale ends at the first step
     whose loss is over ``ceiling`` (`broke_after`): it has broken already. It keeps the LR each of its steps trained
-    at in ``lrs`` (`lightning_speedkit.lr.lead_lr`; the reference trial keeps none): the user's schedule
+    at in ``lrs`` (`lead_lr`; the reference trial keeps none): the user's schedule
     steps inside it (`lightning_speedkit.lr.rises`).
     """
 
@@ -152,7 +169,7 @@ class Scaled(trials.Setting):
 
 
 class _Trace(Callback):
-    """Keeps the run's LR (`lightning_speedkit.lr.lead_lr`) at each step's start: the LR the step trains at.
+    """Keeps the run's LR (`lead_lr`) at each step's start: the LR the step trains at.
 
     The user's schedulers step after the update, so a trial at the user's LR shows whether their schedule rises under
     it (`lightning_speedkit.lr.rises`).

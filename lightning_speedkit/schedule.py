@@ -339,29 +339,26 @@ def schedule_step(trainer: pl.Trainer) -> int:
 def budget_steps(trainer: pl.Trainer) -> float:
     """The Trainer's budget (``trainer.estimated_stepping_batches``) in the unit of `schedule_step`.
 
-    The same under automatic optimization. Under manual optimization the schedule counts batches, while ``max_steps``
-    counts every ``optimizer.step()`` (two a batch in a GAN): a ``max_steps`` budget is then ``max_steps`` over the
-    optimizer steps a batch has taken so far (one, before a batch has ended), or the epochs' batches when fewer.
+    Under manual optimization the schedule counts batches, while ``max_steps`` counts every ``optimizer.step()`` (two
+    a batch in a GAN): ``max_steps`` over the optimizer steps a batch has taken so far (one, before a batch has
+    ended), or the epochs' batches when fewer (`budget_pending`: whether that is still a guess).
     """
-    estimated = float(trainer.estimated_stepping_batches)
-    module = trainer.lightning_module
-    if module is None or module.automatic_optimization or trainer.max_steps == -1:
-        return estimated
-    batches = schedule_step(trainer)
-    per_batch = trainer.global_step / batches if batches and trainer.global_step else 1.0
+    if not budget_pending(trainer, -1):  # automatic optimization, or no max_steps: the Trainer's own unit
+        return float(trainer.estimated_stepping_batches)
+    per_batch = trainer.global_step / done if (done := schedule_step(trainer)) and trainer.global_step else 1.0
     epochs, per_epoch = trainer.max_epochs, float(trainer.num_training_batches)
     by_epochs = math.inf if epochs in (None, -1) or math.isinf(per_epoch) else math.ceil(per_epoch) * max(epochs, 1)
     return float(min(math.ceil(trainer.max_steps / per_batch), by_epochs))
 
 
 def budget_pending(trainer: pl.Trainer, start: int) -> bool:
-    """Whether `budget_steps` still guesses a batch's optimizer steps: none of a schedule's from ``start`` has ended.
+    """Whether `budget_steps` guesses a batch's optimizer steps (a schedule from ``start`` is then sized again).
 
-    Only under manual optimization with a ``max_steps`` budget; a schedule sized then is sized again after a batch.
+    Manual optimization, ``max_steps``, and no batch of the schedule ended yet (``start`` -1: any such budget).
     """
     module = trainer.lightning_module
-    manual = module is not None and not module.automatic_optimization
-    return manual and trainer.max_steps != -1 and schedule_step(trainer) == start
+    manual = module is not None and not module.automatic_optimization and trainer.max_steps != -1
+    return manual and (start == -1 or schedule_step(trainer) == start)
 
 
 def budget_total(estimated: float, start: int) -> int | None:

@@ -135,7 +135,7 @@ class _Reads(L.Callback):
         from lightning.pytorch.utilities.parsing import lightning_setattr
 
         from lightning_speedkit.trials import steps_left
-        from lightning_speedkit.trials.memory import _loader
+        from lightning_speedkit.trials.job import _loader
 
         for _ in range(2):
             self.reads.append((steps_left(trainer), _loader(trainer)["batch_size"]))

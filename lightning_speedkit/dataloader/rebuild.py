@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_speedkit.data.batched import BatchedTensors, batched_view, collated, fetches_at_once
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.trials import Setting
-from lightning_speedkit.trials.memory import BUILT_FROM
+from lightning_speedkit.trials.job import BUILT_FROM
 
 __all__ = [
     "BATCHED",
