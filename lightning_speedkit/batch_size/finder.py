@@ -28,7 +28,8 @@ from lightning_speedkit.checks import check_bool, check_choice, check_int, check
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import BatchSize, Decision, Lever, TrialResult, TrialSession
-from lightning_speedkit.trials.loaders import forget_peeks, peek_train_loader
+from lightning_speedkit.trials.loaders import forget_peeks
+from lightning_speedkit.trials.measure import estimated_steps
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -290,7 +291,7 @@ class BatchSizeFinder(Lever):
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision, resumed: bool) -> None:
         found = decision.extra
         size, accumulation, scale = found["batch_size"], found["accumulate_grad_batches"], found["lr_scale"]
-        before = peek_train_loader(trainer, _estimated)
+        before = 0.0 if resumed else estimated_steps(trainer)  # the steps the user's schedulers were sized for
         lightning_setattr(pl_module, self.batch_arg_name, size)
         _APPLIED[pl_module] = (found["configured_batch_size"], size)
         if self.keep_global_batch:  # else the accumulation is the user's, a resumed fit's new one too
@@ -298,8 +299,6 @@ class BatchSizeFinder(Lever):
         trainer.fit_loop._combined_loader = None
         trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
         forget_peeks(trainer)  # the loader is built again, of batches of the new size
-        if not resumed:
-            check_sized_schedulers(trainer, before, peek_train_loader(trainer, _estimated))
         if resumed:  # the LR and the warmup are restored with the optimizers, schedulers and warmup callback
             if found.get("world_size", trainer.world_size) != trainer.world_size:
                 rank_zero_warn(
@@ -307,6 +306,7 @@ class BatchSizeFinder(Lever):
                     f" {found['world_size']}; the global batch and its LR scale differ from the original run."
                 )
         else:
+            check_sized_schedulers(trainer, before, estimated_steps(trainer))
             if scale != 1.0:
                 rescale_run_lrs(trainer, scale)
             searched = (
@@ -327,10 +327,6 @@ _APPLIED: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDicti
 the written size back, and must search and scale the LR from the user's (the optimizer is built from their LR)."""
 
 
-def _estimated(trainer: pl.Trainer) -> float:
-    return float(trainer.estimated_stepping_batches)
-
-
 _LENGTHS = ("total_steps", "T_max", "total_iters")
 """Scheduler attributes that hold its length in steps: ``OneCycleLR``'s, ``CosineAnnealingLR``'s, ``LinearLR``'s."""
 
@@ -349,8 +345,7 @@ def check_sized_schedulers(trainer: pl.Trainer, before: float, after: float) -> 
         return
     for config in trainer.lr_scheduler_configs:
         scheduler, name = config.scheduler, type(config.scheduler).__name__
-        length = next((getattr(scheduler, a) for a in _LENGTHS if getattr(scheduler, a, None) == before), None)
-        if config.interval != "step" or length is None:
+        if config.interval != "step" or all(getattr(scheduler, a, None) != before for a in _LENGTHS):
             continue
         problem = (
             f"BatchSizeFinder: the new batch size makes the fit {after:g} optimizer steps, but your {name} was sized"

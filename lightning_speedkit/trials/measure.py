@@ -25,11 +25,16 @@ from lightning_speedkit.trials.settings import LeaveOut, Setting, TrialResult
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "measure", "probe_cost", "steps_left"]
+__all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "estimated_steps", "measure", "probe_cost", "steps_left"]
 
 
 def _estimated(trainer: pl.Trainer) -> float:
     return float(trainer.estimated_stepping_batches)
+
+
+def estimated_steps(trainer: pl.Trainer) -> float:
+    """``trainer.estimated_stepping_batches``, read as `steps_left` reads it: the run unchanged, the read kept."""
+    return peek_train_loader(trainer, _estimated)
 
 
 def steps_left(trainer: pl.Trainer) -> float:
@@ -39,7 +44,7 @@ def steps_left(trainer: pl.Trainer) -> float:
     them yet gets them back unbuilt and the global RNG untouched, so asking changes nothing about the run
     (`lightning_speedkit.trials.loaders.peek_train_loader`, which also keeps the estimate for the next lever).
     """
-    estimated = peek_train_loader(trainer, _estimated)
+    estimated = estimated_steps(trainer)
     if math.isinf(estimated):
         return math.inf
     return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches
