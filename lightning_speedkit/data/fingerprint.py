@@ -117,22 +117,20 @@ def _feed_callable(digest: Any, fn: Any, depth: int) -> None:
 
 
 def _feed_held(digest: Any, value: Any, depth: int) -> None:
-    """Add a value a transform holds: transforms by `_feed_callable`, containers item by item, the rest by `_feed`."""
-    if isinstance(value, Mapping):
-        for key in sorted(value, key=repr):
-            _feed(digest, key)
-            _feed_held(digest, value[key], depth)
-    elif isinstance(value, (tuple, list)):
-        digest.update(f"{type(value).__name__}:{len(value)}".encode())
-        for item in value:
-            _feed_held(digest, item, depth)
-    elif callable(value) and not isinstance(value, (type, torch.Tensor)):
+    """Add a value a transform holds, as `_feed` adds a sample, with transforms and objects by what they hold."""
+    _feed(digest, value, functools.partial(_held_object, depth=depth))
+
+
+def _held_object(digest: Any, value: Any, depth: int) -> bool:
+    """For `_feed`: a transform by `_feed_callable`, an object by its attributes; False for neither (its type then)."""
+    if callable(value) and not isinstance(value, type):
         _feed_callable(digest, value, depth + 1)
-    elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, np.ndarray)) and depth < _DEPTH:
+    elif hasattr(value, "__dict__") and depth < _DEPTH:
         digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())
         _feed_held(digest, vars(value), depth + 1)
     else:
-        _feed(digest, value)
+        return False
+    return True
 
 
 def dataset_fingerprint(dataset: Any) -> str:
@@ -163,11 +161,12 @@ def dataset_fingerprint(dataset: Any) -> str:
     return digest.hexdigest()[:32]
 
 
-def _feed(digest: Any, value: Any) -> None:
+def _feed(digest: Any, value: Any, other: Callable[[Any, Any], bool] | None = None) -> None:
     """Add ``value`` to ``digest`` the same way in every process: no memory address, whatever the sample holds.
 
     Arrays and tensors (bfloat16 too) by dtype, shape and bytes; dicts, tuples and lists item by item; numbers,
-    strings and None by ``repr``; any other object by its type alone (its ``repr`` may hold an address).
+    strings and None by ``repr``; any other object by ``other(digest, object)`` when it returns True, else by its
+    type alone (its ``repr`` may hold an address).
 
     Example:
         >>> def hex(value): (d := hashlib.sha256(), _feed(d, value)); return d.hexdigest()[:8]
@@ -186,14 +185,14 @@ def _feed(digest: Any, value: Any) -> None:
     elif isinstance(value, Mapping):
         for key in sorted(value, key=repr):
             _feed(digest, key)
-            _feed(digest, value[key])
+            _feed(digest, value[key], other)
     elif isinstance(value, np.ndarray):  # of objects
         _feed(digest, value.tolist())
     elif isinstance(value, (tuple, list)):
         digest.update(f"{type(value).__name__}:{len(value)}".encode())
         for item in value:
-            _feed(digest, item)
+            _feed(digest, item, other)
     elif value is None or isinstance(value, (str, bytes, int, float, complex, np.generic)):
         digest.update(f"{type(value).__name__}:{value!r}".encode())
-    else:
+    elif other is None or not other(digest, value):
         digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())
