@@ -145,6 +145,10 @@ class DecisionMemory:
             return f"cannot write {path} ({err.strerror or err})"
         return ""
 
+    def _key_dirs(self) -> list[Path]:
+        """The fingerprint directories under the root, sorted; not what else a user keeps there (`_is_key`)."""
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _is_key(p.name)) if self.root.is_dir() else []
+
     def forget(self) -> int:
         """Remove every remembered decision, and nothing else; how many there were.
 
@@ -153,8 +157,7 @@ class DecisionMemory:
         (``$SPEEDKIT_DECISIONS_DIR`` may name any) stays.
         """
         removed = 0
-        keys = [p for p in self.root.iterdir() if p.is_dir() and _is_key(p.name)] if self.root.is_dir() else []
-        for directory in sorted(keys):
+        for directory in self._key_dirs():
             for path in sorted(directory.glob("*.json")):
                 if _is_entry(path):
                     path.unlink(missing_ok=True)
@@ -170,9 +173,7 @@ class DecisionMemory:
     def entries(self) -> list[dict[str, Any]]:
         """What is remembered, a dict per file: ``path``, ``lever``, ``decision``, ``reason``, ``made``, ``device``."""
         found = []
-        for path in sorted(self.root.glob("*/*.json")) if self.root.exists() else []:
-            if not _is_key(path.parent.name):  # not a directory of ours
-                continue
+        for path in (path for directory in self._key_dirs() for path in sorted(directory.glob("*.json"))):
             try:
                 entry = json.loads(path.read_text())
                 decision = entry["decision"]
