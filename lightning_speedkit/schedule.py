@@ -343,7 +343,7 @@ def budget_steps(trainer: pl.Trainer) -> float:
     a batch in a GAN): ``max_steps`` over the optimizer steps a batch has taken so far (one, before a batch has
     ended), or the epochs' batches when fewer (`budget_pending`: whether that is still a guess).
     """
-    if not budget_pending(trainer, -1):  # automatic optimization, or no max_steps: the Trainer's own unit
+    if not _manual_max_steps(trainer):  # the Trainer's own unit
         return float(trainer.estimated_stepping_batches)
     per_batch = trainer.global_step / done if (done := schedule_step(trainer)) and trainer.global_step else 1.0
     epochs, per_epoch = trainer.max_epochs, float(trainer.num_training_batches)
@@ -352,13 +352,13 @@ def budget_steps(trainer: pl.Trainer) -> float:
 
 
 def budget_pending(trainer: pl.Trainer, start: int) -> bool:
-    """Whether `budget_steps` guesses a batch's optimizer steps (a schedule from ``start`` is then sized again).
+    """Whether `budget_steps` guesses a batch's optimizer steps: no batch of a schedule from ``start`` ended yet."""
+    return _manual_max_steps(trainer) and schedule_step(trainer) == start
 
-    Manual optimization, ``max_steps``, and no batch of the schedule ended yet (``start`` -1: any such budget).
-    """
+
+def _manual_max_steps(trainer: pl.Trainer) -> bool:
     module = trainer.lightning_module
-    manual = module is not None and not module.automatic_optimization and trainer.max_steps != -1
-    return manual and (start == -1 or schedule_step(trainer) == start)
+    return module is not None and not module.automatic_optimization and trainer.max_steps != -1
 
 
 def budget_total(estimated: float, start: int) -> int | None:
