@@ -120,8 +120,8 @@ class Scaled(trials.Setting):
     instead of all of it. (A scheduler stepped with no optimizer step before it would make torch warn.) Under manual
     optimization its steps run in full, each at LR 0 (`_AtZero`). A trial at another scale ends at the first step
     whose loss is over ``ceiling`` (`broke_after`): it has broken already. It keeps the LR each of its steps trained
-    at in ``lrs`` (`lead_lr`; the reference trial keeps none): the user's schedule
-    steps inside it (`lightning_speedkit.lr.rises`).
+    at in ``lrs`` (`lead_lr`; the reference trial keeps none): the user's schedule steps inside it
+    (`lightning_speedkit.lr.rises`).
     """
 
     def __init__(self, scale: float, ceiling: float = math.inf) -> None:

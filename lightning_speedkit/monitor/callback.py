@@ -280,8 +280,8 @@ class UtilizationMonitor(LeanCallback):
         ``steps`` (``trainer.global_step`` at the latest window), ``batches`` (timed in all, across resumes),
         ``windows``, ``label_counts``, ``total`` (the same fractions and rate over every timed step),
         ``utilization``, ``mfu`` (``mfu_reason``: why there is none), ``flops_per_batch``, ``peak_flops``,
-        ``device``, ``loader`` (settings dict or
-        None), ``sampling_error`` (why readings stopped, or why NVML was not used); figures not available are None.
+        ``device``, ``loader`` (settings dict or None), ``sampling_error`` (why readings stopped, or why NVML was not
+        used); figures not available are None.
         """
         totals = self._totals()
         last = self._last

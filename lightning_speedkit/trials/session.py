@@ -387,8 +387,10 @@ class TrialSession:
         connector = trainer._logger_connector
         connector.reset_results()
         connector.reset_metrics()
-        data = saved["data"] or (None, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch)
-        fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch = data
+        if (data := saved["data"]) is not None:
+            fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch = data
+        else:
+            fit_loop._combined_loader = None
         epoch_loop.val_loop._combined_loader = None
         fit_loop._last_train_dl_reload_epoch = saved["reload_epoch"]
         put_back_iterators(saved["iterators"])
