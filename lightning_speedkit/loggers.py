@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -20,7 +20,7 @@ from lightning_speedkit.report import collect_reports, flatten_reports, write_js
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunSummary", "choose_logger", "speedkit_wandb_logger", "wandb_is_offline"]
+__all__ = ["RunSummary", "SpeedkitWandbLogger", "choose_logger", "speedkit_wandb_logger", "wandb_is_offline"]
 
 
 def wandb_is_offline(environ: Mapping[str, str] | None = None) -> bool:
@@ -68,10 +68,38 @@ def speedkit_wandb_logger(save_dir: str | os.PathLike[str] = ".", project: str =
         import wandb  # noqa: F401
     except ImportError as error:
         raise ImportError('W&B logging needs wandb: pip install "lightning-speedkit[wandb]"') from error
-    from lightning.pytorch.loggers import WandbLogger
-
     kwargs.setdefault("offline", wandb_is_offline())
-    return WandbLogger(project=project, save_dir=str(save_dir), **kwargs)
+    return SpeedkitWandbLogger(project=project, save_dir=str(save_dir), **kwargs)
+
+
+_STARTED_RUNS: set[str] = set()
+"""The ids of the W&B runs this process's `SpeedkitWandbLogger` objects started."""
+
+
+class SpeedkitWandbLogger(WandbLogger):
+    """A ``WandbLogger`` that logs into a run of its own, not into one an earlier speedkit logger left open.
+
+    Lightning's ``WandbLogger`` logs into ``wandb.run`` when one is open, and nothing finishes the run of a fit: in a
+    notebook, the second `~lightning_speedkit.preset` Trainer logged into the first one's run (its steps, back at 0
+    after the first's last, dropped by W&B; its ``speedkit/*`` summary mixed with the first's). This one finishes
+    such a run before it starts its own. A run the user opened (their own ``wandb.init``) is still the one used.
+    """
+
+    @property  # type: ignore[override]
+    def experiment(self) -> Any:
+        """The run: Lightning's, after finishing an open run that another speedkit logger started."""
+        if self._experiment is not None:
+            return self._experiment
+        import wandb
+
+        open_run = wandb.run
+        if open_run is not None and open_run.id in _STARTED_RUNS:
+            open_run.finish()
+            open_run = None
+        experiment = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+        if open_run is None and self._experiment is not None:  # rank zero started a run (other ranks get a dummy)
+            _STARTED_RUNS.add(self._experiment.id)
+        return experiment
 
 
 def choose_logger(

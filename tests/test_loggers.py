@@ -143,3 +143,45 @@ def test_preset_export_report_reaches_the_summary_json_and_the_offline_wandb_sum
     runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))  # what `wandb sync` uploads
     assert len(runs) == 1
     assert b"speedkit/Int8Export/size_ratio" in runs[0].read_bytes()
+
+
+_TWO_PRESETS_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import wandb
+from conftest import TinyClassifier
+from lightning_speedkit import preset
+
+def fit(name):
+    trainer = preset(default_root_dir={root!r} + "/" + name, max_epochs=1, enable_progress_bar=False, verbose=False)
+    trainer.fit(TinyClassifier())
+    return trainer.logger.experiment
+
+own = wandb.init(project="speedkit", dir={root!r})
+in_own = fit("own")
+own_open = wandb.run is own
+wandb.finish()
+first, second = fit("first"), fit("second")
+print("RUNS " + json.dumps({{
+    "own": own.id, "in_own": in_own.id, "own_open": own_open,
+    "first": first.id, "second": second.id, "open": wandb.run.id,
+    "second_summary": sorted(k for k in dict(second.summary) if k.startswith("speedkit/")),
+}}))
+"""
+
+
+@pytest.mark.slow
+def test_each_preset_trainer_logs_into_a_wandb_run_of_its_own_and_a_users_own_run_is_kept(tmp_path: Path) -> None:
+    """A second preset() in one process gets its own W&B run (not the first's, left open); the user's run is used."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    code = _TWO_PRESETS_RUN.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    )
+    runs = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RUNS ")).removeprefix("RUNS "))
+    assert runs["in_own"] == runs["own"]  # the user's own run is logged into ...
+    assert runs["own_open"]  # ... and not finished
+    assert len({runs["own"], runs["first"], runs["second"]}) == 3
+    assert runs["open"] == runs["second"]  # the first preset's run was finished when the second started its own
+    assert runs["second_summary"]  # its reports reached its own run
