@@ -569,3 +569,29 @@ def test_a_one_logit_binary_classifier_gets_no_top1_verdict(tmp_path: Path) -> N
     assert (checked["top1_agreement"], checked["metric"], checked["metric_fp32"]) == (None, None, None)
     assert checked["samples"] == 256
     assert "agreement n/a" in report["status"]
+
+
+def test_a_metric_of_a_one_logit_model_gets_the_output_squeezed_as_its_validation_step_does(tmp_path: Path) -> None:
+    """A ``(batch, 1)`` output is checked by a metric of ``(batch,)`` targets; a metric that refuses it is named.
+
+    ``validation_step`` squeezes a binary logit or a regression before its metric; the export fed the metric the raw
+    ``(batch, 1)`` output and the fit ended in torchmetrics' shape error, after training, with nothing exported.
+    """
+    from torchmetrics import MeanSquaredError
+    from torchmetrics.classification import BinaryAccuracy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(256, 4)
+    data = [(x[i : i + 64], (x[i : i + 64, 0] > 0).long()) for i in range(0, 256, 64)]
+    report = export_int8(net, data, tmp_path / "m.onnx", latency_repeats=0, metric=BinaryAccuracy())
+    with torch.no_grad():
+        expected = BinaryAccuracy()(net(x).squeeze(-1), (x[:, 0] > 0).long())
+    assert report["verification"]["metric"] == "BinaryAccuracy"
+    assert report["verification"]["metric_fp32"] == pytest.approx(float(expected))
+    pairs = [(inputs, torch.zeros(len(inputs), 2)) for inputs, _ in data]  # two targets a sample, one output
+    with pytest.raises(
+        ValueError, match=r"MeanSquaredError \(`metric`\) refused the model's output of shape \(64, 1\)"
+    ):
+        export_int8(net, pairs, tmp_path / "n.onnx", latency_repeats=0, metric=MeanSquaredError())
+    assert not (tmp_path / "n.onnx").exists()

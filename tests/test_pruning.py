@@ -106,6 +106,37 @@ def test_plan_and_apply_shrink_for_real_and_replay_exactly() -> None:
     assert torch.equal(fresh(x), model(x))
 
 
+class _TiedLM(nn.Module):
+    """A language model whose output layer shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.back = nn.Embedding(40, 32), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.dec = nn.Linear(32, 40, bias=False)
+        self.dec.weight = self.emb.weight
+
+    @override
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(ids)
+        return self.dec(hidden + self.back(torch.relu(self.mid(hidden))))[:, -1]
+
+
+def test_tied_parameters_stay_one_parameter_through_planning_pruning_and_replay() -> None:
+    """A weight shared by two layers is still one parameter after pruning (torch-pruning gives each place its own)."""
+    torch.manual_seed(0)
+    model, ids = _TiedLM(), torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"emb\.weight and dec\.weight share one parameter.*`ignored_layers`"):
+        plan_pruning(model, ids, 0.5, round_to=None)  # the output layer's classes pruned, the embedding's rows kept
+    plan = plan_pruning(model, ids, 0.5, ["dec"], round_to=None)
+    apply_pruning_history(model, ids, plan)
+    assert model.dec.weight is model.emb.weight
+    assert model.emb.weight.shape[1] < 32
+    assert len(list(model.parameters())) == 5  # the shared weight once, and mid's and back's weights and biases
+    fresh = _TiedLM()
+    apply_pruning_history(fresh, ids, pruning_history(model))
+    assert fresh.dec.weight is fresh.emb.weight
+
+
 class _NumpyRound(nn.Module):
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -303,7 +303,7 @@ def verify_outputs(
                 labelled += len(labels)
         if metrics is not None and target is not None:
             for m, out in zip(metrics, (out32, out8), strict=True):
-                m.update(torch.from_numpy(out).float(), target.cpu() if isinstance(target, torch.Tensor) else target)
+                _update_metric(m, out, target.cpu() if isinstance(target, torch.Tensor) else target)
     if samples == 0:
         raise ValueError("INT8 export: the validation data yielded no batch to verify on.")
     result: dict[str, Any] = {
@@ -324,3 +324,26 @@ def verify_outputs(
     elif labelled:
         result.update(metric="top1_accuracy", metric_fp32=correct32 / labelled, metric_int8=correct8 / labelled)
     return result
+
+
+def _update_metric(metric: Metric, output: np.ndarray, target: Any) -> None:
+    """``metric.update`` with the model's output as the module's ``validation_step`` would give it.
+
+    A one-column output (a binary logit, a regression) is ``(batch, 1)`` from the model, and usually squeezed to the
+    target's ``(batch,)`` before the metric sees it: so is it here.
+
+    Raises:
+        ValueError: Naming ``metric`` and the shapes, when the metric refuses the output.
+    """
+    prediction = torch.from_numpy(output).float()
+    if isinstance(target, torch.Tensor) and prediction.shape == (*target.shape, 1):
+        prediction = prediction.squeeze(-1)
+    try:
+        metric.update(prediction, target)
+    except Exception as error:
+        shown = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(
+            f"Int8Export: the metric {type(metric).__name__} (`metric`) refused the model's output of shape"
+            f" {tuple(prediction.shape)} against targets {shown} ({error}); pass `metric=` a metric that takes the"
+            " model's own output."
+        ) from error

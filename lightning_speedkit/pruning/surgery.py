@@ -33,6 +33,7 @@ from lightning_speedkit.pruning.attention import (
     unprunable_attention,
     update_head_counts,
 )
+from lightning_speedkit.pruning.ties import retie, ties
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +282,10 @@ def pruned_copy(
             forward_fn=forward_example,
             **pruner_arguments(twin, attention, ratio, round_to),
         )
+    tied = ties(twin)
     with torch.no_grad(), _naming_failures(twin, "run the pruned copy of"):
         pruner.step()
+        retie(twin, tied)
         update_head_counts(twin, attention)
         twin.eval()
         forward_example(twin, x)
@@ -314,8 +317,9 @@ def _keep_layout(model: nn.Module, channels_last: bool) -> None:
 def apply_pruning_history(model: nn.Module, example_input: Any, history: History) -> None:
     """Remove the channels listed in ``history`` from ``model`` in place (new, smaller ``nn.Parameter`` objects).
 
-    Optimizers built before this point refer to the old parameters: rebuild them. A channels-last model stays
-    channels-last, and attention layers get their head counts from their pruned projections.
+    Optimizers built before this point refer to the old parameters: rebuild them. Tied parameters stay tied
+    (`lightning_speedkit.pruning.ties`), a channels-last model stays channels-last, and attention layers get their head
+    counts from their pruned projections.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -334,9 +338,10 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
     _check_history_names(model, history)
     channels_last = is_channels_last(model)
     attention = find_attention(model)
-    graph = _build_graph(model, example_input, "trace")
+    graph, tied = _build_graph(model, example_input, "trace"), ties(model)
     with torch.no_grad():
         graph.load_pruning_history([list(record) for record in history])
+    retie(model, tied)
     update_head_counts(model, attention)
     _keep_layout(model, channels_last)
     setattr(model, _HISTORY_ATTR, [*pruning_history(model), *history])
