@@ -393,3 +393,27 @@ def test_a_bf16_true_module_prunes_with_its_float32_example(tmp_path: Path, give
     trainer.fit(_WithExample())
     report = pruning.report()
     assert report["params_after"] < report["params_before"]
+
+
+def test_a_fit_resumed_before_the_pruning_step_reports_the_metric_before_it(tmp_path: Path) -> None:
+    """``metric_before`` is the last validation's value before pruning, also when that validation ran before a resume.
+
+    It was read from ``trainer.callback_metrics`` at the pruning step, empty in a fit resumed from the checkpoint
+    of the epoch before: the report said ``None``.
+    """
+
+    def run(root: Path, ckpt_path: str | None = None) -> StructuredPruning:
+        L.seed_everything(0, verbose=False)
+        pruning = StructuredPruning(
+            amount=0.5, start_epoch=1, round_to=None, latency_batch_sizes=(), monitor="val_loss"
+        )
+        checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1, filename="{epoch}")
+        trainer = tiny_trainer(root, max_epochs=3, callbacks=[pruning, checkpoints], enable_checkpointing=True)
+        trainer.fit(OrderedTiny(), ckpt_path=ckpt_path)
+        return pruning
+
+    full = run(tmp_path / "full").report()
+    resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "epoch=0.ckpt")).report()
+    assert full["metric_before"] is not None
+    assert resumed["metric_before"] == full["metric_before"]
+    assert resumed["metric_after"] == pytest.approx(full["metric_after"])

@@ -316,3 +316,72 @@ def test_the_default_monitor_unlogged_is_a_warning_not_an_error(tmp_path: Path) 
     with pytest.warns(UserWarning, match="`monitor` 'val_loss' was never logged"):
         tiny_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(LogsOther())
     assert callback.report()["finished"]
+
+
+class TwoInputs(TinyClassifier):
+    """A model of two inputs fed ``(x, z, y)`` batches, with no ``example_input_array``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = None
+
+    @override
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x + z)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, z, y = batch
+        return nn.functional.cross_entropy(self(x, z), y)
+
+    @override
+    def train_dataloader(self) -> Any:
+        x = torch.randn(32, 16)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x, (x[:, 0] > 0).long()), batch_size=8)
+
+
+def test_a_batch_whose_first_item_is_not_the_whole_input_is_named_at_the_first_batch_not_at_start_epoch(
+    tmp_path: Path,
+) -> None:
+    """Without ``example_input`` the first item of the first batch is the example: checked before any step.
+
+    A two-input model failed with a bare ``TypeError`` from the MAC counter at the first batch of ``start_epoch``,
+    after the epochs before it had trained.
+    """
+    counter = StepCounter()
+    callback = StructuredPruning(amount=0.5, start_epoch=2, latency_batch_sizes=(), monitor=None)
+    trainer = tiny_trainer(tmp_path, max_epochs=4, callbacks=[callback, counter], limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"`example_input` must be an input TwoInputs accepts.*missing 1 required"):
+        trainer.fit(TwoInputs())
+    assert counter.batches == 0
+
+
+def test_max_steps_that_ends_the_fit_before_the_pruning_epochs_is_refused_before_any_step(tmp_path: Path) -> None:
+    """``max_steps`` ending the fit before ``start_epoch`` is refused, as a short ``max_epochs`` is (nothing pruned)."""
+    counter = StepCounter()
+    callback = StructuredPruning(amount=0.5, start_epoch=5, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=-1, max_steps=20, callbacks=[callback, counter])
+    with pytest.raises(ValueError, match=r"`max_steps`=20 ends it in epoch 2 \(8 optimizer steps an epoch\)"):
+        trainer.fit(TinyClassifier())
+    assert counter.batches == 0
+
+
+class StopAtEpoch(Callback):
+    """Stops the fit at the end of epoch ``epoch``, as early stopping would."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Stop at the epoch."""
+        trainer.should_stop = trainer.current_epoch >= self.epoch
+
+
+def test_a_fit_stopped_before_the_first_pruning_step_warns_that_nothing_was_pruned(tmp_path: Path) -> None:
+    """A fit that ends early, before ``start_epoch``, says nothing was pruned rather than ending silently."""
+    callback = StructuredPruning(amount=0.5, start_epoch=2, latency_batch_sizes=())
+    trainer = tiny_trainer(tmp_path, max_epochs=4, callbacks=[callback, StopAtEpoch(0)])
+    with pytest.warns(UserWarning, match=r"ended after 1 epoch\(s\), before the first pruning step at `start_epoch`=2"):
+        trainer.fit(TinyClassifier())
+    assert callback.report() == {}

@@ -9,15 +9,21 @@ and ratios. Each raises ``ValueError`` naming the argument and the value receive
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 
 from lightning_speedkit.batch import first_tensor, forward_example, modes_kept
 from lightning_speedkit.checks import check_choice, check_int, is_int, is_number
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = [
     "IMPORTANCES",
@@ -31,6 +37,8 @@ __all__ = [
     "check_module",
     "check_pruning_args",
     "check_ratio",
+    "check_steps_reach",
+    "check_strategy",
     "describe",
     "first_sample",
 ]
@@ -333,3 +341,38 @@ def _check_ignored_layers(value: Any) -> None:
     items = value if isinstance(value, (list, tuple)) else None
     if items is None or not all(isinstance(x, nn.Module) or (isinstance(x, str) and x) for x in items):
         raise ValueError(f"`ignored_layers` must be a list of submodule names or modules, got {describe(value)}.")
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Raise a ``ValueError`` unless ``strategy`` is one pruning supports: single-device, or DDP launched by a script.
+
+    Under a spawning launcher the main process loads the trained weights back into its unpruned module.
+    """
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
+        raise ValueError(
+            f"StructuredPruning supports single-device and DDP strategies, got {type(strategy).__name__}:"
+            " use strategy='auto' or 'ddp'."
+        )
+    if isinstance(getattr(strategy, "launcher", None), _MultiProcessingLauncher):
+        raise ValueError(
+            "StructuredPruning cannot run under 'ddp_spawn'/'ddp_fork'/'ddp_notebook': the main process loads the"
+            " trained weights back into its unpruned module. Use strategy='ddp' (a script or torchrun)."
+        )
+
+
+def check_steps_reach(trainer: pl.Trainer, last_epoch: int) -> None:
+    """Raise a ``ValueError`` when ``max_steps`` ends the fit before epoch ``last_epoch`` starts.
+
+    A pruning step's epoch, or the fine-tune's last, would never run. The ``max_epochs`` check is
+    `StructuredPruning.setup`'s.
+    """
+    batches, most = trainer.num_training_batches, trainer.max_steps
+    if most < 0 or not math.isfinite(batches) or batches <= 0:
+        return
+    per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+    if most <= last_epoch * per_epoch:
+        raise ValueError(
+            f"StructuredPruning needs the fit to reach epoch {last_epoch} (start_epoch + iterative_steps +"
+            f" finetune_epochs - 1), but `max_steps`={most} ends it in epoch {(most - 1) // per_epoch} ({per_epoch}"
+            " optimizer steps an epoch): raise `max_steps` or lower those arguments."
+        )

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_speedkit.hooks import LeanCallback
-from lightning_speedkit.pruning.arguments import check_example_fits, check_pruning_args, first_sample
+from lightning_speedkit.pruning.arguments import (
+    check_example_fits,
+    check_pruning_args,
+    check_steps_reach,
+    check_strategy,
+    first_sample,
+)
 from lightning_speedkit.pruning.optimizers import rebuild_optimizers, restart_warmup
 from lightning_speedkit.pruning.report import (
     DEFAULT_MONITOR,
     check_monitor_logged,
     final_metrics,
+    finish_line,
+    step_line,
     warn_if_nothing_removed,
     warn_monitor_not_logged,
 )
@@ -158,6 +165,7 @@ class StructuredPruning(LeanCallback):
         self.example_input, self.latency_batch_sizes = example_input, tuple(latency_batch_sizes)
         self.latency_device = latency_device
         self._example: Any = None
+        self._last_metric: float | None = None  # the monitor at the last validation of the fit
         self._steps_done = 0
         self._report: dict[str, Any] = {}
         self._ignored: list[str] | None = None
@@ -189,23 +197,14 @@ class StructuredPruning(LeanCallback):
         "steps_done": int,
         "example_input": (Tensor, tuple, list, dict, None),
         "report": dict,
+        "last_metric": (float, None),
     }
     """What a checkpoint may hold for pruning (checked before anything is restored: `lightning_speedkit.restore`)."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
-        strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
-            raise ValueError(
-                f"StructuredPruning supports single-device and DDP strategies, got {type(strategy).__name__}:"
-                " use strategy='auto' or 'ddp'."
-            )
-        if isinstance(getattr(strategy, "launcher", None), _MultiProcessingLauncher):
-            raise ValueError(
-                "StructuredPruning cannot run under 'ddp_spawn'/'ddp_fork'/'ddp_notebook': the main process loads the"
-                " trained weights back into its unpruned module. Use strategy='ddp' (a script or torchrun)."
-            )
+        check_strategy(trainer.strategy)
         if stage == "fit":
             needed = self.last_epoch + 1
             if trainer.max_epochs is not None and 0 <= trainer.max_epochs < needed:
@@ -215,7 +214,7 @@ class StructuredPruning(LeanCallback):
                     f" finetune_epochs), got {trainer.max_epochs}: {fix}."
                 )
             self._steps_done, self._report, self._ignored = 0, {}, None  # a checkpoint's state loads after this
-            self._target_checked = self._monitor_checked = False
+            self._target_checked = self._monitor_checked = self._example_checked = False
             example, convert = self.example_input, trainer.precision_plugin.convert_input  # as the module is fed
             self._example = None if example is None else convert(example)
         self._history = pruning_history(pl_module)
@@ -231,17 +230,17 @@ class StructuredPruning(LeanCallback):
             self._hook = pl_module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.example_input is not None:  # one forward before any step: a wrong input is named, not traced
-            plugin = trainer.precision_plugin
-            check_example_fits(
-                pl_module, self.example_input, "example_input", plugin.convert_input, plugin.forward_context()
-            )
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_steps_reach(trainer, self.last_epoch)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self._example_checked:  # one forward before any step, not at start_epoch: a wrong input is named
+            self._example_checked = True
+            example, context = self._resolve_example(pl_module, batch), trainer.precision_plugin.forward_context()
+            check_example_fits(pl_module, example, "example_input", None, context)
         if not self._target_checked and self._steps_done == 0 and self.amount is None:
             self._target_checked = True
             example = self._resolve_example(pl_module, batch)
@@ -251,10 +250,12 @@ class StructuredPruning(LeanCallback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.monitor is not None and not self._monitor_checked and not trainer.sanity_checking:
-            self._monitor_checked = trainer.state.fn == "fit"
-            if self._monitor_checked:
+        if self.monitor is not None and not trainer.sanity_checking and trainer.state.fn == "fit":
+            if not self._monitor_checked:
+                self._monitor_checked = True
                 check_monitor_logged(trainer, self.monitor)
+            value = trainer.callback_metrics.get(self.monitor)
+            self._last_metric = self._last_metric if value is None else float(value)  # the "before" of a resumed fit
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -266,6 +267,11 @@ class StructuredPruning(LeanCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._steps_done and not self._report.get("finished"):  # stopped early: report what was reached
             self._finish(trainer, pl_module)
+        elif not self._steps_done:
+            rank_zero_warn(
+                f"StructuredPruning: the fit ended after {trainer.current_epoch} epoch(s), before the first pruning"
+                f" step at `start_epoch`={self.start_epoch} (stopped early?): nothing was pruned."
+            )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -275,18 +281,19 @@ class StructuredPruning(LeanCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        history = [list(record) for record in self._history]
         return {
-            "history": history,
+            "history": [list(record) for record in self._history],
             "steps_done": self._steps_done,
             "example_input": self._example,
             "report": self._report,
+            "last_metric": self._last_metric,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._steps_done = int(state_dict.get("steps_done", 0))
         self._report = dict(state_dict.get("report", {}))
+        self._last_metric = state_dict.get("last_metric")
         if state_dict.get("example_input") is not None:
             self._example = state_dict["example_input"]
 
@@ -298,10 +305,7 @@ class StructuredPruning(LeanCallback):
         dict per step: ``epoch``, ``ratio``, ``macs``, ``params`` and, with a target, ``speedup``: the MACs or
         measured latency speedup over the unpruned model so far) and ``finished``.
         """
-        return {
-            k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-            for k, v in self._report.items()
-        }
+        return copy.deepcopy(self._report)
 
     def _before_weights_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         """Rebuild the pruned architecture from the checkpoint Lightning is restoring, before its weights load."""
@@ -334,7 +338,7 @@ class StructuredPruning(LeanCallback):
         latency = None
         if trainer.is_global_zero:
             latency = {b: cpu_latency_ms(pl_module, self._example, b) for b in self.latency_batch_sizes}
-        metric = None if self.monitor is None else trainer.callback_metrics.get(self.monitor)
+        metric = None if self.monitor is None else trainer.callback_metrics.get(self.monitor, self._last_metric)
         latency, value = trainer.strategy.broadcast(latency, src=0), None if metric is None else float(metric)
         self._report.update({f"macs_{when}": macs, f"params_{when}": params, f"latency_ms_{when}": latency,
                              f"metric_{when}": value, "monitor": self.monitor})  # fmt: skip
@@ -370,29 +374,19 @@ class StructuredPruning(LeanCallback):
         self._report.setdefault("steps", []).append(record if speedup is None else {**record, "speedup": speedup})
         logged = {"step": float(self._steps_done), "macs": macs, "params": float(params)}
         self._log(trainer, logged if speedup is None else {**logged, "speedup": speedup})
-        before, removed = self._report["macs_before"], sum(len(r[2]) for r in plan if r[1])
+        removed = sum(len(r[2]) for r in plan if r[1])
         warn_if_nothing_removed(removed, ratio, self.round_to)
-        rank_zero_info(
-            f"StructuredPruning: step {self._steps_done}/{self.iterative_steps} at epoch {trainer.current_epoch}:"
-            f" removed {removed} channels (ratio {ratio:.3f}); MACs {before:,.0f} ->"
-            f" {macs:,.0f} ({before / max(macs, 1.0):.2f}x), params {self._report['params_before']:,} -> {params:,}"
-            + ("." if speedup is None or self.target_latency is None else f", measured {speedup:.2f}x faster.")
-        )
+        measured = None if self.target_latency is None else speedup
+        rank_zero_info(step_line(self._report, self.iterative_steps, removed, measured))
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None and not self._monitor_checked:  # no validation ran: say so, once
             warn_monitor_not_logged(trainer, self.monitor)
         self._measure(trainer, pl_module, "after")
         self._report["finished"] = True
-        r = self._report
-        metrics = final_metrics(r, self.monitor)
+        metrics = final_metrics(self._report, self.monitor)
         self._log(trainer, metrics)
-        rank_zero_info(
-            f"StructuredPruning: MACs {metrics['macs_before']:,.0f} -> {metrics['macs_after']:,.0f}"
-            f" ({metrics['macs_speedup']:.2f}x), params {r['params_before']:,} -> {r['params_after']:,}, latency"
-            f" {r['latency_ms_before']} -> {r['latency_ms_after']} ms, {self.monitor} {r.get('metric_before')} ->"
-            f" {r.get('metric_after')}."
-        )
+        rank_zero_info(finish_line(self._report, metrics, self.monitor))
 
     def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         log_rank_zero(trainer, {f"speedkit/pruning/{k}": v for k, v in metrics.items()})

@@ -14,7 +14,9 @@ __all__ = [
     "DEFAULT_MONITOR",
     "check_monitor_logged",
     "final_metrics",
+    "finish_line",
     "nothing_removed",
+    "step_line",
     "warn_if_nothing_removed",
     "warn_monitor_not_logged",
 ]
@@ -108,3 +110,33 @@ def warn_if_nothing_removed(removed: int, ratio: float, round_to: int | None) ->
     """A warning when a pruning step removed no channel (`nothing_removed` says why); nothing otherwise."""
     if not removed:
         rank_zero_warn(f"StructuredPruning: {nothing_removed(ratio, round_to)}.")
+
+
+def finish_line(report: Mapping[str, Any], metrics: Mapping[str, float], monitor: str | None) -> str:
+    """The line `StructuredPruning` prints when the fine-tune ends: MACs, parameters, latency and the monitor."""
+    return (
+        f"StructuredPruning: MACs {metrics['macs_before']:,.0f} -> {metrics['macs_after']:,.0f}"
+        f" ({metrics['macs_speedup']:.2f}x), params {report['params_before']:,} -> {report['params_after']:,}, latency"
+        f" {report['latency_ms_before']} -> {report['latency_ms_after']} ms, {monitor} {report.get('metric_before')} ->"
+        f" {report.get('metric_after')}."
+    )
+
+
+def step_line(report: Mapping[str, Any], steps: int, removed: int, measured: float | None) -> str:
+    """The line `StructuredPruning` prints after a pruning step, from ``report``'s last step record.
+
+    ``measured`` is the measured latency speedup so far (None: MACs only).
+
+    Example:
+        >>> record = {"epoch": 2, "ratio": 0.5, "macs": 500.0, "params": 40}
+        >>> line = step_line({"macs_before": 1000.0, "params_before": 80, "steps": [record]}, 2, 8, None)
+        >>> line.removeprefix("StructuredPruning: step 1/2 at epoch 2: removed 8 channels (ratio 0.500); ")
+        'MACs 1,000 -> 500 (2.00x), params 80 -> 40.'
+    """
+    record, before = report["steps"][-1], report["macs_before"]
+    return (
+        f"StructuredPruning: step {len(report['steps'])}/{steps} at epoch {record['epoch']}: removed {removed} channels"
+        f" (ratio {record['ratio']:.3f}); MACs {before:,.0f} -> {record['macs']:,.0f}"
+        f" ({before / max(record['macs'], 1.0):.2f}x), params {report['params_before']:,} -> {record['params']:,}"
+        + ("." if measured is None else f", measured {measured:.2f}x faster.")
+    )
