@@ -595,3 +595,26 @@ def test_a_metric_of_a_one_logit_model_gets_the_output_squeezed_as_its_validatio
     ):
         export_int8(net, pairs, tmp_path / "n.onnx", latency_repeats=0, metric=MeanSquaredError())
     assert not (tmp_path / "n.onnx").exists()
+
+
+class _FixedBatch(nn.Module):
+    """A forward that reads the batch size as a Python int (``len(x)``): traced, it is a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.view(len(x), 2, 8).flatten(1))
+
+
+def test_an_export_that_fixes_the_batch_size_says_so_and_how_to_write_it(tmp_path: Path) -> None:
+    """The reason torch gives (a dynamic batch specialised to a constant) reaches the error, with the usual fix.
+
+    Only the first line of torch's message came through: "Constraints violated (batch)!", with no reason.
+    """
+    data = [(torch.randn(16, 16), torch.randint(0, 4, (16,))) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"specialized it to be a constant \(16\).*use `x\.view\(-1, \.\.\.\)`"):
+        export_int8(_FixedBatch(), data, tmp_path / "m.onnx", latency_repeats=0)
+    assert list(tmp_path.iterdir()) == []

@@ -81,7 +81,14 @@ def describe_failure(error: BaseException, model: nn.Module, program: Any = None
     while root.__cause__ is not None:
         root = root.__cause__
     lines = str(root).strip().splitlines()
-    return f"{where or 'somewhere in the model'}: {type(root).__name__}: {lines[0] if lines else ''}"
+    said = f"{where or 'somewhere in the model'}: {type(root).__name__}: {lines[0] if lines else ''}"
+    fixed = next((line.strip(" -") for line in lines[1:] if "specialized it to be a constant" in line), None)
+    if fixed:  # torch's reason is on the next line; the usual cause is a shape read as a number
+        said += (
+            f" {fixed.split('. ')[0]}: the model's forward fixes the batch size (`x.view(len(x), ...)`, a shape"
+            " turned into a Python int): use `x.view(-1, ...)` or `x.flatten(1)`."
+        )
+    return said
 
 
 def _name_dimensions(graph: Any) -> None:
