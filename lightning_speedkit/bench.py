@@ -114,7 +114,7 @@ def run_benchmarks(
         ValueError: If ``names`` holds a benchmark that does not exist, ``timeout_s`` is not positive, or ``out_dir``
             cannot be made a directory (a file is there, no permission).
     """
-    directory = find_benchmarks_dir(benchmarks_dir)
+    directory = find_benchmarks_dir(benchmarks_dir).resolve()  # the scripts run from its parent: no relative paths
     available = discover(directory)
     chosen = list(names) if names else available
     unknown = [name for name in chosen if name not in available]
@@ -128,6 +128,7 @@ def run_benchmarks(
     except OSError as err:  # a file there, or no permission
         shown = f"{os.fspath(out_dir)!r} ({err.strerror or err})"
         raise ValueError(f"`out_dir` must be a directory this user can write to, got {shown}.") from None
+    out = out.resolve()
     report: dict[str, Any] = {
         "speedkit_version": __version__,
         "quick": quick,
@@ -176,14 +177,20 @@ def _run_one(
     reader = threading.Thread(target=lambda: stderr.extend(process.stderr or ()), daemon=True)
     reader.start()
     stdout: list[str] = []
-    for line in process.stdout or ():
-        stdout.append(line)
-        if verbose:
-            print(f"  {line}", end="", flush=True)
-    returncode = process.wait()
+    try:
+        for line in process.stdout or ():
+            stdout.append(line)
+            if verbose:
+                print(f"  {line}", end="", flush=True)
+        returncode = process.wait()
+    except BaseException:  # Ctrl-C reaches this process only (the benchmark has a session of its own): stop it too
+        stop()
+        process.wait()
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
     reader.join()
-    if timer is not None:
-        timer.cancel()
     seconds = time.perf_counter() - start
     log_path.write_text(f"$ {' '.join(command)}\n--- stdout\n{''.join(stdout)}--- stderr\n{''.join(stderr)}")
     result = _read_json(json_path)
@@ -310,6 +317,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         shown = str(exc).replace("`timeout_s`", "--timeout").replace("`names`", "NAME").replace("`out_dir`", "--out")
         print(f"speedkit bench: {shown}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"speedkit bench: interrupted; {Path(args.out) / 'report.md'} holds what finished", file=sys.stderr)
+        return 130
     print(f"\n{format_markdown(report)}\n\nwrote {Path(args.out) / 'report.md'} and report.json")
     return 0 if all(e["status"] in ("ok", "skipped") for e in report["benchmarks"].values()) else 1
 

@@ -152,6 +152,57 @@ def test_timeout_stops_the_processes_a_benchmark_started(scripts: Path, tmp_path
         pytest.fail(f"the benchmark's child process ({stat.parent.name}) is still running")
 
 
+def test_relative_directories_are_read_from_where_the_command_runs(
+    scripts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative ``--out`` and ``--benchmarks-dir`` name paths from the caller's directory, not the scripts' parent.
+
+    The scripts run from the benchmarks directory's parent: a relative ``--out`` put their JSON there (the benchmark
+    then counted as failed, "wrote no JSON"), and a relative ``--benchmarks-dir`` doubled in the script path.
+    """
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    relative = Path("..") / scripts.relative_to(tmp_path)
+    report = run_benchmarks(["ok"], out_dir="out", benchmarks_dir=relative, verbose=False)
+    assert report["benchmarks"]["ok"]["status"] == "ok"
+    assert (elsewhere / "out" / "ok.json").is_file()
+    assert not (scripts.parent / "out").exists()
+
+
+_INTERRUPT = """
+import os, pathlib, signal, sys, threading, time
+from lightning_speedkit.bench import main
+def interrupt():  # Ctrl-C once the benchmark has started its child
+    while not pathlib.Path(sys.argv[1], "child.pid").exists():
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+sys.exit(main(["spawns", "--benchmarks-dir", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_ctrl_c_stops_the_running_benchmark_and_its_processes(scripts: Path, tmp_path: Path) -> None:
+    """Ctrl-C stops the benchmark (in a session of its own, out of the terminal's reach) and says so in one line.
+
+    The benchmark and its children ran on after the command had exited, with a traceback, and wrote their results
+    into ``--out`` later.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT, str(scripts), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert done.returncode == 130
+    assert "speedkit bench: interrupted" in done.stderr
+    assert "Traceback" not in done.stderr
+    stat = Path(f"/proc/{(scripts / 'child.pid').read_text()}/stat")
+    for _ in range(300):
+        if not stat.exists() or stat.read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the benchmark's child process ({stat.parent.name}) is still running")
+
+
 def test_main_exit_code_and_listing(scripts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``main`` returns 0 when every benchmark passed or skipped, 1 when one failed; ``--list`` names them."""
     common = ["--benchmarks-dir", str(scripts), "--out", str(tmp_path / "out")]
