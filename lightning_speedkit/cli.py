@@ -150,11 +150,11 @@ def _demo_plan(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
     config = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
     seeds = None
     if args.seeds is not None:
-        seeds = parse_seeds(args.seeds)
-        if len(seeds) > MAX_SEEDS:
-            raise ValueError(f"`seeds` names {len(seeds)} seeds, at most {MAX_SEEDS} in one call, got {args.seeds!r}.")
-        if args.only or args.ablation:
-            raise ValueError("`seeds` runs baseline and speedkit on every seed; it takes no --only or --ablation.")
+        seeds = parse_seeds(args.seeds, most=MAX_SEEDS)
+        if args.only or args.ablation or args.seed is not None:
+            raise ValueError(
+                "`seeds` runs baseline and speedkit on every seed; it takes no --only, --ablation or --seed."
+            )
     return config, seeds
 
 

@@ -148,6 +148,12 @@ def test_demo_seeds_prints_the_summary_line(
         (["--seeds", ""], "--seeds must be a range like 0-4 or a list like 0,2,5"),
         (["--quick", "--seeds", "0-999999"], "--seeds names 1000000 seeds, at most 64"),
         (["--seeds", "0-1", "--only", "baseline"], "--seeds runs baseline and speedkit on every seed"),
+        (["--seeds", "0-1", "--seed", "7"], "it takes no --only, --ablation or --seed"),  # ignored, then recorded
+        (["--seeds", "0-4294967295"], "--seeds names 4294967296 seeds, at most 64"),  # a MemoryError before
+        (["--seeds", "1_0"], "--seeds must be a range like 0-4"),  # int() read it as 10
+        (["--num-images", "99999999999"], "--num-images must be at most 1,000,000 for the demo workload"),
+        (["--width", "100000000"], "--width must be at most 1,024 for the demo workload"),
+        (["--batch-size", "100000000"], "--batch-size must be at most --num-images=5000"),
         (["--cache-dir", ""], "--cache-dir must be a directory or None, got ''"),
         (["--only", "fast"], "argument --only: invalid choice: 'fast'"),
     ],

@@ -139,7 +139,7 @@ def test_parse_seeds(text: str, seeds: list[int]) -> None:
     assert parse_seeds(text) == seeds
 
 
-@pytest.mark.parametrize("text", ["", "a-b", "-1", "4-2", "0,4294967296", "0,0", "2-3,3"])
+@pytest.mark.parametrize("text", ["", "a-b", "-1", "4-2", "0,4294967296", "0,0", "2-3,3", "1_0", "+3", "0-4294967296"])
 def test_bad_seeds_are_refused(text: str) -> None:
     """A malformed or empty seed list, a seed numpy refuses or one given twice is a ValueError naming `seeds`.
 

@@ -100,9 +100,8 @@ def format_seeds(report: dict[str, Any]) -> str:
         picked += f", probes {chose['probe_s']:.1f} s"
         if chose.get("rollbacks"):
             picked += f", {chose['rollbacks']} rollback(s)"
-        lines.append(
-            f"{row['seed']:<6}{cell(row['baseline']):<22}{cell(row['speedkit']):<22}{row['speedup']:>8.2f}x  {picked}"
-        )
+        speedup = f"{'>=' if row.get('speedup_at_least') else ''}{row['speedup']:.2f}x"  # baseline missed: a bound
+        lines.append(f"{row['seed']:<6}{cell(row['baseline']):<22}{cell(row['speedkit']):<22}{speedup:>9}  {picked}")
     s = report["summary"]
     lines.append(
         f"speed-up over seeds: median {s['median']:.2f}x, worst {s['worst']:.2f}x, reached {s['reached']}/{s['total']}"
