@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
 
-
 _NO_EPOCH = "no epoch started between the schedule's start and the cool-down's (a trial needs an epoch's start)"
 
 
@@ -177,6 +176,7 @@ class WarmupScheduler(LeanCallback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._method == "trial" and self._check_window(trial=True) is not None:  # undecided, "wsd", step budget
+            self._attach(trainer)  # a resumed fit's first epoch: no batch has hooked the steps the trial pins yet
             line = self._check.try_at_epoch_start(trainer, self.schedule, self.cooldown, self._pin)  # type: ignore[arg-type]
             if line is not None:
                 rank_zero_info(f"WarmupScheduler: {line}.")
@@ -196,14 +196,7 @@ class WarmupScheduler(LeanCallback):
                 self._schedule = s._replace(total_steps=total)
         self._resumed = False
         self._time_fraction = time_fraction(trainer, self._time_fraction)
-        if len(self._attached) != len(trainer.optimizers) or any(
-            a is not b for a, b in zip(self._attached, trainer.optimizers, strict=False)
-        ):
-            self._detach()
-            for index, optimizer in enumerate(trainer.optimizers):
-                self._handles.append(optimizer.register_step_pre_hook(partial(self._before_step, trainer, index)))
-                self._handles.append(optimizer.register_step_post_hook(partial(self._after_step, index)))
-            self._attached = list(trainer.optimizers)
+        self._attach(trainer)
 
     @override
     def on_train_batch_end(
@@ -238,10 +231,8 @@ class WarmupScheduler(LeanCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._warmup_spec = state_dict.get("warmup", self._warmup_spec)
         self._total_spec = state_dict.get("total_steps", self._total_spec)
-        schedule = state_dict.get("schedule")
-        self._schedule, self._resumed = None, True
-        if schedule is not None:
-            self._schedule = _Schedule(schedule["warmup_steps"], schedule["total_steps"], schedule["start_step"])
+        schedule, self._resumed = state_dict.get("schedule"), True
+        self._schedule = None if schedule is None else _Schedule(*(schedule[key] for key in _Schedule._fields))
         self._check = CooldownCheck.from_state(state_dict.get("cooldown_check"))
 
     @property
@@ -371,8 +362,7 @@ class WarmupScheduler(LeanCallback):
             self._decide_cooldown(step)
         factor = self.factor(step)
         originals = [group["lr"] for group in optimizer.param_groups]
-        written = [lr * factor for lr in originals]
-        for group, lr in zip(optimizer.param_groups, written, strict=True):
+        for group, lr in zip(optimizer.param_groups, written := [lr * factor for lr in originals], strict=True):
             group["lr"] = lr
         self._inflight[index] = (originals, written)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 1)))
@@ -392,6 +382,16 @@ class WarmupScheduler(LeanCallback):
                     f"WarmupScheduler: optimizer {index}'s LR was changed during optimizer.step(); keeping the new"
                     " value. Change LRs outside the step (e.g. with `rescale_base_lrs`)."
                 )
+
+    def _attach(self, trainer: pl.Trainer) -> None:
+        """Hook the fit's optimizers (again, when they changed): their steps take the factor."""
+        if self._attached == trainer.optimizers:  # the same objects (an optimizer compares by identity)
+            return
+        self._detach()
+        for index, optimizer in enumerate(trainer.optimizers):
+            self._handles.append(optimizer.register_step_pre_hook(partial(self._before_step, trainer, index)))
+            self._handles.append(optimizer.register_step_post_hook(partial(self._after_step, index)))
+        self._attached = list(trainer.optimizers)
 
     def _detach(self) -> None:
         for handle in self._handles:

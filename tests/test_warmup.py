@@ -740,6 +740,33 @@ def test_a_resume_after_the_cool_down_trial_keeps_its_verdict(tmp_path: Path) ->
     assert resumed[1].steps == full[1].steps[200:]  # type: ignore[attr-defined]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+def test_a_cool_down_trial_in_the_first_epoch_of_a_resumed_fit_reaches_the_uninterrupted_verdict(
+    tmp_path: Path,
+) -> None:
+    """A fit resumed at the epoch the trial runs at trains its two sides at their two LRs, as the uninterrupted did.
+
+    The trial pins the LR through the optimizer step hooks, attached at the first batch: in a resumed fit's first
+    epoch none was attached yet, so both sides trained at the same LR, the gap was 0 and the verdict flipped.
+    """
+
+    def run(*callbacks: Callback, ckpt_path: str | None = None) -> None:
+        fit(tmp_path, full_batch(0.05), *callbacks, max_epochs=300, ckpt_path=ckpt_path, enable_checkpointing=True)
+
+    first = WarmupScheduler(cooldown=0.5, cooldown_check="trial")
+    run(first)
+    step = first.report()["cooldown_check"]["step"]  # one step an epoch: the trial ran at the start of epoch `step`
+    full = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
+    run(*full, ModelCheckpoint(tmp_path / "at", every_n_epochs=step, save_top_k=-1, filename="{epoch}"))
+    resumed = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
+    run(*resumed, ckpt_path=str(tmp_path / "at" / f"epoch={step - 1}.ckpt"))  # the epoch before the trial's
+    reports = [r[0].report()["cooldown_check"] for r in (full, resumed)]  # type: ignore[attr-defined]
+    assert reports[1]["step"] == reports[0]["step"] == step
+    assert reports[1]["gap"] == reports[0]["gap"] != 0.0
+    assert reports[1]["held"] == reports[0]["held"]
+    assert resumed[1].steps == full[1].steps[step:]  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_spawn_two_processes_same_schedule(tmp_path: Path) -> None:
