@@ -101,15 +101,15 @@ class TrainingGuard(LeanCallback):
     rollbacks the next trigger raises a `RuntimeError` that says what happened. A snapshot larger than
     ``max_snapshot_bytes`` (default: a quarter of host memory) is not taken: the guard then only watches and raises
     on the first trigger. Its state is checkpointed (counters, events, the loss window); snapshots are not, since a
-    checkpoint is one.
+    checkpoint is one: a fit resumed from it rolls back (a stall too) to the resume point at the latest.
 
     Args:
         every_n_steps: Optimizer steps between snapshots; None (default) for the guard's choice (`snapshot_interval`).
         window: Losses the spike and stall checks look back over (>= 2).
         spike_z: Robust z-score above which a loss is a spike.
-        stall_steps: Steps after which a run whose loss has not fallen is stalled (a float in (0, 1): that fraction
-            of the run's steps); None never checks. The means compared are over ``min(window, stall_steps // 2)``
-            steps, so the two never overlap.
+        stall_steps: Steps (at least 2) after which a run whose loss has not fallen is stalled (a float in (0, 1):
+            that fraction of the run's steps); None never checks. The means compared are over ``min(window,
+            stall_steps // 2)`` steps, so the two never overlap.
         stall_fraction: The loss must be below this fraction of its starting value by ``stall_steps``, in (0, 1).
         backoff: LR multiplier after a rollback, in (0, 1).
         max_rollbacks: Rollbacks allowed before the guard stops the run (>= 0).
@@ -151,11 +151,11 @@ class TrainingGuard(LeanCallback):
         if stall_steps is not None and (
             isinstance(stall_steps, bool)
             or not isinstance(stall_steps, (int, float))
-            or (isinstance(stall_steps, int) and stall_steps < 1)
+            or (isinstance(stall_steps, int) and stall_steps < 2)
             or (isinstance(stall_steps, float) and not 0.0 < stall_steps < 1.0)
         ):
             raise ValueError(
-                f"`stall_steps` must be a positive int, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
+                f"`stall_steps` must be an int >= 2, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
             )
         check_number("spike_z", spike_z, 0, open_low=True)
         check_number("backoff", backoff, 0, 1, open_low=True, open_high=True)
@@ -166,24 +166,24 @@ class TrainingGuard(LeanCallback):
         self.stall_steps, self.stall_fraction = stall_steps, float(stall_fraction)
         self.backoff, self.max_rollbacks = float(backoff), max_rollbacks
         self.max_snapshot_bytes, self.check_every_n_steps = max_snapshot_bytes, check_every_n_steps
+        self._stall_at: int | None = stall_steps if isinstance(stall_steps, int) else None
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fit's own state: a second fit (another model, or the same one again) starts from none of the first's."""
         self._pending: list[tuple[int, Tensor | float]] = []  # (step, its loss on this rank), not yet read
-        self._losses: deque[float] = deque(maxlen=window)
+        self._losses: deque[float] = deque(maxlen=self.window)
         self._spiked = False  # the last step's loss was a spike: one more in a row rolls back
         self._start_losses: list[float] = []
-        self._stall_from = 0
-        self._rollbacks = 0
-        self._lr_scale = 1.0
+        self._stall_from, self._rollbacks, self._lr_scale = 0, 0, 1.0
         self._events: list[dict[str, Any]] = []
         self._snapshot: dict[str, Any] | None = None
         self._first: dict[str, Any] | None = None
-        self._watch_only = ""
+        self._watch_only, self._snapshot_size, self._snapshot_s = "", 0, 0.0
         self._unwatched = 0  # manual optimization's steps that returned no scalar loss
-        self._snapshot_size = 0
-        self._every = every_n_steps or SNAPSHOT_EVERY
-        self._snapshot_s = 0.0
+        self._every = self.every_n_steps or SNAPSHOT_EVERY
         self._step_s: list[float] = []  # the first steps' durations, while the interval is chosen
         self._last_end: float | None = None
-        self._stall_at: int | None = stall_steps if isinstance(stall_steps, int) else None
 
     state_spec: ClassVar[StateSpec] = {
         "losses": ListOf(float),
@@ -201,8 +201,8 @@ class TrainingGuard(LeanCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
-        if stage == "fit" and self.every_n_steps is None:  # each fit chooses the interval again
-            self._every, self._step_s, self._last_end = SNAPSHOT_EVERY, [], None
+        if stage == "fit":  # each fit chooses the interval again; a checkpoint's state loads after this
+            self._reset()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -369,6 +369,7 @@ class TrainingGuard(LeanCallback):
             )
         snapshot = self._first if trigger == "stalled" and self._first is not None else self._snapshot
         self._restore(trainer, snapshot)
+        self._snapshot = snapshot  # after a stall, the stalled run's later snapshot is no state to go back to
         self._rollbacks += 1
         new_scale = self._lr_scale * self.backoff
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)

@@ -196,6 +196,12 @@ class LRFinder(trials.Lever):
         return 3 * k, f"three {k}-step LR trials (a reference, your LR, ten times it)"
 
     @override
+    def holds(self, trainer: pl.Trainer, decision: trials.Decision) -> bool:
+        """A scale holds for the LR it was found from: another LR (a second fit, a later run) is searched again."""
+        found_for = decision.extra.get("user_lr")
+        return found_for is None or math.isclose(lead_lr(trainer.optimizers), float(found_for), rel_tol=1e-9)
+
+    @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
         scale = float(decision.extra.get("scale", 1.0))
         if scale != 1.0 and decision.source not in ("resumed",):  # a resume's LRs come back with the optimizer

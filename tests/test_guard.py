@@ -36,10 +36,10 @@ class _Faulty(TinyClassifier):
         loss = super().training_step(batch, batch_idx)
         if self.global_rank not in self.ranks:
             return loss
-        if self.stall:
-            return loss * 0.0 + 2.3  # no gradient: the loss cannot fall
         if self.global_step in self.nan_at:
             return loss * float("nan")
+        if self.stall:
+            return loss * 0.0 + 2.3  # no gradient: the loss cannot fall
         if self.global_step in self.spike_at:
             return loss * 1000.0
         return loss
@@ -141,6 +141,39 @@ def test_a_stalled_run_rolls_back_to_the_start_once(tmp_path: Path) -> None:
     events = guard.report()["events"]
     assert [(e["trigger"], e["restored_step"]) for e in events] == [("stalled", 0)]
     assert events[0]["step"] == 40
+
+
+def test_a_nan_after_a_stall_rollback_goes_back_to_the_restarted_run_not_the_stalled_one(tmp_path: Path) -> None:
+    """After a stall rolled back to the start, a NaN restores that start, not a snapshot of the abandoned run.
+
+    The periodic snapshot still pointed at the stalled run (step 10): the NaN's rollback brought it back, undoing
+    the restart with its optimizer state.
+    """
+    model = _Faulty(stall=True, nan_at=(23,))
+    guard = TrainingGuard(every_n_steps=10, window=10, stall_steps=20)
+    _fit(tmp_path, model, guard, max_steps=26)
+    events = guard.report()["events"]
+    assert [(e["trigger"], e["step"], e["restored_step"]) for e in events] == [
+        ("stalled", 20, 0),
+        ("non-finite loss", 24, 0),
+    ]
+
+
+def test_a_guard_used_for_a_second_fit_starts_from_none_of_the_first_fits_state(tmp_path: Path) -> None:
+    """A second fit (a new model) with the same guard snapshots its own start; the first fit's state is gone.
+
+    The first fit's snapshot survived into the second: a NaN there put the first model's weights back, and its loss
+    window judged the new model's first losses (a false spike).
+    """
+    guard = TrainingGuard(every_n_steps=5, window=10)
+    _fit(tmp_path / "first", _Faulty(), guard, max_steps=40)
+    assert guard.report()["events"] == []
+    second = _Faulty(nan_at=(3,))  # before the second fit's first periodic snapshot
+    _fit(tmp_path / "second", second, guard, max_steps=12)
+    events = guard.report()["events"]
+    assert [(e["trigger"], e["step"], e["restored_step"]) for e in events] == [("non-finite loss", 4, 0)]
+    assert guard.report()["rollbacks"] == 1
+    assert _finite(second)
 
 
 def test_past_max_rollbacks_the_run_stops_with_a_clear_error(tmp_path: Path) -> None:
@@ -387,6 +420,8 @@ def test_ddp_ranks_keep_rank_zeros_snapshot_interval(tmp_path: Path) -> None:
         ({"every_n_steps": 0}, "`every_n_steps`"),
         ({"spike_z": 0}, "`spike_z`"),
         ({"stall_steps": 0}, "`stall_steps`"),
+        ({"stall_steps": 1}, r"`stall_steps` must be an int >= 2"),  # accepted, then a crash at the first step
+        ({"stall_steps": 1.0}, r"`stall_steps` must be an int >= 2"),
         ({"stall_fraction": 1.5}, "`stall_fraction`"),
         ({"max_snapshot_bytes": -1}, "`max_snapshot_bytes`"),
         ({"check_every_n_steps": 0}, "`check_every_n_steps`"),

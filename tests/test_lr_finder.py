@@ -73,6 +73,25 @@ def test_trials_keep_a_lr_that_is_about_right(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2)
 
 
+def test_a_scale_found_for_one_lr_is_not_applied_to_another_in_a_later_run_or_fit(tmp_path: Path) -> None:
+    """A remembered or carried-over scale holds only for the LR it was found from: another LR is searched again.
+
+    A run at 1e-4 found x100; the next run at 1e-2 (the user fixed the LR) recalled x100 and trained at 1.0, and so
+    did a second fit of the same finder.
+    """
+    _fit(tmp_path / "low", _model(1e-4), LRFinder(**FINDER))  # found and remembered: x100 or so
+    later = LRFinder(**FINDER)
+    trainer = _fit(tmp_path / "right", _model(1e-2), later)
+    report = later.report()
+    assert (report["source"], report["user_lr"], report["scale"]) == ("measured", 1e-2, 1.0), report["reason"]
+    assert "does not hold" in report["memory_note"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2)
+    again = _fit(tmp_path / "again", _model(1e-4), later)  # the same finder, a second fit at another LR
+    assert later.report()["user_lr"] == 1e-4
+    assert again.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4 * later.report()["scale"])
+    assert later.report()["scale"] >= 10.0
+
+
 def test_short_sgd_job_at_a_lr_100x_too_low_gets_it_raised(tmp_path: Path) -> None:
     """SGD at 1e-5 for 10 epochs of 32 steps under preset(lr="auto"): the LR is raised at least 10x."""
     from lightning_speedkit import preset

@@ -122,16 +122,10 @@ class Decision:
         source = value.get("source", "measured")
         if source not in SOURCES:
             raise ValueError(f"a decision's `source` must be one of {', '.join(SOURCES)}, got {source!r}.")
-        return cls(
-            decision=str(value.get("decision", "")),
-            reason=str(value.get("reason", "")),
-            probed=bool(value.get("probed", False)),
-            probe_s=float(value.get("probe_s") or 0.0),
-            step_s=dict(value.get("step_s") or {}),
-            rejected=dict(value.get("rejected") or {}),
-            source=source,
-            extra={k: v for k, v in value.items() if k not in cls.FIELDS},
-        )
+        return cls(decision=str(value.get("decision", "")), reason=str(value.get("reason", "")),
+                   probed=bool(value.get("probed", False)), probe_s=float(value.get("probe_s") or 0.0),
+                   step_s=dict(value.get("step_s") or {}), rejected=dict(value.get("rejected") or {}), source=source,
+                   extra={k: v for k, v in value.items() if k not in cls.FIELDS})  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """The record for a ``report()``: step times in milliseconds (``step_ms``) instead of seconds."""
@@ -144,7 +138,8 @@ class Lever(LeanCallback):
 
     At ``on_fit_start``, in this order: a decision from a checkpoint is taken as it is (no probe); a resumed fit
     whose checkpoint holds none keeps the setting in place (its steps left and optimizer state belong to the run as it
-    was), unless it was written while the counted trials ran: they start again; otherwise `decide`. A new decision is
+    was), unless it was written while the counted trials ran: they start again; an earlier fit's decision, or one
+    remembered from an earlier run, is taken when it `holds` for this fit; otherwise `decide`. A new decision is
     logged (``speedkit/<AREA>/<setting>_step_ms``, ``speedkit/<AREA>/probe_s``), then `apply` puts it in place on
     every rank. The decision is the lever's state.
     """
@@ -229,12 +224,15 @@ class Lever(LeanCallback):
         from lightning_speedkit.trials.memory import Remembering
 
         self._resume_hooks(_OWN_STEP_HOOKS, Lever)
-        if self._decision is not None:  # from a checkpoint, or made at setup
-            self.apply(trainer, pl_module, self._decision)
-            rank_zero_info(f"{type(self).__name__}: {self._decision.decision} ({self._describe(self._decision)}).")
+        kept = self._decision  # from a checkpoint, made at setup, or an earlier fit's (which may not hold for this one)
+        if kept is not None and (kept.source == "resumed" or self.holds(trainer, kept)):
+            self.apply(trainer, pl_module, kept)
+            rank_zero_info(f"{type(self).__name__}: {kept.decision} ({self._describe(kept)}).")
             return
-        self._memory = memory = Remembering(self.remember)
+        self._decision, self._memory = None, (memory := Remembering(self.remember))
         recalled = None if trainer.ckpt_path is not None else memory.recall(trainer, self.state_key)
+        if recalled is not None and not self.holds(trainer, recalled):
+            recalled, memory.note = None, "the remembered decision does not hold for this run: decided again"
         decision = recalled or self.decide(trainer, pl_module)
         if decision is not None:  # None: counted trials decide on the first training steps
             self._settle(trainer, pl_module, decision, store=recalled is None)
@@ -334,6 +332,10 @@ class Lever(LeanCallback):
         from lightning_speedkit.trials.counted import CountedTrials
 
         return CountedTrials(current, others, steps, self.margin, warmup=warmup, rounds=self.COUNTED_ROUNDS)
+
+    def holds(self, trainer: pl.Trainer, decision: Decision) -> bool:
+        """Whether an earlier fit's or run's ``decision`` still holds for this fit (else the lever decides again)."""
+        return True
 
     def finish(self, decision: Decision) -> Decision:
         """A new decision, completed with the lever's own fields before it is stored, logged and applied."""
