@@ -270,6 +270,12 @@ def preset(
         callbacks=chosen_callbacks,
         **trainer_kwargs,
     )
+    if plugin is None and str(trainer.precision) != str(choices["precision"]):  # e.g. 16-mixed runs bf16 on a CPU
+        ran = str(trainer.precision)
+        choices["reasons"]["precision"] += (
+            f"; Lightning runs {ran} for {choices['precision']} on {choices['accelerator']}"
+        )
+        choices["precision"] = ran
     trainer.speedkit = choices  # type: ignore[attr-defined]
     if verbose:
         rank_zero_info(choices.summary())

@@ -608,3 +608,15 @@ def test_the_summary_says_skipped_once(tmp_path: Path) -> None:
     assert "skipped: skipped" not in summary
     assert "skipped: resumed from a checkpoint without one" in summary
     assert "skipped: no convolutions at setup" in summary
+
+
+def test_the_precision_reported_is_the_one_the_trainer_runs() -> None:
+    """``precision="16-mixed"`` on a CPU: Lightning runs bf16-mixed, and ``trainer.speedkit`` says so, and why.
+
+    The choices said 16-mixed, the asked value, while the Trainer ran bf16-mixed.
+    """
+    trainer = preset(precision="16-mixed", accelerator="cpu", logger=False, verbose=False)
+    assert str(trainer.precision) == "bf16-mixed"
+    assert trainer.speedkit["precision"] == "bf16-mixed"
+    assert trainer.speedkit["reasons"]["precision"].endswith("; Lightning runs bf16-mixed for 16-mixed on cpu")
+    assert trainer.speedkit["overridden"]["precision"] == "16-mixed"  # what the user asked for
