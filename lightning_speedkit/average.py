@@ -152,14 +152,16 @@ class WeightAverage(LeanCallback):
         self._updates = 0
         self._last_step = -1
         self._restarts: list[str] = []
+        self._trained_in_fit = False  # whether this fit's training loop ran (a finished run's resume runs none)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
+        self._trained_in_fit = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._after_fit = None
+        self._after_fit, self._trained_in_fit = None, True
         if self.decay is None and self._decay is None:  # a resume keeps the decay it had
             self._interval = validation_interval(trainer)
             self._decay = ema_decay(self._interval, self.share)
@@ -208,6 +210,11 @@ class WeightAverage(LeanCallback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._put_back(pl_module)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._trained_in_fit:  # resumed from a finished run's checkpoint: no step ran, and no `on_train_end`
+            self.on_train_end(trainer, pl_module)  # the module ends with the average, as the run it resumed did
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -175,6 +175,24 @@ def test_checkpoint_holds_the_average_and_a_resume_matches_the_straight_run(tmp_
     torch.testing.assert_close(loaded.state_dict()["net.0.weight"], expected["net.0.weight"])
 
 
+@pytest.mark.filterwarnings("ignore:.*already finished.*")
+def test_a_fit_resumed_from_a_finished_runs_checkpoint_ends_with_the_average(tmp_path: Path) -> None:
+    """Resuming from the last checkpoint of a finished run (no step left to train) leaves the average in the module.
+
+    The checkpoint's trained weights were put into the module at the restore, and only the end of training put the
+    average back: with nothing to train, the fit ended on the trained weights.
+    """
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    _, straight_model = _fit(tmp_path / "straight", [WeightAverage(decay=0.8), checkpoint], enable_checkpointing=True)
+    L.seed_everything(0, verbose=False)
+    model, again = _Normed(num_samples=64, batch_size=8), WeightAverage(decay=0.8)
+    tiny_trainer(tmp_path / "again", callbacks=[again], max_epochs=2).fit(
+        model, ckpt_path=tmp_path / "ckpt" / "last.ckpt"
+    )
+    for name, value in straight_model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+
+
 def test_a_checkpoint_saved_after_fit_resumes_from_the_trained_weights(tmp_path: Path) -> None:
     """A checkpoint saved after fit keeps the trained weights in the callback's state: a resume from it matches.
 
