@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
+import operator
 import os
 import re
 import signal
@@ -146,10 +148,27 @@ class _Scale:
         return self.then(_scaled(sample, self.factor))
 
 
+@dataclasses.dataclass(slots=True)
+class _SlotScale:
+    """A callable transform whose value is in a slot, not in a ``__dict__``."""
+
+    factor: float
+
+    def __call__(self, sample: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _scaled(sample, self.factor)
+
+
 @pytest.mark.parametrize(
     "make",
-    [lambda f: functools.partial(_scaled, factor=f), _make_scaled, _Scale, lambda f: _Scale(f).__call__],
-    ids=["partial", "closure", "object", "bound-method"],
+    [
+        lambda f: functools.partial(_scaled, factor=f),
+        _make_scaled,
+        _Scale,
+        lambda f: _Scale(f).__call__,
+        _SlotScale,
+        lambda f: functools.partial(_SlotScale.__call__, _SlotScale(f)),
+    ],
+    ids=["partial", "closure", "object", "bound-method", "slotted-object", "slotted-held"],
 )
 def test_a_pre_transform_that_differs_only_in_its_values_gets_a_new_cache(tmp_path: Path, make: Any) -> None:
     """A transform's values are part of its fingerprint, so ``make(100.0)`` after ``make(1.0)`` gets a new cache.
@@ -161,6 +180,16 @@ def test_a_pre_transform_that_differs_only_in_its_values_gets_a_new_cache(tmp_pa
     assert callable_fingerprint(one) == callable_fingerprint(make(1.0)) != callable_fingerprint(hundred)
     CachedDataset(Source(), tmp_path, pre_transform=one)
     assert np.array_equal(CachedDataset(Source(), tmp_path, pre_transform=hundred)[3][0], Source()[3][0] * 100.0)
+
+
+def test_a_c_callables_arguments_are_part_of_its_fingerprint() -> None:
+    """``operator.itemgetter(0, 2)`` is not ``itemgetter(0, 1)``: a C callable has no source and no attributes.
+
+    Its type's source (operator.py's Python twin) was all the fingerprint held, so the two shared one cache.
+    """
+    assert callable_fingerprint(operator.itemgetter(0, 1)) != callable_fingerprint(operator.itemgetter(0, 2))
+    assert callable_fingerprint(operator.itemgetter(0, 2)) == callable_fingerprint(operator.itemgetter(0, 2))
+    assert callable_fingerprint(operator.methodcaller("a", 1)) != callable_fingerprint(operator.methodcaller("a", 2))
 
 
 def test_a_transform_fingerprint_is_the_same_in_another_process() -> None:

@@ -112,8 +112,31 @@ def _feed_callable(digest: Any, fn: Any, depth: int) -> None:
             with contextlib.suppress(ValueError):  # a cell not filled yet
                 cells.append(cell.cell_contents)
         _feed_held(digest, (fn.__defaults__, fn.__kwdefaults__, cells), depth)
-    elif not inspect.isroutine(fn) and hasattr(fn, "__dict__"):  # a callable object: its attributes
-        _feed_held(digest, vars(fn), depth)
+    elif not inspect.isroutine(fn):  # a callable object: its attributes
+        held: Any = _attributes(fn)
+        if held is None:  # a C object (`operator.itemgetter(0, 2)`): what it pickles as holds its arguments
+            with contextlib.suppress(Exception):
+                held = fn.__reduce_ex__(4)[1:3]
+        _feed_held(digest, held, depth)
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """What an object holds: its ``__dict__`` and its ``__slots__`` (a slotted dataclass's fields); None for neither.
+
+    Example:
+        >>> class Scale:
+        ...     __slots__ = ("factor",)
+        ...     def __init__(self, factor): self.factor = factor
+        >>> _attributes(Scale(2.0)), _attributes(len)
+        ({'factor': 2.0}, None)
+    """
+    held = dict(vars(value)) if hasattr(value, "__dict__") else None
+    for kind in type(value).__mro__:
+        slots = kind.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                held = {**(held or {}), name: getattr(value, name)}
+    return held
 
 
 def _feed_held(digest: Any, value: Any, depth: int) -> None:
@@ -125,9 +148,9 @@ def _held_object(digest: Any, value: Any, depth: int) -> bool:
     """For `_feed`: a transform by `_feed_callable`, an object by its attributes; False for neither (its type then)."""
     if callable(value) and not isinstance(value, type):
         _feed_callable(digest, value, depth + 1)
-    elif hasattr(value, "__dict__") and depth < _DEPTH:
+    elif depth < _DEPTH and (held := _attributes(value)) is not None:
         digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())
-        _feed_held(digest, vars(value), depth + 1)
+        _feed_held(digest, held, depth + 1)
     else:
         return False
     return True
