@@ -141,12 +141,16 @@ class WeightAverage(LeanCallback):
         check_number("share", share, 0, 1, open_low=True)
         self.decay = None if decay is None else float(decay)
         self.share = float(share)
+        self._after_fit: list[Tensor] | None = None  # the trained weights, on the host, from the fit's end to the next
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fit's own average: a second fit (another model, or the same one again) starts one of its own."""
         self._decay: float | None = self.decay
         self._interval: float | None = None
         self._names: list[str] = []
         self._average: list[Tensor] | None = None
         self._trained: list[Tensor] | None = None  # the trained weights while the module holds the average
-        self._after_fit: list[Tensor] | None = None  # the same, on the host, from the fit's end to the next fit
         self._module_tensors: list[Tensor] = []  # the module's averaged tensors, as last read
         self._reread = True
         self._updates = 0
@@ -157,7 +161,8 @@ class WeightAverage(LeanCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
-        self._trained_in_fit = False
+        if stage == "fit":  # a checkpoint's state, if any, loads after this
+            self._reset()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

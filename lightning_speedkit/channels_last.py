@@ -156,6 +156,7 @@ class ChannelsLast(trials.Lever):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._verified = self._verified and stage != "fit"  # each fit's model is checked again (another may not run)
         if not self.enabled:
             self._status = "disabled"
             return

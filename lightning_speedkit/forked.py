@@ -6,7 +6,8 @@ weights, the trainer state and ``callback_metrics``: the callbacks there never r
 was empty and `~lightning_speedkit.loggers.RunSummary`'s ``report()`` too. `ForkedDDPStrategy`'s launcher sends rank
 zero's lever decisions (as they were made: measured, remembered, skipped) and run summary back with them, and puts
 them into the notebook's callbacks of the same ``state_key``: what a fit in one process leaves there. A later
-``trainer.fit`` in the notebook then applies those decisions without probing, as a second fit in one process does.
+``trainer.fit`` of the same job in the notebook then applies those decisions without probing, as a second fit in one
+process does (`lightning_speedkit.trials.Lever.holds`).
 """
 
 from __future__ import annotations

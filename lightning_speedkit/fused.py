@@ -41,6 +41,9 @@ _FUSED, _DEFAULT = "fused", "default"
 _MAX_GAIN = 0.25
 """The most the fused update is taken to save of a step, for the payback rule (an optimizer step is part of a step)."""
 
+_SPARSE = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+"""Layers whose weight may get sparse gradients (``sparse=True``), which torch's fused kernels refuse."""
+
 _HOOK = "_speedkit_fused_hook"
 """The attribute of an optimizer that holds this lever's ``load_state_dict`` hook (one per optimizer)."""
 
@@ -219,6 +222,9 @@ class FusedOptimizer(trials.Lever):
         if not trainer.optimizers:
             return trials.Decision.skipped(_DEFAULT, "no optimizer")
         self._accumulate = trainer.accumulate_grad_batches
+        sparse = {id(m.weight) for m in pl_module.modules() if isinstance(m, _SPARSE) and m.sparse}
+        if any(id(p) in sparse for o in trainer.optimizers for g in o.param_groups for p in g["params"]):
+            return trials.Decision.skipped(_DEFAULT, "left as it is: sparse gradients (an Embedding with sparse=True)")
         found = [fusable_groups(optimizer) for optimizer in trainer.optimizers]
         problems = [why for groups, why in found if not groups]
         if problems:

@@ -199,7 +199,8 @@ class LRFinder(trials.Lever):
     def holds(self, trainer: pl.Trainer, decision: trials.Decision) -> bool:
         """A scale holds for the LR it was found from: another LR (a second fit, a later run) is searched again."""
         found_for = decision.extra.get("user_lr")
-        return found_for is None or math.isclose(lead_lr(trainer.optimizers), float(found_for), rel_tol=1e-9)
+        same_lr = found_for is None or math.isclose(lead_lr(trainer.optimizers), float(found_for), rel_tol=1e-9)
+        return same_lr and super().holds(trainer, decision)
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:

@@ -193,6 +193,22 @@ def test_a_fit_resumed_from_a_finished_runs_checkpoint_ends_with_the_average(tmp
         torch.testing.assert_close(model.state_dict()[name], value)
 
 
+def test_a_second_fit_with_the_same_callback_averages_its_own_steps(tmp_path: Path) -> None:
+    """The callback reused for a shorter fit of another model averages that fit, as a fresh one does.
+
+    The first fit's average and last step survived: every step of the second (global steps below the first's last)
+    was skipped, and the second model ended holding the first one's average.
+    """
+    reused = WeightAverage(decay=0.8)
+    _fit(tmp_path / "first", [reused], max_epochs=4)
+    _, second = _fit(tmp_path / "second", [reused], max_epochs=1)
+    fresh = WeightAverage(decay=0.8)
+    _, control = _fit(tmp_path / "control", [fresh], max_epochs=1)
+    assert reused.report()["updates"] == fresh.report()["updates"] == 7  # 8 steps: the first starts the average
+    for name, value in control.state_dict().items():
+        torch.testing.assert_close(second.state_dict()[name], value)
+
+
 def test_a_checkpoint_saved_after_fit_resumes_from_the_trained_weights(tmp_path: Path) -> None:
     """A checkpoint saved after fit keeps the trained weights in the callback's state: a resume from it matches.
 

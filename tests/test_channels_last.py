@@ -104,6 +104,23 @@ def test_a_model_that_fails_channels_last_is_left_in_its_layout(tmp_path: Path) 
     assert callback.converted == 0
 
 
+def test_a_second_fit_checks_its_own_model_before_any_layout_is_applied(tmp_path: Path) -> None:
+    """The callback that put one model in NHWC, fitting a model that fails NHWC next, leaves that one as it is.
+
+    The first fit's "checked" flag survived: the second model, reverted by its own check, was converted anyway and
+    its fit died in ``view`` (or, for a layer oneDNN cannot train NHWC, in a corrupted heap).
+    """
+    callback = ChannelsLast(probe_steps=2)
+    _fit(tmp_path / "first", [callback])
+    callback._decision = trials.Decision("channels_last", "measured faster", probed=True)  # as a fit may decide
+    L.seed_everything(0, verbose=False)
+    second = _ViewNet(width=16, crop_size=16)
+    with pytest.warns(UserWarning, match="does not run channels-last"):
+        tiny_trainer(tmp_path / "second", max_epochs=1, callbacks=[callback]).fit(second, _images(), _images(16))
+    assert not is_channels_last(second)
+    assert callback.report()["status"].startswith("reverted: RuntimeError")
+
+
 def test_the_check_keeps_each_submodules_train_or_eval_mode(tmp_path: Path) -> None:
     """Running the example in eval mode for the check leaves a submodule the user froze (eval) frozen."""
     model = DemoClassifier(width=16, crop_size=16)

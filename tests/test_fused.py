@@ -128,6 +128,44 @@ def test_a_users_own_choice_is_left_as_it_is(tmp_path: Path, options: dict[str, 
     assert {tuple(f) for f in flags.flags} == {(options.get("fused"),)}
 
 
+class _SparseEmbedding(L.LightningModule):
+    """An embedding with sparse gradients under SGD, as a recommender's: torch's fused SGD refuses those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(100, 8, sparse=True), torch.nn.Linear(8, 2)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return torch.nn.functional.cross_entropy(self.head(self.embedding(ids)), labels)
+
+    @override
+    def train_dataloader(self) -> Any:
+        ids = torch.randint(0, 100, (1600,), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids % 2), batch_size=8)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_of_sparse_gradients_is_left_as_it_is(tmp_path: Path) -> None:
+    """An ``Embedding(sparse=True)`` under SGD is not switched: the fit trains, the report says why.
+
+    Its weight is a dense float tensor, so it qualified: the first fused block died in "_fused_sgd does not support
+    sparse gradients".
+    """
+    lever = FusedOptimizer()
+    trainer = _fit(tmp_path, _SparseEmbedding(), lever, max_epochs=2)
+    assert trainer.global_step == 400
+    report = lever.report()
+    assert (report["probed"], report["reason"]) == (
+        False,
+        "left as it is: sparse gradients (an Embedding with sparse=True)",
+    )
+
+
 def test_a_short_run_skips_the_probe(tmp_path: Path) -> None:
     """Eight steps cannot repay timing both updates: the default stays and the reason says so."""
     lever = FusedOptimizer()

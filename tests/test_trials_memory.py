@@ -112,8 +112,8 @@ def test_a_deterministic_run_times_nothing_and_recalls_nothing(tmp_path: Path) -
 @pytest.mark.parametrize(
     "change",
     # a wider model, not a narrower one: at width 8 the oneDNN guard keeps NCHW on an AVX-512 CPU (oneDNN #6035)
-    [{"width": 32}, {"accumulate_grad_batches": 2}, {"lever": {"margin": 0.2}}],
-    ids=["model", "accumulation", "arguments"],
+    [{"width": 32}, {"accumulate_grad_batches": 2}, {"lever": {"margin": 0.2}}, {"limit_train_batches": 0.5}],
+    ids=["model", "accumulation", "arguments", "limits"],  # limits: a batch size found for more batches may not fit
 )
 def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict[str, Any]) -> None:
     """Another model, another gradient accumulation or another lever argument: a new fingerprint, measured afresh."""
@@ -122,6 +122,27 @@ def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict
     _fit(tmp_path / "b", [lever], **change)
     assert lever.report()["source"] == "measured", lever.report()["reason"]
     assert len(DecisionMemory().entries()) == 2
+
+
+def test_a_second_fit_of_the_same_levers_takes_their_decisions_only_for_the_same_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same callbacks fitting again: the same model applies the decisions unprobed, another model decides anew.
+
+    An earlier fit's decision was applied to any model: a precision measured safe on one model was kept on another
+    whose loss it ruined, and a layout measured on one was forced on one that cannot run it.
+    """
+    levers = _levers(remember=False)
+    _fit(tmp_path / "a", levers)
+    first = [lever.decision for lever in levers]
+    _fit(tmp_path / "other", levers, width=32)  # another model: decided again
+    other = [lever.decision for lever in levers]
+    assert all(new is not old for new, old in zip(other, first, strict=True))
+    assert [decision.extra["job"] for decision in other] != [decision.extra["job"] for decision in first]
+    with monkeypatch.context() as patched:  # the same job as the fit before: its decisions, unprobed
+        _no_probe(patched)
+        _fit(tmp_path / "again", levers, width=32)
+    assert all(lever.decision is decision for lever, decision in zip(levers, other, strict=True))
 
 
 def test_a_loader_speedkit_rebuilt_fingerprints_as_the_users_loader(

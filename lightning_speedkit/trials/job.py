@@ -24,7 +24,7 @@ from lightning_speedkit.trials.loaders import peek_train_loader
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["BUILT_FROM", "fingerprint", "fingerprint_key"]
+__all__ = ["BUILT_FROM", "fingerprint", "fingerprint_key", "job_key"]
 
 
 def fingerprint_key(print_: Mapping[str, Any]) -> str:
@@ -83,6 +83,14 @@ def _sample(trainer: pl.Trainer, dataset: Any) -> Any:
     return seen[id(dataset)]
 
 
+def _length(dataset: Any) -> int | None:
+    """The dataset's length (a batch size found for more samples may not fit fewer), None without one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 BUILT_FROM = "_speedkit_built_from"
 """The attribute of a loader speedkit rebuilt that holds the settings of the user's loader it was built from: the
 fingerprint is the user's job, so a remembered loader decision applied before another lever fingerprints the run
@@ -114,7 +122,8 @@ def _read_loader(trainer: pl.Trainer) -> dict[str, Any]:
             dataset=type(getattr(loader, "dataset", None)).__name__,
         )
         found.update(getattr(loader, BUILT_FROM, None) or {})  # the user's settings, under our rebuild
-        found["sample"] = _sample(trainer, getattr(loader, "dataset", None))
+        dataset = getattr(loader, "dataset", None)
+        found["sample"], found["length"] = _sample(trainer, dataset), _length(dataset)
     return found
 
 
@@ -129,8 +138,17 @@ def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
         "devices": {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes},
         "precision": _BUILT_PRECISION.setdefault(trainer, str(trainer.precision)),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "limits": [str(trainer.limit_train_batches), str(trainer.val_check_interval), trainer.check_val_every_n_epoch],
         "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
         "schedulers": scheduler_names(trainer),
         "device": _device(trainer),
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "speedkit": __version__},
     }
+
+
+def job_key(trainer: pl.Trainer, lever: str) -> str | None:
+    """`fingerprint_key` of this run's `fingerprint`, or None when the model or loader cannot be read."""
+    try:
+        return fingerprint_key(fingerprint(trainer, lever))
+    except Exception:  # a model or loader the fingerprint cannot read: nothing to compare
+        return None

@@ -5,8 +5,10 @@ lever again. torch.compile's cache artifacts and Triton's autotune cache keep th
 device and configuration; this does the same for speedkit's decisions. A decision is keyed by a `fingerprint` of:
 
 - the model's structure (module types, parameter names, shapes and dtypes);
-- the batch (the shapes and dtypes of one training sample, and the batch size);
+- the batch (the shapes and dtypes of one training sample, and the batch size) and the data set's length;
 - the loader's settings, the number of devices and nodes, the precision (as built) and gradient accumulation;
+- the Trainer's ``limit_train_batches``, ``val_check_interval`` and ``check_val_every_n_epoch`` (a batch size found
+  for more batches an epoch may not fit fewer);
 - the optimizers' and LR schedulers' classes (a schedule of the user's own changes what an LR decision means);
 - the device: the CPU model and its ISA as torch dispatches it (a forced ISA too), the GPU name and capability;
 - the torch, Lightning and speedkit versions;
