@@ -491,3 +491,23 @@ def test_a_tensor_dataset_fetched_per_sample_is_told_to_fetch_batches_at_once() 
     fetched = LoaderSettings.from_loader(rebuild_dataloader(loader, {"num_workers": 0, "batched_fetch": True}), cores=2)
     assert not fetched.fetched_per_sample
     assert "batched_fetch" not in diagnose(0.4, loader=fetched).advice
+
+
+def test_the_advice_reads_the_loader_in_use_not_the_one_the_fit_started_with() -> None:
+    """A loader a tuner rebuilt with 2 workers is judged as it is: the advice no longer says "num_workers=0".
+
+    The settings were read once at fit start, so after `DataLoaderTuner` switched to 2 workers the monitor kept
+    advising "try num_workers=2" for the rest of the fit, and its report said 0 workers.
+    """
+    from types import SimpleNamespace
+
+    from lightning_speedkit.monitor.diagnosis import LoaderSettings
+    from lightning_speedkit.monitor.loader import loader_in_use
+
+    started = LoaderSettings(num_workers=0, batch_size=16, cores=2)
+    rebuilt = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=16, num_workers=2, persistent_workers=True)
+    trainer = SimpleNamespace(train_dataloader=rebuilt, callbacks=[])
+    now = loader_in_use(started, trainer)  # type: ignore[arg-type]
+    assert now is not None
+    assert (now.num_workers, now.persistent_workers, now.cores) == (2, True, 2)
+    assert loader_in_use(None, trainer) is None  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -17,6 +17,7 @@ from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
+from lightning_speedkit.monitor.loader import loader_in_use
 from lightning_speedkit.monitor.readings import DeviceReadings
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
@@ -326,11 +327,12 @@ class UtilizationMonitor(LeanCallback):
         util = readings.get("gpu_utilization") if self._cuda else None
         mine = RankWindow(wait, h2d, util, stats.total_s / stats.steps, retries)
         flops = self.flops_per_batch or self._flops
+        self._loader = loader_in_use(self._loader, trainer)  # a loader tuner rebuilds it after the fit started
         judged = judge_window(
             stats,
             _gather(trainer, mine),
             readings,
-            loader=_as_tuned(self._loader, trainer),
+            loader=self._loader,
             flops_per_batch=flops,
             peak_flops=self._peak,
             cuda=self._cuda,
@@ -374,18 +376,6 @@ class UtilizationMonitor(LeanCallback):
             if strategy.__dict__.get("batch_to_device") is wrapper:
                 del strategy.batch_to_device
             self._wrapped = None
-
-
-def _as_tuned(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderSettings | None:
-    """``loader`` with what a loader tuner in ``trainer.callbacks`` measured of more workers (found by its method)."""
-    if loader is None:
-        return None
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        measured = getattr(callback, "workers_measured_slower", None)
-        note = measured() if callable(measured) else None
-        if note:
-            return replace(loader, workers_measured_slower=note)
-    return loader
 
 
 def _gather(trainer: pl.Trainer, mine: RankWindow) -> list[RankWindow]:

@@ -1,0 +1,33 @@
+"""The train loader's settings as they are in use: a loader tuner rebuilds the loader after the fit started."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from lightning_speedkit.monitor.diagnosis import LoaderSettings, first_loader
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["loader_in_use"]
+
+
+def loader_in_use(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderSettings | None:
+    """``loader`` (read at fit start) read again off the train loader in use, with what a tuner measured of workers.
+
+    `lightning_speedkit.DataLoaderTuner` rebuilds the loader in its probe and after it; advice from the settings
+    read at fit start told a run with 2 workers to try 2 workers. A tuner in ``trainer.callbacks`` (found by its
+    ``workers_measured_slower`` method) adds what it measured of more workers, when they all lost.
+    """
+    if loader is None:
+        return None
+    now = first_loader(trainer.train_dataloader)
+    if now is not None:
+        loader = LoaderSettings.from_loader(now, loader.cores, loader.ranks_per_node, loader.accelerator)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        measured = getattr(callback, "workers_measured_slower", None)
+        note = measured() if callable(measured) else None
+        if note:
+            return replace(loader, workers_measured_slower=note)
+    return loader
