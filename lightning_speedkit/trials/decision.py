@@ -22,7 +22,8 @@ DECISION_SPEC: StateSpec = {
     "trials": ListOf(dict),
     "job": (str, None),
 }
-"""What a saved `Decision` holds (its fields, and the ones `measure` adds), checked before a checkpoint is restored."""
+"""What a saved `Decision` holds (its fields, the ones `measure` adds, and ``job``: the key of the job it was made for,
+`lightning_speedkit.trials.Lever.holds`), checked before a checkpoint is restored."""
 
 SOURCES = ("measured", "remembered", "resumed", "skipped")
 """Where a decision came from: measured now, remembered from an earlier run, resumed from a checkpoint, or skipped
@@ -88,10 +89,16 @@ class Decision:
         source = value.get("source", "measured")
         if source not in SOURCES:
             raise ValueError(f"a decision's `source` must be one of {', '.join(SOURCES)}, got {source!r}.")
-        return cls(decision=str(value.get("decision", "")), reason=str(value.get("reason", "")),
-                   probed=bool(value.get("probed", False)), probe_s=float(value.get("probe_s") or 0.0),
-                   step_s=dict(value.get("step_s") or {}), rejected=dict(value.get("rejected") or {}), source=source,
-                   extra={k: v for k, v in value.items() if k not in cls.FIELDS})  # fmt: skip
+        return cls(
+            decision=str(value.get("decision", "")),
+            reason=str(value.get("reason", "")),
+            probed=bool(value.get("probed", False)),
+            probe_s=float(value.get("probe_s") or 0.0),
+            step_s=dict(value.get("step_s") or {}),
+            rejected=dict(value.get("rejected") or {}),
+            source=source,
+            extra={k: v for k, v in value.items() if k not in cls.FIELDS},
+        )
 
     def summary(self) -> dict[str, Any]:
         """The record for a ``report()``: step times in milliseconds (``step_ms``) instead of seconds."""
