@@ -173,6 +173,7 @@ def test_relative_directories_are_read_from_where_the_command_runs(
 _INTERRUPT = """
 import os, pathlib, signal, sys, threading, time
 from lightning_speedkit.bench import main
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (a background job ignores Ctrl-C)
 def interrupt():  # Ctrl-C once the benchmark has started its child
     while not pathlib.Path(sys.argv[1], "child.pid").exists():
         time.sleep(0.1)

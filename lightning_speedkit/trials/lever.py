@@ -92,6 +92,7 @@ class Lever(LeanCallback):
     _memory: Remembering | None
     _counted: CountedTrials | None
     _deciding: bool  # resumed from a checkpoint written while the lever's counted trials ran: probe again
+    _job: str | None  # this fit's job key, taken at fit start (`holds`)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Record the constructor's arguments, for `state_key` (every lever's arguments have defaults)."""
@@ -102,7 +103,7 @@ class Lever(LeanCallback):
             raise TypeError(f"{cls.__name__}: {error}") from None
         bound.apply_defaults()
         lever._arguments = dict(list(bound.arguments.items())[1:])
-        lever._decision = lever._memory = lever._counted = None
+        lever._decision = lever._memory = lever._counted = lever._job = None
         lever._deciding = False
         return lever
 
@@ -134,9 +135,11 @@ class Lever(LeanCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_speedkit.trials.job import job_key
         from lightning_speedkit.trials.memory import Remembering
 
         self._resume_hooks(_OWN_STEP_HOOKS, Lever)
+        self._job = job_key(trainer, self.state_key)  # at fit start, where the memory's fingerprint is taken too
         kept = self._decision  # from a checkpoint, made at setup, or an earlier fit's (which may not hold for this one)
         if kept is not None and (kept.source == "resumed" or self.holds(trainer, kept)):
             self.apply(trainer, pl_module, kept)
@@ -152,10 +155,8 @@ class Lever(LeanCallback):
 
     def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision, store: bool) -> None:
         """The one order: a new decision is stored and logged, then every decision is applied."""
-        from lightning_speedkit.trials.job import job_key
-
         self._decision = decision = self.finish(decision)
-        decision.extra.setdefault("job", job_key(trainer, self.state_key))  # what `holds` compares a later fit with
+        decision.extra.setdefault("job", self._job)  # what `holds` compares a later fit's job with
         if store and self._memory is not None:
             self._memory.store(trainer, decision)
         self._log(trainer, decision)
@@ -252,13 +253,11 @@ class Lever(LeanCallback):
     def holds(self, trainer: pl.Trainer, decision: Decision) -> bool:
         """Whether an earlier fit's or run's ``decision`` holds for this fit (else the lever decides again).
 
-        By default when it was made for the same job (`lightning_speedkit.trials.job`: the model, the data, the
-        devices...): a second fit of another model decides again.
+        By default when it was made for the same job (`lightning_speedkit.trials.job.job_key` at fit start: the model,
+        the data, the devices...): a second fit of another model decides again.
         """
-        from lightning_speedkit.trials.job import job_key
-
         made_for = decision.extra.get("job")
-        return made_for is None or made_for == job_key(trainer, self.state_key)
+        return made_for is None or made_for == self._job
 
     def finish(self, decision: Decision) -> Decision:
         """A new decision, completed with the lever's own fields before it is stored, logged and applied."""
