@@ -169,7 +169,7 @@ class RunSummary(LeanCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for logger in trainer.loggers if trainer.is_global_zero else ():
             define = getattr(getattr(logger, "experiment", None), "define_metric", None)
-            if type(logger).__name__ == "WandbLogger" and callable(define):
+            if isinstance(logger, WandbLogger) and callable(define):  # Lightning's, or preset's (a subclass)
                 define("speedkit/*", step_metric="trainer/global_step")
 
     @override
@@ -185,7 +185,7 @@ class RunSummary(LeanCallback):
         directory = directory or Path(trainer.default_root_dir)
         write_json_atomic(reports, directory / "speedkit_summary.json")
         for logger in trainer.loggers:
-            if type(logger).__name__ == "WandbLogger":
+            if isinstance(logger, WandbLogger):
                 logger.experiment.summary.update(flatten_reports(reports))  # type: ignore[attr-defined]
 
     def report(self) -> dict[str, Any]:

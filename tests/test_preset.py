@@ -526,7 +526,8 @@ sys.path.insert(0, {tests!r})
 from conftest import TinyClassifier
 from lightning_speedkit import preset
 trainer = preset(default_root_dir={root!r}, max_epochs=1, log_every_n_steps=1, enable_progress_bar=False)
-assert type(trainer.logger).__name__ == "WandbLogger", trainer.logger
+from lightning.pytorch.loggers import WandbLogger
+assert isinstance(trainer.logger, WandbLogger), trainer.logger
 trainer.fit(TinyClassifier())
 """
 

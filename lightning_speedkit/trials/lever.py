@@ -139,14 +139,15 @@ class Lever(LeanCallback):
         from lightning_speedkit.trials.memory import Remembering
 
         self._resume_hooks(_OWN_STEP_HOOKS, Lever)
-        self._job = job_key(trainer, self.state_key)  # at fit start, where the memory's fingerprint is taken too
+        resuming = trainer.ckpt_path is not None  # its decision is the checkpoint's: no job to compare (no sample read)
+        self._job = None if resuming else job_key(trainer, self.state_key)  # where the memory's fingerprint is taken
         kept = self._decision  # from a checkpoint, made at setup, or an earlier fit's (which may not hold for this one)
         if kept is not None and (kept.source == "resumed" or self.holds(trainer, kept)):
             self.apply(trainer, pl_module, kept)
             rank_zero_info(f"{type(self).__name__}: {kept.decision} ({self._describe(kept)}).")
             return
         self._decision, self._memory = None, (memory := Remembering(self.remember))
-        recalled = None if trainer.ckpt_path is not None else memory.recall(trainer, self.state_key)
+        recalled = None if resuming else memory.recall(trainer, self.state_key)
         if recalled is not None and not self.holds(trainer, recalled):
             recalled, memory.note = None, "the remembered decision does not hold for this run: decided again"
         decision = recalled or self.decide(trainer, pl_module)
