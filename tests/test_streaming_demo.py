@@ -35,6 +35,24 @@ def test_demo_datamodule_streams_the_same_split_from_litdata(demo_cache: Path) -
     assert sorted(p.name for p in next(demo_cache.glob("shapes-*n60-*")).joinpath("litdata").iterdir()) == written
 
 
+def test_a_damaged_streaming_copy_is_written_again(tmp_path: Path) -> None:
+    """A copy with a chunk missing (an interrupted copy, a clean-up) is written again, not refused for good.
+
+    The check found it damaged, and the write refused an existing directory ("pass overwrite=True"), which no demo
+    flag passes: every later ``speedkit demo --data streaming`` died there.
+    """
+    from lightning_speedkit.data.streaming import check_streaming_dir
+    from lightning_speedkit.demo.data import DecodedShapes, ensure_shapes, ensure_streaming
+
+    directory = ensure_shapes(20, image_size=32, root=tmp_path)
+    decoded = DecodedShapes(directory, list(range(10)))
+    target = ensure_streaming(decoded, directory)
+    for chunk in target.glob("chunk-*.bin"):
+        chunk.unlink()
+    assert ensure_streaming(decoded, directory) == target
+    assert check_streaming_dir(target) == target
+
+
 @pytest.mark.slow
 def test_speedkit_demo_trains_from_streaming_data(
     tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture[str]

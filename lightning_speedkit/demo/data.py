@@ -167,9 +167,13 @@ def ensure_streaming(decoded: DecodedShapes, directory: str | Path) -> Path:
     target = Path(directory) / "litdata" / decoded.cache_fingerprint()[:16]
     try:
         return check_streaming_dir(target)
-    except StreamingFormatError:
+    except StreamingFormatError as error:
+        damaged = target.exists()  # an interrupted or cleaned-up copy: written again (the write is staged)
+        if damaged:
+            log.warning("Demo streaming copy %s is damaged (%s); writing it again", target, error)
         fork = "fork" in multiprocessing.get_all_start_methods()
-        return write_streaming(decoded, target, chunk_bytes="1MB", start_method="fork" if fork else None)
+        method = "fork" if fork else None
+        return write_streaming(decoded, target, chunk_bytes="1MB", start_method=method, overwrite=damaged)
 
 
 class ShapeAugment:
