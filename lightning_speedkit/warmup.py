@@ -355,8 +355,8 @@ class WarmupScheduler(LeanCallback):
         )
 
     def _before_step(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._schedule is None:
-            return
+        if self._schedule is None or index in self._inflight:  # in flight: a subclass's step calling super().step()
+            return  # (torch hooks each class's step): the factor is applied once, and the first post-hook restores
         step = schedule_step(trainer)
         if self._check.held is None and self._pinned is None:
             self._decide_cooldown(step)

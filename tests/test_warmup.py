@@ -863,3 +863,40 @@ def test_ddp_spawn_ranks_reach_one_cool_down_trial_verdict(tmp_path: Path) -> No
     lrs = rank_records(tmp_path, "lrs_rank")
     assert lrs[0] == lrs[1]
     assert [step[2] for step in lrs[0]] == [[0.05]] * 300
+
+
+class _OwnSGD(torch.optim.SGD):
+    """A user's optimizer whose ``step`` adds to torch's and calls ``super().step()``: torch hooks both steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[float] = []
+
+    @override
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(float(self.param_groups[0]["lr"]))  # the LR this update uses
+        return super().step(closure)
+
+
+class _OwnOptimizer(TinyClassifier):
+    """TinyClassifier trained by `_OwnSGD`."""
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _OwnSGD(self.parameters(), lr=self.lr)
+
+
+def test_an_optimizer_subclass_calling_super_step_gets_the_factor_once(tmp_path: Path) -> None:
+    """Torch's step hooks run for the subclass's step and again for SGD's inside it: the factor is applied once.
+
+    The nested hooks multiplied the LR twice and restored it once, so every step's factor stayed in the param
+    groups and compounded: a warmup's first factor of 0 held the LR at 0 for the rest of the run.
+    """
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # SGD's own step hooked, as any SGD makes it
+    L.seed_everything(0, verbose=False)
+    model, warmup = _OwnOptimizer(), WarmupScheduler(warmup=4, decay="linear")
+    trainer = fit(tmp_path, model, warmup, max_epochs=2)
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, _OwnSGD)
+    assert optimizer.seen == pytest.approx([BASE_LR * warmup.factor(k) for k in range(2 * STEPS_PER_EPOCH)])
+    assert optimizer.param_groups[0]["lr"] == BASE_LR  # the user's own LR, untouched outside the step
