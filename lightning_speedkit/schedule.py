@@ -48,13 +48,10 @@ __all__ = [
 DECAYS = ("wsd", "constant", "cosine", "linear")
 """The decays after warmup that `warmup_factor` and `lightning_speedkit.WarmupScheduler` accept (the callback takes
 `AUTO` too, resolved to one of these); the first is the default."""
-
 AUTO = "auto"
 """``decay="auto"`` (`lightning_speedkit.preset`'s): ``"wsd"``, or ``"constant"`` under an LR scheduler of the user's
 own (`resolve_decay`)."""
-
 _BUDGETED = ("wsd", "cosine", "linear")
-
 FALLING_Z = 3.0
 """`still_falling`: standard errors by which the second half's mean loss must lie below the first half's."""
 FALLING_DROP = 0.02
@@ -235,7 +232,7 @@ def decay_progress(
     if total_steps is not None and step >= span_start:
         by_steps = 1.0 if total_steps <= span_start else (step - span_start) / (total_steps - span_start)
     by_time = 0.0
-    if time_fraction is not None and step >= warmup_steps:
+    if time_fraction is not None:  # a warmup the clock ended counts as ended (`factor_at`)
         window = cooldown if decay == "wsd" else 1.0
         by_time = 1.0 if window == 0 else (time_fraction - (1.0 - window)) / window
     return min(1.0, max(0.0, by_steps, by_time))
@@ -303,8 +300,11 @@ def factor_at(
     time_fraction: float | None,
 ) -> float:
     """`warmup_factor` of arguments already checked (a callback's, once per optimizer step: no checks here)."""
-    if step < warmup_steps:
-        return start_factor + (1.0 - start_factor) * step / warmup_steps
+    done = step / warmup_steps if step < warmup_steps else 1.0
+    if done < 1.0 and time_fraction is not None and total_steps:  # the warmup's share of the time: whichever ends first
+        done = min(1.0, max(done, time_fraction * total_steps / warmup_steps))
+    if done < 1.0:
+        return start_factor + (1.0 - start_factor) * done
     if decay == "constant":
         return 1.0
     progress = decay_progress(step, warmup_steps, total_steps, decay, cooldown, time_fraction)

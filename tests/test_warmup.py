@@ -900,3 +900,16 @@ def test_an_optimizer_subclass_calling_super_step_gets_the_factor_once(tmp_path:
     assert isinstance(optimizer, _OwnSGD)
     assert optimizer.seen == pytest.approx([BASE_LR * warmup.factor(k) for k in range(2 * STEPS_PER_EPOCH)])
     assert optimizer.param_groups[0]["lr"] == BASE_LR  # the user's own LR, untouched outside the step
+
+
+def test_under_a_time_budget_the_warmup_ends_by_the_clock_too() -> None:
+    """A warmup sized from a step budget the time budget cuts short ends at its share of the time, then the decay runs.
+
+    With ``max_epochs=1000, max_time=6s`` the warmup was 1000 of an estimated 20,000 steps: the run spent its whole
+    time ramping, ended at half the peak and never cooled down.
+    """
+    kwargs = {"warmup_steps": 1000, "total_steps": 20000, "decay": "wsd"}
+    assert warmup_factor(10, time_fraction=0.025, **kwargs) == pytest.approx(0.5)  # half its 5% of the time
+    assert warmup_factor(10, time_fraction=0.05, **kwargs) == 1.0
+    assert warmup_factor(10, time_fraction=0.9, **kwargs) < 0.5  # in the time budget's cool-down
+    assert warmup_factor(500, time_fraction=None, **kwargs) == pytest.approx(0.5)  # no clock: the steps alone
