@@ -24,7 +24,7 @@ from lightning_speedkit.trials.loaders import peek_train_loader
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["BUILT_FROM", "fingerprint", "fingerprint_key", "job_key"]
+__all__ = ["BUILT_FROM", "fingerprint", "fingerprint_key", "read_fingerprint"]
 
 
 def fingerprint_key(print_: Mapping[str, Any]) -> str:
@@ -146,9 +146,13 @@ def fingerprint(trainer: pl.Trainer, lever: str) -> dict[str, Any]:
     }
 
 
-def job_key(trainer: pl.Trainer, lever: str) -> str | None:
-    """`fingerprint_key` of this run's `fingerprint`, or None when the model or loader cannot be read."""
+def read_fingerprint(trainer: pl.Trainer, lever: str) -> tuple[dict[str, Any] | None, str]:
+    """This run's `fingerprint`, read once at fit start for the decision memory and for `Lever.holds`.
+
+    Returns:
+        The fingerprint and ``""``, or None and why it could not be read (a model or loader it cannot read).
+    """
     try:
-        return fingerprint_key(fingerprint(trainer, lever))
-    except Exception:  # a model or loader the fingerprint cannot read: nothing to compare
-        return None
+        return fingerprint(trainer, lever), ""
+    except Exception as err:  # decide as without memory, and with no job to compare
+        return None, f"{type(err).__name__}: {err}"

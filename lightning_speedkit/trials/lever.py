@@ -135,19 +135,20 @@ class Lever(LeanCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_speedkit.trials.job import job_key
+        from lightning_speedkit.trials.job import fingerprint_key, read_fingerprint
         from lightning_speedkit.trials.memory import Remembering
 
         self._resume_hooks(_OWN_STEP_HOOKS, Lever)
         resuming = trainer.ckpt_path is not None  # its decision is the checkpoint's: no job to compare (no sample read)
-        self._job = None if resuming else job_key(trainer, self.state_key)  # where the memory's fingerprint is taken
+        print_, unread = (None, "") if resuming else read_fingerprint(trainer, self.state_key)  # the memory's too
+        self._job = None if print_ is None else fingerprint_key(print_)
         kept = self._decision  # from a checkpoint, made at setup, or an earlier fit's (which may not hold for this one)
         if kept is not None and (kept.source == "resumed" or self.holds(trainer, kept)):
             self.apply(trainer, pl_module, kept)
             rank_zero_info(f"{type(self).__name__}: {kept.decision} ({self._describe(kept)}).")
             return
         self._decision, self._memory = None, (memory := Remembering(self.remember))
-        recalled = None if resuming else memory.recall(trainer, self.state_key)
+        recalled = None if resuming else memory.recall(trainer, print_, unread)
         if recalled is not None and not self.holds(trainer, recalled):
             recalled, memory.note = None, "the remembered decision does not hold for this run: decided again"
         decision = recalled or self.decide(trainer, pl_module)
@@ -254,8 +255,8 @@ class Lever(LeanCallback):
     def holds(self, trainer: pl.Trainer, decision: Decision) -> bool:
         """Whether an earlier fit's or run's ``decision`` holds for this fit (else the lever decides again).
 
-        By default when it was made for the same job (`lightning_speedkit.trials.job.job_key` at fit start: the model,
-        the data, the devices...): a second fit of another model decides again.
+        By default when it was made for the same job (the key of `lightning_speedkit.trials.job.fingerprint` at fit
+        start: the model, the data, the devices...): a second fit of another model decides again.
         """
         made_for = decision.extra.get("job")
         return made_for is None or made_for == self._job

@@ -236,16 +236,19 @@ class Remembering:
         self._clock = StepClock()
         self._steps = self._first = 0  # steps counted; the run's batch where the timed ones begin
 
-    def recall(self, trainer: pl.Trainer, lever_key: str) -> Decision | None:
-        """Rank zero's remembered decision for this run, on every rank (None: probe), unless remembering is off."""
+    def recall(self, trainer: pl.Trainer, print_: dict[str, Any] | None, unread: str = "") -> Decision | None:
+        """Rank zero's remembered decision for this run, on every rank (None: probe), unless remembering is off.
+
+        ``print_`` is the run's `fingerprint` (`lightning_speedkit.trials.job.read_fingerprint`), or None with why it
+        could not be read in ``unread``: the lever then decides as without memory.
+        """
         if not self.enabled or torch.are_deterministic_algorithms_enabled():  # deterministic: the same on any machine
             return None
-        try:
-            self.print_ = fingerprint(trainer, lever_key)
-        except Exception as err:  # a model or loader the fingerprint cannot read: decide as without memory
-            self.note = f"no fingerprint ({type(err).__name__}: {err}); not remembered"
+        if print_ is None:
+            self.note = f"no fingerprint ({unread}); not remembered"
             self.enabled = False
             return None
+        self.print_ = print_
         found = self.memory.recall(self.print_) if trainer.is_global_zero else Recalled(None)
         found = trainer.strategy.broadcast(found, src=0)
         self.note = found.note
