@@ -493,21 +493,28 @@ def test_a_tensor_dataset_fetched_per_sample_is_told_to_fetch_batches_at_once() 
     assert "batched_fetch" not in diagnose(0.4, loader=fetched).advice
 
 
-def test_the_advice_reads_the_loader_in_use_not_the_one_the_fit_started_with() -> None:
-    """A loader a tuner rebuilt with 2 workers is judged as it is: the advice no longer says "num_workers=0".
+class _LongSlowData(TinyClassifier):
+    """120 batches an epoch of items that take 2 ms each: a loader tuner switches workers inside the first epoch."""
 
-    The settings were read once at fit start, so after `DataLoaderTuner` switched to 2 workers the monitor kept
-    advising "try num_workers=2" for the rest of the fit, and its report said 0 workers.
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(SlowDataset(size=960, delay=0.002), batch_size=8)
+
+
+def test_the_advice_reads_the_loader_in_use_not_the_one_the_fit_started_with(tmp_path: Path) -> None:
+    """After `DataLoaderTuner` rebuilt the loader with 2 workers, the monitor judges that loader, not the first one.
+
+    The settings were read once at fit start, and the tuner's counted trials switch the loader inside the first
+    epoch: the monitor kept advising "num_workers=0 ... try num_workers=2" for the rest of the fit, and its report
+    said 0 workers.
     """
-    from types import SimpleNamespace
+    from lightning_speedkit import DataLoaderTuner
 
-    from lightning_speedkit.monitor.diagnosis import LoaderSettings
-    from lightning_speedkit.monitor.loader import loader_in_use
-
-    started = LoaderSettings(num_workers=0, batch_size=16, cores=2)
-    rebuilt = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=16, num_workers=2, persistent_workers=True)
-    trainer = SimpleNamespace(train_dataloader=rebuilt, callbacks=[])
-    now = loader_in_use(started, trainer)  # type: ignore[arg-type]
-    assert now is not None
-    assert (now.num_workers, now.persistent_workers, now.cores) == (2, True, 2)
-    assert loader_in_use(None, trainer) is None  # type: ignore[arg-type]
+    tuner, monitor = DataLoaderTuner(candidates=[{"num_workers": 2}], probe_steps=4), UtilizationMonitor(window=10)
+    L.seed_everything(0, verbose=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner, monitor], max_epochs=2, limit_val_batches=0)
+    trainer.fit(_LongSlowData())
+    assert tuner.report()["rebuilt"] is True, tuner.report()["reason"]
+    assert trainer.train_dataloader.num_workers == 2
+    assert monitor.report()["loader"]["num_workers"] == 2
+    assert "num_workers=0" not in monitor.report()["advice"]
