@@ -124,10 +124,19 @@ class SpawnedRank(L.Callback):
         multiprocessing.set_start_method("forkserver", force=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            gc.collect()
-            torch.distributed.destroy_process_group()
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Wait for the other ranks and tear the gloo group down while Python is alive (a no-op in one process).
+
+    A rank's gloo threads outliving the interpreter abort it at exit ("terminate called without an active
+    exception"), after the fit itself went well: a ``ddp_spawn`` rank, or a script's rank under ``torchrun``.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
 
 def short_job_reason(lever: str) -> str:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import KeyLogger, TinyClassifier
+from conftest import KeyLogger, TinyClassifier, end_process_group
 
 from lightning_speedkit import (
     BatchSizeFinder,
@@ -151,10 +151,7 @@ def main(out: Path) -> None:
     record["messages"] = handler.lines
     record["int8_report"] = find(trainer, Int8Export).report()
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
-    # Tear the gloo group down before exit: its threads outliving the interpreter abort the process
-    # ("terminate called without an active exception"), now and then.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import TinyClassifier
+from conftest import TinyClassifier, end_process_group
 
 from lightning_speedkit.pruning import StructuredPruning, pruning_history
 
@@ -53,10 +53,7 @@ def main(out: Path) -> None:
         callbacks=[StructuredPruning(amount=0.5, start_epoch=1, finetune_epochs=1, round_to=None), Record(out)],
     )
     trainer.fit(model)
-    # Tear the gloo group down before exit: its threads outliving the interpreter abort the process
-    # ("terminate called without an active exception"), now and then.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import end_process_group
 
 from lightning_speedkit import preset
 from lightning_speedkit.data.streaming import streaming_dataset, write_streaming
@@ -143,3 +145,4 @@ if __name__ == "__main__":
     rank = int(os.environ.get("RANK", "0"))
     record = nodes_run(data_dir, out_dir) if mode == "nodes" else resume_run(data_dir, out_dir, devices=2)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    end_process_group()
