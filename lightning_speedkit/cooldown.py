@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_speedkit.budget import schedule_step
 from lightning_speedkit.lr_search import scored
-from lightning_speedkit.schedule import cooldown_start, schedule_step, still_falling
+from lightning_speedkit.schedule import cooldown_start, still_falling
 from lightning_speedkit.trials import Setting, TrialSession
 
 if TYPE_CHECKING:
@@ -110,17 +111,22 @@ def trial_holds(held: Sequence[float], cooled: Sequence[float], z: float = TRIAL
     return paired_gap(held, cooled)[1] < -z
 
 
-def check_window(warmup_steps: int, total_steps: int, cooldown: float) -> tuple[int, int] | None:
+def check_window(warmup_steps: int, total_steps: int, cooldown: float, trial: bool = False) -> tuple[int, int] | None:
     """``(first, begin)``: the check watches steps ``first`` to ``begin - 1`` and decides at ``begin``.
 
     ``begin`` is the cool-down's first step; the check watches as many steps as the cool-down takes, none inside the
-    warmup. None when that is fewer than `MIN_STEPS`.
+    warmup. None when that is fewer than `MIN_STEPS`. For a ``trial``, ``first`` is the warmup's end, however short
+    the window (`trial_plan` says why a trial does not run), and None means no cool-down step.
 
     Example:
         >>> check_window(0, 900, 0.2), check_window(600, 900, 0.2), check_window(0, 50, 0.2)
         ((540, 720), (600, 720), None)
+        >>> check_window(0, 50, 0.2, trial=True), check_window(0, 50, 0.0, trial=True)
+        ((0, 40), None)
     """
     begin = cooldown_start(warmup_steps, total_steps, cooldown)
+    if trial:
+        return (warmup_steps, begin) if begin < total_steps else None
     first = max(warmup_steps, begin - (total_steps - begin))
     return (first, begin) if begin - first >= MIN_STEPS else None
 

@@ -19,12 +19,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_speedkit.budget import schedule_step
 from lightning_speedkit.checks import check_int, check_number
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
-from lightning_speedkit.schedule import schedule_step
 from lightning_speedkit.trials.snapshot import (
     SNAPSHOT_EVERY,
     SNAPSHOT_SHARE,

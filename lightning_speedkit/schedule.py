@@ -1,11 +1,11 @@
 """The maths of an LR schedule: linear warmup, then warmup-stable-decay (the default), cosine, linear or constant.
 
-Pure functions, used by `lightning_speedkit.WarmupScheduler`, and the two readings of a ``max_time`` budget it
-follows (`budget_timer`, `time_fraction`). The default, ``"wsd"`` (warmup-stable-decay: MiniCPM,
-DeepSeek; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"), holds
-the user's LR after the warmup and cools down only over the last ``cooldown`` fraction of the budget, with the
-``1 - sqrt`` shape that paper found best. Until the cool-down the run is the constant-LR run; cosine instead lowers
-the LR from the first step after warmup, so its mean LR over the run is half the user's.
+Pure functions, used by `lightning_speedkit.WarmupScheduler` (the run's budget it follows, in steps and in time, is
+read by `lightning_speedkit.budget`, whose readers this module also exports). The default, ``"wsd"``
+(warmup-stable-decay: MiniCPM, DeepSeek; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
+Training Durations"), holds the user's LR after the warmup and cools down only over the last ``cooldown`` fraction
+of the budget, with the ``1 - sqrt`` shape that paper found best. Until the cool-down the run is the constant-LR run;
+cosine instead lowers the LR from the first step after warmup, so its mean LR over the run is half the user's.
 """
 
 from __future__ import annotations
@@ -14,8 +14,16 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.callbacks import Timer
-
+from lightning_speedkit.budget import (
+    TIME_EVERY,
+    budget_pending,
+    budget_steps,
+    budget_timer,
+    budget_total,
+    rebudgeted,
+    schedule_step,
+    time_fraction,
+)
 from lightning_speedkit.checks import check_choice, is_int, is_number
 
 if TYPE_CHECKING:
@@ -247,6 +255,8 @@ def warmup_factor(
     start_factor: float = 0.0,
     cooldown: float = 0.2,
     time_fraction: float | None = None,
+    warmup_share: float = 0.0,
+    time_start: float = 0.0,
 ) -> float:
     """LR multiplier at optimizer step ``step`` of a linear warmup followed by a decay.
 
@@ -265,6 +275,9 @@ def warmup_factor(
         start_factor: Multiplier at step 0 of the warmup.
         cooldown: For ``"wsd"``: the fraction of the budget the cool-down takes, in [0, 1).
         time_fraction: The share of a time budget already spent, or None when the run has none.
+        warmup_share: With a time budget and no step budget (``total_steps`` None): the share of the time left at the
+            schedule's start the warmup takes, in [0, 1) (0: ``warmup_steps`` alone); the ramp follows the clock.
+        time_start: The share of the time budget spent when the schedule started (``time_fraction`` at step 0).
 
     Raises:
         ValueError: If an argument is out of range (the message names it and its value).
@@ -278,6 +291,8 @@ def warmup_factor(
         0.4
         >>> warmup_factor(5, warmup_steps=4, total_steps=6, decay="linear", min_lr_ratio=0.5)
         0.75
+        >>> warmup_factor(30, warmup_steps=0, time_fraction=0.24, warmup_share=0.1, time_start=0.2)
+        0.5
     """
     check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor, cooldown=cooldown)
     if total_steps is None and time_fraction is None and decay in _BUDGETED:
@@ -286,7 +301,11 @@ def warmup_factor(
         raise ValueError(f"`step` must be a non-negative int, got {step!r}.")
     if time_fraction is not None and not is_number(time_fraction, 0):
         raise ValueError(f"`time_fraction` must be a number >= 0 or None, got {time_fraction!r}.")
-    return factor_at(step, warmup_steps, total_steps, decay, min_lr_ratio, start_factor, cooldown, time_fraction)
+    for name, share in (("warmup_share", warmup_share), ("time_start", time_start)):
+        if not is_number(share, 0, 1, open_high=True):
+            raise ValueError(f"`{name}` must be a share of the time in [0, 1), got {share!r}.")
+    floor, start, spent = min_lr_ratio, start_factor, time_fraction
+    return factor_at(step, warmup_steps, total_steps, decay, floor, start, cooldown, spent, warmup_share, time_start)
 
 
 def factor_at(
@@ -298,10 +317,14 @@ def factor_at(
     start_factor: float,
     cooldown: float,
     time_fraction: float | None,
+    warmup_share: float = 0.0,
+    time_start: float = 0.0,
 ) -> float:
     """`warmup_factor` of arguments already checked (a callback's, once per optimizer step: no checks here)."""
     done = step / warmup_steps if step < warmup_steps else 1.0
-    if done < 1.0 and time_fraction is not None and total_steps:  # the warmup's share of the time: whichever ends first
+    if time_fraction is not None and total_steps is None and warmup_share:  # no step budget: a ramp over time
+        done = min(1.0, max(0.0, time_fraction - time_start) / (warmup_share * max(1e-9, 1.0 - time_start)))
+    elif done < 1.0 and time_fraction is not None and total_steps:  # the warmup's share of the time: whichever first
         done = min(1.0, max(done, time_fraction * total_steps / warmup_steps))
     if done < 1.0:
         return start_factor + (1.0 - start_factor) * done
@@ -315,86 +338,3 @@ def factor_at(
     else:
         remaining = 1.0 - progress
     return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
-
-
-TIME_EVERY = 20
-"""Optimizer steps between readings of a time budget's clock: rank zero reads it and every rank gets its value, so
-every rank applies the same LR."""
-
-
-def schedule_step(trainer: pl.Trainer) -> int:
-    """The steps a schedule has counted, in the unit of ``trainer.estimated_stepping_batches``.
-
-    ``trainer.global_step`` (optimizer steps, so accumulation counts right) under automatic optimization; under
-    manual optimization, where ``global_step`` counts every ``optimizer.step()`` of every optimizer (two a batch in a
-    GAN), the batches trained. Both count the current batch once its step is done (from ``on_train_batch_end``), and
-    both are restored on a resume.
-    """
-    module = trainer.lightning_module
-    if module is None or module.automatic_optimization:
-        return trainer.global_step
-    return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
-
-
-def budget_steps(trainer: pl.Trainer) -> float:
-    """The Trainer's budget (``trainer.estimated_stepping_batches``) in the unit of `schedule_step`.
-
-    Under manual optimization the schedule counts batches, while ``max_steps`` counts every ``optimizer.step()`` (two
-    a batch in a GAN): ``max_steps`` over the optimizer steps a batch has taken so far (one, before a batch has
-    ended), or the epochs' batches when fewer (`budget_pending`: whether that is still a guess).
-    """
-    if not _manual_max_steps(trainer):  # the Trainer's own unit
-        return float(trainer.estimated_stepping_batches)
-    per_batch = trainer.global_step / done if (done := schedule_step(trainer)) and trainer.global_step else 1.0
-    epochs, per_epoch = trainer.max_epochs, float(trainer.num_training_batches)
-    by_epochs = math.inf if epochs in (None, -1) or math.isinf(per_epoch) else math.ceil(per_epoch) * max(epochs, 1)
-    return float(min(math.ceil(trainer.max_steps / per_batch), by_epochs))
-
-
-def budget_pending(trainer: pl.Trainer, start: int) -> bool:
-    """Whether `budget_steps` guesses a batch's optimizer steps: no batch of a schedule from ``start`` ended yet."""
-    return _manual_max_steps(trainer) and schedule_step(trainer) == start
-
-
-def _manual_max_steps(trainer: pl.Trainer) -> bool:
-    module = trainer.lightning_module
-    return module is not None and not module.automatic_optimization and trainer.max_steps != -1
-
-
-def budget_total(estimated: float, start: int) -> int | None:
-    """The steps a schedule started at step ``start`` has in a budget of ``estimated`` steps (None: no end).
-
-    Example:
-        >>> budget_total(100, 10), budget_total(5, 10), budget_total(math.inf, 0)
-        (90, 1, None)
-    """
-    return None if math.isinf(estimated) else max(1, int(estimated) - start)
-
-
-def rebudgeted(total: int | None, start: int, estimated: float) -> int | None:
-    """A schedule's new total when the Trainer's budget changed (a resumed fit given more epochs), else None.
-
-    ``total`` was sized from the budget (``estimated`` steps then, less the ``start`` step); a resume reads it again.
-
-    Example:
-        >>> rebudgeted(50, 0, 100), rebudgeted(40, 10, 50), rebudgeted(None, 0, 100), rebudgeted(50, 0, math.inf)
-        (100, None, None, None)
-    """
-    new = None if total is None else budget_total(estimated, start)
-    return new if new != total else None
-
-
-def budget_timer(trainer: pl.Trainer) -> Timer | None:
-    """The Trainer's ``max_time`` timer, when it has a time budget."""
-    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration), None)  # type: ignore[attr-defined]
-
-
-def time_fraction(trainer: pl.Trainer, last: float | None) -> float | None:
-    """The share of the Trainer's time budget spent (None without one), read every `TIME_EVERY` steps on rank zero."""
-    timer = budget_timer(trainer)
-    if timer is None:
-        return None
-    if last is not None and schedule_step(trainer) % TIME_EVERY:
-        return last
-    spent = timer.time_elapsed("train") / float(timer._duration or 1.0)
-    return float(trainer.strategy.broadcast(spent, src=0))

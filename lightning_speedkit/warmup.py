@@ -12,8 +12,7 @@ from typing_extensions import override
 from lightning_speedkit.checks import is_int
 from lightning_speedkit.cooldown import CooldownCheck, check_method, check_window
 from lightning_speedkit.hooks import LeanCallback
-from lightning_speedkit.lr import scale_trainer_lrs
-from lightning_speedkit.report import log_rank_zero
+from lightning_speedkit.lr import log_step_lrs, scale_trainer_lrs
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.schedule import (
     AUTO,
@@ -25,7 +24,6 @@ from lightning_speedkit.schedule import (
     check_cooldown,
     check_schedule,
     check_warmup,
-    cooldown_start,
     factor_at,
     rebudgeted,
     resolve_decay,
@@ -49,6 +47,7 @@ class _Schedule(NamedTuple):
     warmup_steps: int
     total_steps: int | None
     start_step: int
+    time_start: float = 0.0  # the share of a time budget spent at the start (a warmup over time counts from it)
 
 
 class WarmupScheduler(LeanCallback):
@@ -148,7 +147,7 @@ class WarmupScheduler(LeanCallback):
     state_spec: ClassVar[StateSpec] = {
         "warmup": (int, float),
         "total_steps": (int, None),
-        "schedule": (None, {"warmup_steps": int, "total_steps": (int, None), "start_step": int}),
+        "schedule": (None, {"warmup_steps": int, "total_steps": (int, None), "start_step": int, "time_start": float}),
         "cooldown_check": {
             "losses": ListOf(float),
             "held": (None, bool),
@@ -195,7 +194,9 @@ class WarmupScheduler(LeanCallback):
                 )
                 self._schedule = s._replace(total_steps=total)
         self._resumed = False
-        self._time_fraction = time_fraction(trainer, self._time_fraction)
+        t0, share, spent = self._schedule.time_start if self._schedule else 0.0, self._time_share(), self._time_fraction
+        ramp = share and (spent or 0.0) < t0 + share * (1.0 - t0)  # a ramp over time: the clock read every step
+        self._time_fraction = time_fraction(trainer, self._time_fraction, every=1 if ramp else None)
         self._attach(trainer)
 
     @override
@@ -232,7 +233,8 @@ class WarmupScheduler(LeanCallback):
         self._warmup_spec = state_dict.get("warmup", self._warmup_spec)
         self._total_spec = state_dict.get("total_steps", self._total_spec)
         schedule, self._resumed = state_dict.get("schedule"), True
-        self._schedule = None if schedule is None else _Schedule(*(schedule[key] for key in _Schedule._fields))
+        fields = {k: v for k, v in (schedule or {}).items() if k in _Schedule._fields}  # an older one: no time_start
+        self._schedule = None if schedule is None else _Schedule(**fields)
         self._check = CooldownCheck.from_state(state_dict.get("cooldown_check"))
 
     @property
@@ -257,9 +259,7 @@ class WarmupScheduler(LeanCallback):
             "total_steps": self._total_spec,
             "decay": self.decay,
             "decay_used": None if self._decay == AUTO else self._decay,
-            "min_lr_ratio": self.min_lr_ratio,
-            "start_factor": self.start_factor,
-            "cooldown": self.cooldown,
+            **{"min_lr_ratio": self.min_lr_ratio, "start_factor": self.start_factor, "cooldown": self.cooldown},
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
             "cooldown_check": self._check.report(self._method),
             "probe_s": self._check.probe_s,
@@ -273,22 +273,28 @@ class WarmupScheduler(LeanCallback):
         if s is None:
             return 1.0
         cooldown = 0.0 if self._check.held else self.cooldown  # held: the LR stays at its peak to the end
-        done, decay, floor = max(0, step - s.start_step), self._decay, self.min_lr_ratio
-        return factor_at(
-            done, s.warmup_steps, s.total_steps, decay, floor, self.start_factor, cooldown, self._time_fraction
-        )
+        done, decay, floor, start = max(0, step - s.start_step), self._decay, self.min_lr_ratio, self.start_factor
+        tf, share = self._time_fraction, self._time_share()
+        return factor_at(done, s.warmup_steps, s.total_steps, decay, floor, start, cooldown, tf, share, s.time_start)
+
+    def _time_share(self) -> float:
+        """A warmup given as a share (a float) of a run with no step budget: its share of the time budget, else 0."""
+        s, spec = self._schedule, self._warmup_spec
+        return spec if isinstance(spec, float) and s is not None and s.total_steps is None else 0.0
 
     def rescale_base_lrs(self, trainer: pl.Trainer, factor: float) -> None:
         """Multiply the base LR of every param group and scheduler by ``factor``; the warmup applies on top."""
         scale_trainer_lrs(trainer, factor)
 
-    def set_warmup_steps(self, warmup_steps: int) -> None:
-        """Make the warmup ``warmup_steps`` optimizer steps long (from the schedule's start), keeping its total."""
+    def set_warmup_steps(self, warmup_steps: int | float) -> None:
+        """Make the warmup ``warmup_steps`` steps long (a float: a share of the budget, of its time if no step one)."""
         total = None if self._schedule is None else self._schedule.total_steps
-        check_schedule(warmup_steps, total, "constant", 0.0, 0.0)
+        check_warmup(warmup_steps)
+        steps = warmup_steps if isinstance(warmup_steps, int) else math.ceil(warmup_steps * (total or 0))
+        check_schedule(steps, total, "constant", 0.0, 0.0)
         self._warmup_spec = warmup_steps
         if self._schedule is not None:
-            self._schedule = self._schedule._replace(warmup_steps=warmup_steps)
+            self._schedule = self._schedule._replace(warmup_steps=steps)
 
     def restart(self, warmup: int | float, total_steps: int | None = None) -> None:
         """Start a new warmup and decay at the next training batch (``total_steps`` None: the remaining steps)."""
@@ -301,20 +307,14 @@ class WarmupScheduler(LeanCallback):
         self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
     def _check_window(self, trial: bool = False) -> tuple[int, int] | None:
-        """`cooldown.check_window` (``trial``: from the warmup's end to the cool-down, any length), or None: no check.
+        """`cooldown.check_window`; None when the check is off or decided, or there is no "wsd" step budget to check.
 
-        None when the check is off or decided, the decay is not ``"wsd"``, there is no step budget (a time budget
-        cools down by the clock) or no cool-down step.
+        A time budget cools down by the clock.
         """
-        s = self._schedule
-        if self._method is None or self._check.held is not None or s is None or s.total_steps is None:
+        s, off = self._schedule, self._method is None or self._check.held is not None or self._decay != "wsd"
+        if off or s is None or s.total_steps is None or self._time_fraction is not None:
             return None
-        if self._decay != "wsd" or self._time_fraction is not None:
-            return None
-        if trial:  # `trial_plan` says why a trial does not run, however short the cool-down
-            begin = cooldown_start(s.warmup_steps, s.total_steps, self.cooldown)
-            return (s.warmup_steps, begin) if begin < s.total_steps else None
-        return check_window(s.warmup_steps, s.total_steps, self.cooldown)
+        return check_window(s.warmup_steps, s.total_steps, self.cooldown, trial)
 
     def _decide_cooldown(self, step: int) -> None:
         """At the cool-down's first step: hold the LR when the loss watched before it still falls (no trial ran)."""
@@ -333,24 +333,25 @@ class WarmupScheduler(LeanCallback):
         self._provisional = total is None and budget_pending(trainer, start)  # resolved again after the first batch
         if total is None:
             total = budget_total(budget_steps(trainer), start)
-        if not is_int(warmup):
-            if total is None:
-                raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
-            warmup = math.ceil(warmup * total)
         timed = budget_timer(trainer) is not None
+        if not is_int(warmup):  # a share of the steps; of the time when there is no step budget (`_time_share`)
+            if total is None and not timed:
+                raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
+            warmup = 0 if total is None else math.ceil(warmup * total)
         if total is None and self._decay != "constant" and not timed:
             raise ValueError(
                 f"`total_steps` is needed for decay={self._decay!r}, got None, and the Trainer cannot estimate it"
                 " (max_steps=-1 with an endless dataloader and no max_time): pass total_steps, max_steps or max_time."
             )
         check_schedule(int(warmup), total, self._decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
-        self._schedule = _Schedule(int(warmup), total, start)
+        self._schedule = _Schedule(int(warmup), total, start, (timed and time_fraction(trainer, None)) or 0.0)
         if self._provisional:
             return
         budget = f"{total} steps" + (" or the time budget, whichever ends first" if timed else "")
         shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self._decay == "wsd" else self._decay
+        ramp = f"a warmup over {share:.0%} of the time" if (share := self._time_share()) else f"{warmup} warmup steps"
         rank_zero_info(
-            f"WarmupScheduler: {int(warmup)} warmup steps, then {shape} decay over {budget}"
+            f"WarmupScheduler: {ramp}, then {shape} decay over {budget}"
             f" (floor {self.min_lr_ratio} x base LR), from global step {start}."
         )
 
@@ -365,11 +366,7 @@ class WarmupScheduler(LeanCallback):
         for group, lr in zip(optimizer.param_groups, written := [lr * factor for lr in originals], strict=True):
             group["lr"] = lr
         self._inflight[index] = (originals, written)
-        every = max(1, int(getattr(trainer, "log_every_n_steps", 1)))
-        if trainer.is_global_zero and trainer.loggers and step % every == 0:
-            metrics = {"speedkit/lr/factor": factor}
-            metrics.update({f"speedkit/lr/opt{index}_group{j}": float(lr) for j, lr in enumerate(written)})
-            log_rank_zero(trainer, metrics, step=step)
+        log_step_lrs(trainer, index, factor, written, step)
 
     def _after_step(self, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         originals, written = self._inflight.pop(index, ([], []))

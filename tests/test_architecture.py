@@ -14,8 +14,8 @@ MAX_LINES = 400
 # The floors of docs/ARCHITECTURE.md, lowest first. A module imports only its own floor's shared modules or lower
 # floors; a concern never imports another concern (the foundation holds what two concerns share).
 FOUNDATION = {
-    "__about__", "batch", "checks", "cooldown", "data", "decisions", "hardware", "hooks", "layout", "lr", "lr_search",
-    "lr_trial", "oom",
+    "__about__", "batch", "budget", "checks", "cooldown", "data", "decisions", "hardware", "hooks", "layout", "lr",
+    "lr_range", "lr_search", "lr_trial", "oom",
     "recommend",
     "report", "restore", "sampling", "schedule", "timing", "trials",
 }  # fmt: skip

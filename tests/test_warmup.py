@@ -258,31 +258,89 @@ def test_a_raised_lr_gets_a_ramp_even_without_a_warmup(tmp_path: Path, tiny_mode
     assert recorder.lrs() == pytest.approx([4 * BASE_LR * min(1.0, k / ramp) for k in range(40)])
 
 
-def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_model: TinyClassifier) -> None:
-    """With ``max_time`` and no step budget the cool-down follows the share of the time spent."""
-    from lightning_speedkit import schedule as schedule_module
+def _fit_on_a_fake_clock(tmp_path: Path, model: L.LightningModule, *callbacks: Callback) -> None:
+    """Fit with ``max_time`` and no step budget, on a clock that each reading moves 1% of the time on."""
+    from lightning.pytorch.callbacks import Timer
 
-    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0, cooldown=0.5)
+    from lightning_speedkit import budget
+
     trainer = tiny_trainer(
-        tmp_path, callbacks=[warmup, recorder], limit_val_batches=0, max_epochs=-1, max_time={"seconds": 2}
+        tmp_path, callbacks=list(callbacks), limit_val_batches=0, max_epochs=-1, max_time={"seconds": 2}
     )
     clock = iter(range(10_000))
 
-    class FakeTimer(schedule_module.Timer):  # each reading of the budget's clock is 1% further on
+    class FakeTimer(Timer):
         def time_elapsed(self, stage: str = "train") -> float:
             return 0.02 * next(clock)
 
-    timer = callback_of(trainer, schedule_module.Timer)
+    timer = callback_of(trainer, Timer)
     timer.__class__ = FakeTimer
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(schedule_module, "TIME_EVERY", 1)
-        trainer.fit(tiny_model)
+        patch.setattr(budget, "TIME_EVERY", 1)
+        trainer.fit(model)
+
+
+def test_a_time_budget_cools_down_before_the_time_runs_out(tmp_path: Path, tiny_model: TinyClassifier) -> None:
+    """With ``max_time`` and no step budget the cool-down follows the share of the time spent."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0, cooldown=0.5)
+    _fit_on_a_fake_clock(tmp_path, tiny_model, warmup, recorder)
     lrs = recorder.lrs()
     assert warmup.schedule is not None
     assert warmup.schedule[1] is None  # no step budget: the time one decides
     assert lrs[0] == pytest.approx(BASE_LR)  # the first half of the time: the user's LR
     assert lrs[-1] < 0.5 * BASE_LR  # and it cools down as the time runs out
     assert all(b <= a for a, b in itertools.pairwise(lrs))
+
+
+def test_a_raised_lr_under_a_time_budget_alone_gets_a_ramp_over_its_share_of_the_time(
+    tmp_path: Path, tiny_model: TinyClassifier
+) -> None:
+    """With ``max_time`` and no step budget, an LR raised x4 ramps up over 5% of the time, read every step.
+
+    The ramp had no steps to be sized from: the raised LR ran from the first step.
+    """
+    from lightning_speedkit.lr import RAISED_RAMP, rescale_run_lrs
+
+    class Raise(Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            rescale_run_lrs(trainer, 4.0)
+
+    recorder, warmup = LRRecorder(), WarmupScheduler(decay="constant")
+    _fit_on_a_fake_clock(tmp_path, tiny_model, warmup, Raise(), recorder)
+    assert warmup.report()["warmup"] == RAISED_RAMP
+    resolved = warmup.report()["resolved"]
+    assert (resolved["warmup_steps"], resolved["total_steps"]) == (0, None)
+    lrs, peak = recorder.lrs(), 4 * BASE_LR  # the clock is 1% further on at each reading (several a step)
+    assert lrs[0] < 0.5 * peak
+    assert all(b >= a for a, b in itertools.pairwise(lrs))
+    ramp = sum(lr < peak * (1 - 1e-9) for lr in lrs)
+    assert 1 < ramp < len(lrs) // 4  # a few steps: 5% of the time, not the run
+    assert lrs[-1] == pytest.approx(peak)
+
+
+def test_a_warmup_share_under_a_time_budget_alone_is_a_share_of_the_time(
+    tmp_path: Path, tiny_model: TinyClassifier
+) -> None:
+    """``warmup=0.1`` with ``max_time`` and no step budget ramps over a tenth of the time (it was an error)."""
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=0.1, decay="constant")
+    _fit_on_a_fake_clock(tmp_path, tiny_model, warmup, recorder)
+    lrs = recorder.lrs()
+    assert warmup.schedule is not None
+    assert warmup.schedule[:2] == (0, None)
+    assert lrs[0] < 0.5 * BASE_LR
+    assert all(b >= a for a, b in itertools.pairwise(lrs))
+    assert 1 < sum(lr < BASE_LR * (1 - 1e-9) for lr in lrs) < len(lrs) // 4
+    assert lrs[-1] == pytest.approx(BASE_LR)
+
+
+def test_a_checkpoint_from_before_the_timed_warmup_resumes_its_schedule() -> None:
+    """A saved schedule without ``time_start`` (older checkpoints) loads as it was, the time counted from 0."""
+    warmup = WarmupScheduler()
+    warmup.load_state_dict(
+        {"warmup": 2, "total_steps": None, "schedule": {"warmup_steps": 2, "total_steps": 40, "start_step": 8}}
+    )
+    assert warmup.schedule == (2, 40, 8)
+    assert warmup.report()["resolved"]["time_start"] == 0.0
 
 
 def test_warmup_then_cosine_over_optimizer_steps(tmp_path: Path, tiny_model: TinyClassifier) -> None:
