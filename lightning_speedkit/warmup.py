@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -32,11 +31,10 @@ from lightning_speedkit.schedule import (
     time_fraction,
     warmup_factor,
 )
+from lightning_speedkit.step_factor import StepFactor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.optim import Optimizer
-    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DECAYS", "WarmupScheduler", "warmup_factor"]
 
@@ -67,7 +65,8 @@ class WarmupScheduler(LeanCallback):
     closed-form ``LambdaLR``/``OneCycleLR`` both keep their own curve and never see ours. If your scheduler already
     decays, pass ``decay="constant"`` (or ``"auto"``, preset's) to add only the warmup; otherwise the two decays
     multiply, and a one-line warning says so. If something else writes a group's LR *during* ``optimizer.step()``,
-    its value is kept (not overwritten) and a warning says so.
+    its value is kept (not overwritten) and a warning says so. A step an exception ends (or Ctrl-C) leaves no
+    multiplier behind, in the optimizer or in a checkpoint written on it (`lightning_speedkit.step_factor`).
 
     Cooperation (for other callbacks, found by type): `rescale_base_lrs`, `set_warmup_steps`, `restart` (a new
     warmup and decay from the next batch: fine-tuning after pruning), from ``on_fit_start`` or later, outside
@@ -129,10 +128,8 @@ class WarmupScheduler(LeanCallback):
         self.min_lr_ratio, self.start_factor = min_lr_ratio, start_factor
         self._warmup_spec, self._total_spec = warmup, total_steps
         self._schedule: _Schedule | None = None
-        self._attached: list[Optimizer] = []
-        self._handles: list[RemovableHandle] = []
-        self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}
-        self._warned_overwrite = self._resumed = self._provisional = False
+        self._steps = StepFactor("WarmupScheduler", self._step_factor, _log_lrs)  # the factor inside each step
+        self._resumed = self._provisional = False
         self._check = CooldownCheck()
         self._pinned: float | None = None  # a cool-down trial's multiplier, during its steps
 
@@ -162,7 +159,8 @@ class WarmupScheduler(LeanCallback):
         check_checkpoints(trainer)
         if stage == "fit":  # a checkpoint's state, if any, is loaded after this
             self._warmup_spec, self._total_spec, self._schedule = self.warmup, self.total_steps, None
-            self._warned_overwrite = self._resumed = False
+            self._resumed = False
+            self._steps.reset_warning()
             self._check = CooldownCheck()
             self._resume_hooks(("on_train_batch_end",), WarmupScheduler)
 
@@ -221,6 +219,12 @@ class WarmupScheduler(LeanCallback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._steps.saved(checkpoint)  # a checkpoint an exception wrote mid-step keeps the user's LR
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -355,43 +359,21 @@ class WarmupScheduler(LeanCallback):
             f" (floor {self.min_lr_ratio} x base LR), from global step {start}."
         )
 
-    def _before_step(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._schedule is None or index in self._inflight:  # in flight: a subclass's step calling super().step()
-            return  # (torch hooks each class's step): the factor is applied once, and the first post-hook restores
+    def _step_factor(self, trainer: pl.Trainer, index: int) -> float | None:
+        """The multiplier of this optimizer step (None before the schedule is resolved), the cool-down decided."""
+        if self._schedule is None:
+            return None
         step = schedule_step(trainer)
         if self._check.held is None and self._pinned is None:
             self._decide_cooldown(step)
-        factor = self.factor(step)
-        originals = [group["lr"] for group in optimizer.param_groups]
-        for group, lr in zip(optimizer.param_groups, written := [lr * factor for lr in originals], strict=True):
-            group["lr"] = lr
-        self._inflight[index] = (originals, written)
-        log_step_lrs(trainer, index, factor, written, step)
-
-    def _after_step(self, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        originals, written = self._inflight.pop(index, ([], []))
-        for group, original, ours in zip(optimizer.param_groups, originals, written, strict=False):
-            if group["lr"] is ours:
-                group["lr"] = original
-            elif not self._warned_overwrite:
-                self._warned_overwrite = True
-                rank_zero_warn(
-                    f"WarmupScheduler: optimizer {index}'s LR was changed during optimizer.step(); keeping the new"
-                    " value. Change LRs outside the step (e.g. with `rescale_base_lrs`)."
-                )
+        return self.factor(step)
 
     def _attach(self, trainer: pl.Trainer) -> None:
-        """Hook the fit's optimizers (again, when they changed): their steps take the factor."""
-        if self._attached == trainer.optimizers:  # the same objects (an optimizer compares by identity)
-            return
-        self._detach()
-        for index, optimizer in enumerate(trainer.optimizers):
-            self._handles.append(optimizer.register_step_pre_hook(partial(self._before_step, trainer, index)))
-            self._handles.append(optimizer.register_step_post_hook(partial(self._after_step, index)))
-        self._attached = list(trainer.optimizers)
+        self._steps.attach(trainer)
 
     def _detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._attached = [], []
-        self._inflight.clear()
+        self._steps.detach()
+
+
+def _log_lrs(trainer: pl.Trainer, index: int, factor: float, lrs: list[Any]) -> None:
+    log_step_lrs(trainer, index, factor, lrs, schedule_step(trainer))

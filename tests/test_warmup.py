@@ -333,6 +333,46 @@ def test_a_warmup_share_under_a_time_budget_alone_is_a_share_of_the_time(
     assert lrs[-1] == pytest.approx(BASE_LR)
 
 
+class _CrashInsideStep(Callback):
+    """Raises inside the optimizer step of global step ``step`` (backward runs in ``optimizer.step(closure)``).
+
+    Its own ``on_exception`` writes a checkpoint: listed before the warmup, it runs before the warmup's.
+    """
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash inside the step")
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_an_exception_inside_a_step_leaves_no_multiplier_in_the_optimizer_or_its_checkpoint(
+    tmp_path: Path, tiny_model: TinyClassifier
+) -> None:
+    """A step an exception ends never runs its post hook: the user's LR is put back, in the optimizer and checkpoint.
+
+    A resume from the checkpoint written on the exception trains at the uninterrupted run's LRs (it had half).
+    """
+    path = tmp_path / "crash.ckpt"
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[_CrashInsideStep(4, path), WarmupScheduler(warmup=8)], limit_val_batches=0, max_epochs=3
+    )
+    with pytest.raises(RuntimeError, match="crash inside the step"):
+        trainer.fit(tiny_model)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == BASE_LR
+    assert torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]["lr"] == BASE_LR
+    whole, resumed = LRRecorder(), LRRecorder()
+    fit(tmp_path / "whole", TinyClassifier(), WarmupScheduler(warmup=8), whole, max_epochs=3)
+    fit(tmp_path / "resumed", TinyClassifier(), WarmupScheduler(warmup=8), resumed, max_epochs=3, ckpt_path=str(path))
+    assert resumed.lrs() == pytest.approx(whole.lrs()[4:])
+
+
 def test_a_checkpoint_from_before_the_timed_warmup_resumes_its_schedule() -> None:
     """A saved schedule without ``time_start`` (older checkpoints) loads as it was, the time counted from 0."""
     warmup = WarmupScheduler()
