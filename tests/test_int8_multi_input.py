@@ -284,3 +284,47 @@ def test_accuracy_aware_mode_is_off_with_no_fp32_layers_allowed(tmp_path: Path) 
         report = export_int8(net, data, tmp_path / "mlp.onnx", min_agreement=0.98, max_fp32_layers=0)
     assert report["accuracy_aware"] is None
     assert report["passed"] is False
+
+
+# ---------------------------------------------------------------- a weight tied between two layers
+
+
+class TiedLanguageModel(nn.Module):
+    """An embedding and the output projection share one weight, as in most language models."""
+
+    def __init__(self, vocab: int = 20, dim: int = 16) -> None:
+        super().__init__()
+        self.embed, self.mix, self.decode = nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, vocab, False)
+        self.decode.weight = self.embed.weight
+
+    @override
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decode(torch.relu(self.mix(self.embed(ids).mean(1))))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_tied_weight_is_quantized_per_reader_and_the_int8_model_runs(tmp_path: Path, verify: bool) -> None:
+    """A weight an Embedding and a Linear share gets a copy per reader before quantization, and the model runs.
+
+    ONNX Runtime's quantizer gave the Linear's per-channel scale to the Gather's output: with ``verify`` the export
+    failed inside ONNX Runtime, without it an INT8 model that cannot run was written.
+    """
+    torch.manual_seed(0)
+    data = [(torch.randint(0, 20, (32, 6)), torch.randint(0, 20, (32,))) for _ in range(3)]
+    report = export_int8(TiedLanguageModel(), data, tmp_path / "tied.onnx", latency_repeats=0, verify=verify)
+    assert report["preprocess"]["untied"] == ["decode.weight"]
+    session = ort.InferenceSession(report["int8_path"], providers=["CPUExecutionProvider"])
+    assert session.run(None, {"ids": data[0][0].numpy()})[0].shape == (32, 20)
+    if verify:
+        assert report["verification"]["top1_agreement"] > 0.9
+
+
+def test_an_int8_model_onnx_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
+    """`runs_once` turns ONNX Runtime's failure to run a quantized model into one error: nothing was written."""
+    from lightning_speedkit.int8.steps import runs_once
+
+    report = export_int8(nn.Linear(4, 2), [torch.randn(8, 4)], tmp_path / "m.onnx", latency_repeats=0)
+    session = ort.InferenceSession(report["int8_path"], providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    with pytest.raises(RuntimeError, match=r"cannot run the INT8 model it quantized .*nothing was written"):
+        runs_once(session, {name: np.zeros((8, 5), np.float32)})  # a width the model has not

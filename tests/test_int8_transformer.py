@@ -214,7 +214,7 @@ def test_a_plain_graph_keeps_symbolic_shape_inference(tmp_path: Path) -> None:
     """Where ORT's symbolic shape inference finishes, it is used and the report says so."""
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     report = export_int8(net, [torch.randn(8, 8)], tmp_path / "m.onnx", latency_repeats=0, verify=False)
-    assert report["preprocess"] == {"symbolic_shape_inference": "done", "fallback_reason": None}
+    assert report["preprocess"] == {"symbolic_shape_inference": "done", "fallback_reason": None, "untied": []}
 
 
 class HfStyle(nn.Module):

@@ -48,6 +48,7 @@ from lightning_speedkit.int8.steps import (
     ort_session,
     preprocess,
     quantize_qdq,
+    runs_once,
     verify_outputs,
 )
 
@@ -182,7 +183,8 @@ def export_int8(
         ``fp32_bytes`` and ``int8_bytes`` (sidecars included), ``size_ratio`` (FP32 / INT8), ``opset``,
         ``input_names``, ``dynamic_axes``, ``quantization`` (settings: ``int8_format``, ``activation_type``,
         ``weight_type``, ``reduce_range``, ``format_reason``, the ``cpu`` they were chosen for, ...),
-        ``preprocess`` (``symbolic_shape_inference``: ``"done"`` or ``"skipped"``, ``fallback_reason``),
+        ``preprocess`` (``symbolic_shape_inference``: ``"done"`` or ``"skipped"``, ``fallback_reason``; ``untied``: the
+        weights several layers share, copied per layer before quantizing, `lightning_speedkit.int8.steps.untie_weights`),
         ``latency`` (``batch_<n>``: ``fp32_ms``, ``int8_ms``, ``speedup``), ``verification`` (see
         `lightning_speedkit.int8.steps.verify_outputs`), ``metric_drop``, ``accuracy_aware`` (None unless it ran),
         ``passed`` (False when the budget was missed), ``status`` (one line, ``FAILED: ...`` then) and ``versions``.
@@ -272,6 +274,7 @@ def export_int8(
         settings = quantize_qdq(pre, int8, arrays, fmt, symmetric)
         settings["cpu"] = {"model": cpu.model, "flags": list(cpu.flags), "isa_limit": cpu.isa_limit}
         sessions = (fp32_session, ort_session(onnxruntime, int8, num_threads))
+        runs_once(sessions[1], arrays[0])  # verified or not, an INT8 model that cannot run is never written
         report: dict[str, Any] = {
             "int8_path": str(target),
             "fp32_path": str(export_paths(target)["fp32"]) if keep_fp32 else None,

@@ -135,8 +135,58 @@ def preprocess(fp32: Path, out: Path) -> dict[str, Any]:
                 save_as_external_data=True,
                 external_data_location=out.name + ".data",
             )
-            return {"symbolic_shape_inference": "skipped", "fallback_reason": reason}
-    return {"symbolic_shape_inference": "done", "fallback_reason": None}
+            return {"symbolic_shape_inference": "skipped", "fallback_reason": reason, "untied": untie_weights(out)}
+    return {"symbolic_shape_inference": "done", "fallback_reason": None, "untied": untie_weights(out)}
+
+
+def untie_weights(path: Path) -> list[str]:
+    """Give each node after the first that reads a shared weight its own copy, in place; the weights untied.
+
+    ONNX Runtime's quantizer quantizes an initializer once for all its readers: a weight tied between an
+    ``Embedding`` (a ``Gather``, whose output is an activation) and a ``Linear`` (per-channel weights) gets the
+    ``Linear``'s per-channel scale on the ``Gather``'s output too, and the INT8 model cannot run ("For per axis
+    quantization, scale must be 1D tensor with size ..."). Only float initializers of two dimensions or more (weights)
+    are untied; a shape or a scalar read by many nodes is left as it is.
+    """
+    import onnx
+
+    model = onnx.load(str(path))
+    weights = {i.name: i for i in model.graph.initializer if len(i.dims) >= 2 and i.data_type in _FLOAT_TYPES}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in weights:
+                readers[name] = readers.get(name, 0) + 1
+                if readers[name] > 1:
+                    copy = onnx.TensorProto()
+                    copy.CopyFrom(weights[name])
+                    copy.name = node.input[k] = f"{name}__reader{readers[name]}"
+                    model.graph.initializer.append(copy)
+    untied = sorted(name for name, count in readers.items() if count > 1)
+    if untied:
+        large = sum(p.stat().st_size for p in files_of(path)) > EXTERNAL_DATA_BYTES
+        location = path.name + ".data"  # `files_of`'s sidecar, written again
+        onnx.save_model(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True, location=location)
+    return untied
+
+
+_FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+def runs_once(session: Any, feed: Mapping[str, np.ndarray]) -> None:
+    """Run a quantized model once on a calibration batch: one ONNX Runtime cannot run is never written.
+
+    Raises:
+        RuntimeError: Naming ONNX Runtime's error, when the run fails.
+    """
+    try:
+        session.run(None, dict(feed))
+    except Exception as error:
+        raise RuntimeError(
+            f"Int8Export: ONNX Runtime cannot run the INT8 model it quantized ({type(error).__name__}:"
+            f" {_first_line(error)[:300]}); nothing was written: its quantizer made a graph it cannot run for this"
+            " model (the FP32 export itself ran)."
+        ) from error
 
 
 _ORT_SYMBOLIC_DUMP = "sym_shape_infer_temp.onnx"  # where ORT saves the half-inferred model, in the current directory
