@@ -184,7 +184,7 @@ def export_int8(
         ``input_names``, ``dynamic_axes``, ``quantization`` (settings: ``int8_format``, ``activation_type``,
         ``weight_type``, ``reduce_range``, ``format_reason``, the ``cpu`` they were chosen for, ...),
         ``preprocess`` (``symbolic_shape_inference``: ``"done"`` or ``"skipped"``, ``fallback_reason``; ``untied``: the
-        weights several layers share, copied per layer before quantizing, `lightning_speedkit.int8.steps.untie_weights`),
+        weights several layers share, each layer given a copy before quantizing, `int8.steps.untie_weights`),
         ``latency`` (``batch_<n>``: ``fp32_ms``, ``int8_ms``, ``speedup``), ``verification`` (see
         `lightning_speedkit.int8.steps.verify_outputs`), ``metric_drop``, ``accuracy_aware`` (None unless it ran),
         ``passed`` (False when the budget was missed), ``status`` (one line, ``FAILED: ...`` then) and ``versions``.
