@@ -250,6 +250,22 @@ class FusedOptimizer(trials.Lever):
                 setattr(optimizer, _HOOK, optimizer.register_load_state_dict_post_hook(_keeper(self)))
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint written mid-probe holds torch's default update, never the fused block's candidate.
+
+        The default is the setting before the probe: a resume probes again, or keeps it.
+        """
+        if self._counted is None or not self.fused_on:
+            return
+        for optimizer, state in zip(trainer.optimizers, checkpoint.get("optimizer_states") or [], strict=False):
+            switched = {id(group) for group in fusable_groups(optimizer, switched=True)[0]}
+            for live, saved in zip(optimizer.param_groups, state.get("param_groups", []), strict=False):
+                if id(live) in switched:
+                    saved["fused"] = None
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         for optimizer in trainer.optimizers:

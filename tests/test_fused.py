@@ -42,10 +42,12 @@ class _Flags(L.Callback):
         self.flags.append([g["fused"] for o in trainer.optimizers for g in o.param_groups])
 
 
-def _fit(tmp_path: Path, model: L.LightningModule, lever: FusedOptimizer, **kwargs: Any) -> L.Trainer:
+def _fit(
+    tmp_path: Path, model: L.LightningModule, lever: FusedOptimizer, ckpt_path: Path | None = None, **kwargs: Any
+) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     trainer = tiny_trainer(tmp_path, callbacks=[lever, *kwargs.pop("callbacks", [])], limit_val_batches=0, **kwargs)
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -328,3 +330,35 @@ def test_a_counted_block_across_an_epoch_end_does_not_time_the_validation(tmp_pa
     steps = [t for block in report["blocks"] for t in block["step_s"]]
     assert len(steps) > 40  # more than one epoch of batches: the blocks cross epoch ends
     assert max(steps) < 0.1
+
+
+class _SaveInFusedBlock(L.Callback):
+    """Writes one checkpoint while the lever is still probing, inside a block of the fused update."""
+
+    def __init__(self, lever: FusedOptimizer, path: Path) -> None:
+        self.lever, self.path, self.fused_in_memory = lever, path, False
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.lever.decision is None and self.lever.fused_on and not self.path.exists():
+            self.fused_in_memory = trainer.optimizers[0].param_groups[0]["fused"] is True
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_written_mid_probe_holds_the_update_from_before_the_probe(tmp_path: Path) -> None:
+    """A checkpoint written in a block of the fused update holds torch's default; a resume runs what it decides.
+
+    The optimizer state carried the candidate's ``fused=True``: a resume that kept the default (too few steps left
+    to probe) trained fused while its report said "default".
+    """
+    lever, path = FusedOptimizer(remember=False), tmp_path / "mid_probe.ckpt"
+    saver = _SaveInFusedBlock(lever, path)
+    _fit(tmp_path, _Chosen(num_samples=1600), lever, max_epochs=2, callbacks=[saver])
+    assert saver.fused_in_memory
+    assert torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]["fused"] is None
+    step = torch.load(path, weights_only=False)["global_step"]
+    resumed, flags = FusedOptimizer(remember=False), _Flags()  # 8 steps left: no probe can pay back
+    model = _Chosen(num_samples=1600)
+    _fit(tmp_path / "resumed", model, resumed, path, max_steps=step + 8, max_epochs=2, callbacks=[flags])
+    assert resumed.report()["decision"] == "default"
+    assert {tuple(f) for f in flags.flags} == {(None,)}

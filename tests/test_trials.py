@@ -463,3 +463,32 @@ def test_an_interrupted_trial_is_still_reverted_and_its_state_put_back(tmp_path:
     assert trials.setting.applied
     assert trials.setting.reverted
     assert all(torch.equal(a, b) for a, b in zip(trials.weights, trials.after, strict=True))
+
+
+def test_steps_left_on_a_resume_counts_from_the_checkpoints_step(tmp_path: Path) -> None:
+    """At ``on_fit_start`` of a resumed fit the steps left are the budget less the checkpoint's step, not the budget.
+
+    Lightning restores the loops' progress after ``on_fit_start``: ``global_step`` read 0 there, so a lever probing
+    on a resume weighed its probe against the whole run (168 steps left taken as 180).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_speedkit.trials.measure import steps_left
+
+    class Left(L.Callback):
+        def __init__(self) -> None:
+            self.left: list[float] = []
+
+        @override
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.left.append(steps_left(trainer))
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    first = Left()
+    options: dict[str, Any] = {"max_epochs": 10, "enable_checkpointing": True}
+    tiny_trainer(tmp_path, max_steps=12, callbacks=[first, checkpoint], **options).fit(TinyClassifier())
+    resumed = Left()
+    path = next((tmp_path / "ck").glob("*step=12*.ckpt"))
+    tiny_trainer(tmp_path, max_steps=30, max_epochs=10, callbacks=[resumed]).fit(TinyClassifier(), ckpt_path=path)
+    assert first.left == [12.0]
+    assert resumed.left == [18.0]

@@ -25,7 +25,7 @@ from lightning_speedkit.trials.settings import LeaveOut, Setting, TrialResult
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "estimated_steps", "measure", "probe_cost", "steps_left"]
+__all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "estimated_steps", "measure", "probe_cost", "steps_done", "steps_left"]
 
 
 def _estimated(trainer: pl.Trainer) -> float:
@@ -47,7 +47,18 @@ def steps_left(trainer: pl.Trainer) -> float:
     estimated = estimated_steps(trainer)
     if math.isinf(estimated):
         return math.inf
-    return max(0.0, float(estimated) - trainer.global_step) * trainer.accumulate_grad_batches
+    return max(0.0, float(estimated) - steps_done(trainer)) * trainer.accumulate_grad_batches
+
+
+def steps_done(trainer: pl.Trainer) -> int:
+    """``trainer.global_step``; on a resume before Lightning restores the loops (``on_fit_start``), the checkpoint's.
+
+    Lightning loads the checkpoint before ``on_fit_start`` but restores the loops' progress after it, so a lever
+    deciding there would read 0 and weigh its probe against the whole budget, not the steps left.
+    """
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+    restored = loaded.get("global_step", 0) if isinstance(loaded, dict) and trainer.ckpt_path else 0
+    return max(trainer.global_step, int(restored or 0))
 
 
 PROBE_ROUNDS = 2
