@@ -328,3 +328,32 @@ def test_an_int8_model_onnx_runtime_cannot_run_is_refused_by_name(tmp_path: Path
     name = session.get_inputs()[0].name
     with pytest.raises(RuntimeError, match=r"cannot run the INT8 model it quantized .*nothing was written"):
         runs_once(session, {name: np.zeros((8, 5), np.float32)})  # a width the model has not
+
+
+class _TwoFeatureInputs(nn.Module):
+    """Two (batch, features) inputs of different widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(4, 16), nn.Linear(16, 3)
+
+    @override
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.a(x) + self.b(z)))
+
+
+def test_fixed_feature_widths_are_written_as_sizes_not_a_shared_sequence_axis(tmp_path: Path) -> None:
+    """An MLP input's features are static: the ONNX inputs read ``[batch, 8]`` and ``[batch, 4]``, batch dynamic.
+
+    Both widths were one symbol ``sequence``, which ONNX reads as "equal", and the report called them dynamic.
+    """
+    import onnx
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(32, 8), "z": torch.randn(32, 4), "labels": torch.randint(0, 3, (32,))} for _ in range(2)]
+    report = export_int8(_TwoFeatureInputs(), data, tmp_path / "m.onnx", latency_repeats=0)
+    assert report["dynamic_axes"] == {"x": [0], "z": [0]}
+    for path in (report["fp32_path"], report["int8_path"]):
+        inputs = onnx.load(path).graph.input
+        dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in inputs}
+        assert dims == {"x": ["batch", 8], "z": ["batch", 4]}

@@ -92,19 +92,31 @@ def describe_failure(error: BaseException, model: nn.Module, program: Any = None
 
 
 def _name_dimensions(graph: Any) -> None:
-    """Rename the symbolic batch and sequence dimensions of the inputs (``s0``, ``s1``, ...) everywhere they occur."""
+    """Rename the symbolic batch and sequence dimensions of the inputs (``s0``, ``s1``, ...) everywhere they occur.
+
+    A dimension ``torch.export`` fixed (an MLP's features) can come out as a symbol named by its size (``"8"``): it is
+    written as that size, never labelled ``sequence`` (ONNX reads one symbol on two inputs as "equal").
+    """
     import onnx_ir as ir
+
+    def fixed(d: Any) -> bool:
+        return isinstance(d, ir.SymbolicDim) and str(d.value).isdigit()
 
     labels: dict[str, str] = {}
     for value in graph.inputs:
         for axis, label in ((0, "batch"), (1, "sequence")):
-            if value.shape is not None and len(value.shape) > axis and isinstance(value.shape[axis], ir.SymbolicDim):
-                labels.setdefault(str(value.shape[axis].value), label)
+            dim = value.shape[axis] if value.shape is not None and len(value.shape) > axis else None
+            if isinstance(dim, ir.SymbolicDim) and not fixed(dim):
+                labels.setdefault(str(dim.value), label)
 
     def rename(value: Any) -> None:
         if value.shape is not None:
             dims = [
-                ir.SymbolicDim(labels[str(d.value)]) if isinstance(d, ir.SymbolicDim) and str(d.value) in labels else d
+                int(str(d.value))
+                if fixed(d)
+                else ir.SymbolicDim(labels[str(d.value)])
+                if isinstance(d, ir.SymbolicDim) and str(d.value) in labels
+                else d
                 for d in value.shape
             ]
             value.shape = ir.Shape(dims)
