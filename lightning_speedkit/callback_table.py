@@ -120,16 +120,18 @@ def build_slot(slot: Slot, value: Any, remember: bool = True) -> Callback | None
     cls = slot.load()
     defaults = {"remember": remember} if slot.lever else {}
     defaults |= dict(slot.options)
-    if value is True:
-        return cls(**defaults)
     if isinstance(value, cls):
         return value
+    arguments: Mapping[str, Any] | None = {} if value is True else None
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
-        return cls(**{**defaults, **value})
-    if slot.shorthand is not None:
+        arguments = value
+    elif arguments is None and slot.shorthand is not None:
         arguments = slot.shorthand[1](value)
-        if arguments is not None:
+    if arguments is not None:
+        try:
             return cls(**{**defaults, **arguments})
+        except (TypeError, ValueError) as error:  # named by the argument the user gave, not only the callback's
+            raise type(error)(f"`{slot.argument}` got {value!r}, which {cls.__name__} refuses: {error}") from error
     forms = FORMS + f" of {cls.__name__}"
     if slot.shorthand is not None:
         forms = f"{forms}, or {slot.shorthand[0]}"

@@ -146,9 +146,8 @@ class TrainingGuard(LeanCallback):
         check_int("every_n_steps", every_n_steps, optional=True)
         check_int("check_every_n_steps", check_every_n_steps)
         check_int("window", window, low=2)
-        if isinstance(stall_steps, float) and stall_steps >= 1 and stall_steps.is_integer():
-            stall_steps = int(stall_steps)  # a YAML/CLI parser may hand an int over as a float
-        if stall_steps is not None and (
+        whole = isinstance(stall_steps, float) and stall_steps >= 2 and stall_steps.is_integer()  # a YAML/CLI float
+        if stall_steps is not None and not whole and (
             isinstance(stall_steps, bool)
             or not isinstance(stall_steps, (int, float))
             or (isinstance(stall_steps, int) and stall_steps < 2)
@@ -157,6 +156,7 @@ class TrainingGuard(LeanCallback):
             raise ValueError(
                 f"`stall_steps` must be an int >= 2, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
             )
+        stall_steps = int(stall_steps) if whole and stall_steps is not None else stall_steps
         check_number("spike_z", spike_z, 0, open_low=True)
         check_number("backoff", backoff, 0, 1, open_low=True, open_high=True)
         check_number("stall_fraction", stall_fraction, 0, 1, open_low=True, open_high=True)

@@ -273,6 +273,9 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (DemoDataModule, {"batch_size": 2.5}, "batch_size", "2.5"),
     (DemoDataModule, {"num_workers": -1}, "num_workers", "-1"),
     (DemoDataModule, {"crop_size": "big"}, "crop_size", "'big'"),
+    (speedkit.TrainingGuard, {"stall_steps": 1.0}, "stall_steps", "1.0"),  # it showed the int it made of it: "got 1."
+    (speedkit.default_callbacks, {"prune": True}, "prune", "True"),  # StructuredPruning has no defaults
+    (speedkit.default_callbacks, {"prune": {}}, "prune", "{}"),
 ]
 
 
