@@ -20,7 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_speedkit.budget import schedule_step
-from lightning_speedkit.checks import check_int, check_number
+from lightning_speedkit.checks import check_int, check_number, is_int
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
@@ -147,12 +147,8 @@ class TrainingGuard(LeanCallback):
         check_int("check_every_n_steps", check_every_n_steps)
         check_int("window", window, low=2)
         whole = isinstance(stall_steps, float) and stall_steps >= 2 and stall_steps.is_integer()  # a YAML/CLI float
-        if stall_steps is not None and not whole and (
-            isinstance(stall_steps, bool)
-            or not isinstance(stall_steps, (int, float))
-            or (isinstance(stall_steps, int) and stall_steps < 2)
-            or (isinstance(stall_steps, float) and not 0.0 < stall_steps < 1.0)
-        ):
+        share = isinstance(stall_steps, float) and 0.0 < stall_steps < 1.0
+        if stall_steps is not None and not (whole or share or is_int(stall_steps, low=2)):
             raise ValueError(
                 f"`stall_steps` must be an int >= 2, a fraction of the run in (0, 1), or None, got {stall_steps!r}."
             )
