@@ -137,6 +137,53 @@ def test_tied_parameters_stay_one_parameter_through_planning_pruning_and_replay(
     assert fresh.dec.weight is fresh.emb.weight
 
 
+class _TiedThroughALayer(nn.Module):
+    """The output layer shares the embedding's weight; a layer between them feeds the output layer's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.m, self.dec = nn.Embedding(20, 16), nn.Linear(16, 16), nn.Linear(16, 20, bias=False)
+        self.dec.weight = self.e.weight
+
+    @override
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.relu(self.m(self.e(ids).mean(1))))
+
+
+def test_a_tie_cut_apart_names_the_layer_whose_outputs_cut_it() -> None:
+    """``m``'s output channels are ``dec``'s inputs, a dimension of the tied weight: the refusal names ``m``.
+
+    It advised ignoring ``e`` or ``dec``, which changes nothing, wrapped as a failure to run the pruned copy.
+    """
+    torch.manual_seed(0)
+    model, ids = _TiedThroughALayer(), torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"share one parameter.*\(20, 16\) and \(20, 8\)\): add `m` to") as caught:
+        plan_pruning(model, ids, 0.5, ["dec"], round_to=None)
+    assert "pruned copy" not in str(caught.value)
+    assert pruning_history(model) == []
+    assert plan_pruning(model, ids, 0.5, ["dec", "m"], round_to=None) is not None  # the advice taken: it plans
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.r, self.fc = nn.LSTM(6, 16, batch_first=True), nn.Linear(16, 3)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.r(x)[0][:, -1])
+
+
+def test_an_lstm_is_left_whole_and_a_cut_torch_pruning_cannot_make_names_the_layer() -> None:
+    """torch-pruning 1.6 cannot prune ``nn.LSTM`` (a bare IndexError inside its surgery, "outside any layer").
+
+    `StructuredPruning` leaves it whole (`unsupported_layer_names`); asked directly, the error names it.
+    """
+    assert unsupported_layer_names(_Recurrent()) == ["r"]
+    with pytest.raises(RuntimeError, match=r"could not remove the channels of `r` \(LSTM\).*`ignored_layers`"):
+        plan_pruning(_Recurrent(), torch.zeros(2, 5, 6), 0.5, ["fc"], round_to=None)
+
+
 class _NumpyRound(nn.Module):
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from lightning_speedkit.pruning.attention import (
     unprunable_attention,
     update_head_counts,
 )
+from lightning_speedkit.pruning.failures import naming_failures, naming_surgery
 from lightning_speedkit.pruning.ties import retie, ties
 
 log = logging.getLogger(__name__)
@@ -72,40 +73,6 @@ def _quiet_torch_pruning() -> Iterator[None]:
 
 def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def _naming_failures(model: nn.Module, what: str) -> Iterator[None]:
-    """Re-raise an exception raised inside a forward of ``model`` as a ``RuntimeError`` that names the layer."""
-    names = {m: n for n, m in model.named_modules()}
-    stack: list[str] = []
-    failed: list[str] = []
-
-    def pre(module: nn.Module, args: Any) -> None:
-        stack.append(names.get(module, "?"))
-
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if stack:
-            stack.pop()
-
-    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
-    handles += [m.register_forward_hook(post) for m in model.modules()]
-    try:
-        try:
-            yield
-        except Exception:
-            failed.extend(stack[-1:])
-            raise
-        finally:
-            for handle in handles:
-                handle.remove()
-    except Exception as exc:
-        layer = failed[0] if failed and failed[0] else None
-        where = f"at layer `{layer}` ({type(model.get_submodule(layer)).__name__})" if layer else "outside any layer"
-        raise RuntimeError(
-            f"StructuredPruning: could not {what} the model {where}: {type(exc).__name__}: {exc}. Pass that layer"
-            " (or its parent) in `ignored_layers`, or give an `example_input` the model accepts."
-        ) from exc
 
 
 def pruning_history(model: nn.Module) -> History:
@@ -152,19 +119,23 @@ def count_macs_params(model: nn.Module, example_input: Any) -> tuple[float, int]
 
 
 def unsupported_layer_names(model: nn.Module) -> list[str]:
-    """Names of submodules torch-pruning cannot shrink correctly (``nn.MultiheadAttention`` with ``kdim``/``vdim``).
+    """Names of submodules torch-pruning cannot shrink correctly, left whole by `StructuredPruning`.
+
+    ``nn.MultiheadAttention`` with ``kdim``/``vdim``, and ``nn.LSTM`` (torch-pruning 1.6's surgery of it fails,
+    ``batch_first`` or not, one layer or two).
 
     Example:
-        >>> unsupported_layer_names(nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2)))
-        []
+        >>> unsupported_layer_names(nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2), nn.LSTM(8, 8)))
+        ['2']
     """
-    return unprunable_attention(check_module("model", model))
+    lstms = [name for name, module in check_module("model", model).named_modules() if isinstance(module, nn.LSTM)]
+    return [*unprunable_attention(model), *lstms]
 
 
 def _build_graph(model: nn.Module, example_input: Any, what: str) -> Any:
     import torch_pruning as tp
 
-    with torch.enable_grad(), modes_kept(model), _naming_failures(model, what), _quiet_torch_pruning():
+    with torch.enable_grad(), modes_kept(model), naming_failures(model, what), _quiet_torch_pruning():
         return tp.DependencyGraph().build_dependency(
             model, move_data_to_device(example_input, _device(model)), forward_fn=forward_example, verbose=False
         )
@@ -272,7 +243,7 @@ def pruned_copy(
     ignored = [twin.get_submodule(name) for name in ignored_layers]
     attention = find_attention(twin)
     x = move_data_to_device(example_input, _device(twin))
-    with torch.enable_grad(), _naming_failures(twin, "trace"), _quiet_torch_pruning():
+    with torch.enable_grad(), naming_failures(twin, "trace"), _quiet_torch_pruning():
         pruner = tp.pruner.BasePruner(
             twin,
             x,
@@ -283,9 +254,10 @@ def pruned_copy(
             **pruner_arguments(twin, attention, ratio, round_to),
         )
     tied = ties(twin)
-    with torch.no_grad(), _naming_failures(twin, "run the pruned copy of"):
+    with torch.no_grad(), naming_surgery(twin):
         pruner.step()
-        retie(twin, tied)
+    retie(twin, tied, pruner.pruning_history())
+    with torch.no_grad(), naming_failures(twin, "run the pruned copy of"):
         update_head_counts(twin, attention)
         twin.eval()
         forward_example(twin, x)
@@ -341,7 +313,7 @@ def apply_pruning_history(model: nn.Module, example_input: Any, history: History
     graph, tied = _build_graph(model, example_input, "trace"), ties(model)
     with torch.no_grad():
         graph.load_pruning_history([list(record) for record in history])
-    retie(model, tied)
+    retie(model, tied, history)
     update_head_counts(model, attention)
     _keep_layout(model, channels_last)
     setattr(model, _HISTORY_ATTR, [*pruning_history(model), *history])
