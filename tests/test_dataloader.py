@@ -371,6 +371,88 @@ def test_a_counted_probe_that_keeps_the_loader_leaves_every_epochs_order_as_with
     assert runs[0] == runs[1]
 
 
+class _OwnGenerator(SlowData):
+    """Each ``train_dataloader()`` call shuffles with a new generator seeded 7 (Lightning calls it once a fit)."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = SlowDataset(n=self.n, delay=self.delay, augment=False)
+        generator = torch.Generator().manual_seed(7)
+        return DataLoader(
+            data, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=collate, generator=generator
+        )
+
+
+class _SharedGenerator(SlowData):
+    """One generator, held by the DataModule, shuffles every loader its hook builds."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = SlowDataset(n=self.n, delay=self.delay, augment=False)
+        options = {"shuffle": True, "drop_last": True, "collate_fn": collate, "generator": self.generator}
+        return DataLoader(data, batch_size=self.batch_size, **options)
+
+
+class _DrawsData(SlowData):
+    """Each ``train_dataloader()`` call draws its data from the global RNG (random data, a ``random_split``)."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = SlowDataset(n=self.n, delay=self.delay, seed=int(torch.randint(0, 1000, ())), augment=False)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=collate)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    "data", [_OwnGenerator, _SharedGenerator, _DrawsData], ids=["own_generator", "shared_generator", "draws_data"]
+)
+def test_a_kept_loader_trains_every_epoch_as_without_the_tuner_whatever_its_hook_draws(
+    tmp_path: Path, data: type[SlowData]
+) -> None:
+    """A probe that keeps the loader leaves every epoch's batches as they are without it, whatever the hook does.
+
+    The tuner called the user's ``train_dataloader()`` again after the counted epoch (a generator seeded in it then
+    repeated epoch 0's order in epoch 1), read it once at fit start on the run's RNG (data drawn in it differed),
+    and its reads of the loader drew from a generator the DataModule holds (epoch 0's shuffle differed).
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40) + 2
+    runs = []
+    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6, margin=0.99)]):
+        L.seed_everything(0, verbose=False)
+        recorder = _RecordLabels()
+        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(Model(), data(n=160, delay=_HIDDEN_READ))
+        runs.append(recorder.labels)
+    report = callbacks[0].report()
+    assert report["reason"].endswith("counted trials")
+    assert report["rebuilt"] is False
+    assert runs[0] == runs[1]
+    assert runs[1][:40] != runs[1][40:80]  # epoch 1 is shuffled anew, not epoch 0 again
+
+
+def test_a_loader_without_automatic_batching_is_probed_by_restored_trials(tmp_path: Path) -> None:
+    """``batch_size=None`` (the dataset's items are the batches): no counted probe, and the fit runs.
+
+    The counted probe serves a sampler's batches; served single indices, it crashed ("'int' object is not iterable").
+    """
+
+    class Items(SlowDataset):  # each item a batch of 4
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            time.sleep(self.delay)
+            return self.x[i].repeat(4, 1), self.y[i].repeat(4)
+
+    class Unbatched(SlowData):
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(Items(n=self.n, delay=self.delay), batch_size=None, shuffle=True)
+
+    tuner = DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=4, limit_val_batches=0)
+    trainer.fit(Model(), Unbatched(n=160, delay=_HIDDEN_READ))
+    assert trainer.global_step == 4 * 160
+    assert not tuner.report()["reason"].endswith("counted trials")
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_counted_blocks_resume_a_candidates_persistent_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A candidate with persistent workers is built once for all its blocks: its workers start once, not per block.

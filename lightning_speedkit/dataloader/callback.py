@@ -252,11 +252,12 @@ class DataLoaderTuner(Lever):
         if self._serving is not None:  # the next epoch's loader comes from the (rebuilt) hooks again
             self._serving.close()
             self._serving = None
+            if self._decision is not None and not self._decision.extra.get("rebuilt", True):
+                return  # kept as built: the next epoch continues it, its generator too (the hook is not called again)
             loop = trainer.fit_loop
             loop._combined_loader = None
             if loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch + 1 < loop.max_epochs:
-                # built now, off the run's RNG: Lightning's setup draws an iterator's seed the run without the tuner
-                # does not, and the next epoch's shuffle would differ
+                # built now, off the run's RNG: Lightning's setup draws an iterator's seed the run without us does not
                 with isolate_rng(include_cuda=torch.cuda.is_available()):
                     loop.setup_data()
 
@@ -347,7 +348,8 @@ class DataLoaderTuner(Lever):
 
     def _plan(self, trainer: pl.Trainer, owner: Owner) -> dict[str, Any]:
         """Rank zero: the loader's own settings, the candidates to try, or why the loader is left alone."""
-        loader = owner.train_dataloader()
+        with isolate_rng(include_cuda=torch.cuda.is_available()):  # the run's own call then draws as without us
+            loader = owner.train_dataloader()
         if not isinstance(loader, DataLoader):
             return {"left_alone": f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader"}
         streaming = is_streaming_loader(loader)
@@ -386,13 +388,11 @@ class DataLoaderTuner(Lever):
             batches: int | None = len(loader) // (1 if streaming else trainer.world_size)
         except TypeError:
             batches = None
-        map_style = not isinstance(loader.dataset, IterableDataset)
+        # batches a sampler draws (the counted probe serves them); not `batch_size=None`'s samples one by one
+        map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
         plan = {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
-        return (
-            plan
-            | {"map_style": map_style, "streaming": streaming}
-            | ({"not_tuned": untuned_settings(loader)} if streaming else {})
-        )
+        plan |= {"map_style": map_style, "streaming": streaming}
+        return plan | ({"not_tuned": untuned_settings(loader)} if streaming else {})
 
     def _left_alone(self, reason: str) -> None:
         if reason not in self._left:

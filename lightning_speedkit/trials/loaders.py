@@ -15,9 +15,10 @@ read called the user's hook again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -25,6 +26,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.utilities.combined_loader import CombinedLoader, _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils.data import DataLoader
 
 from lightning_speedkit.report import quiet_logger
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "LIGHTNING_INFO",
     "forget_peeks",
+    "generators_kept",
     "loader_generators",
     "peek_train_loader",
     "put_back_iterators",
@@ -95,7 +98,8 @@ def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> 
     if key in kept[1]:
         return kept[1][key]  # type: ignore[no-any-return]
     try:
-        with isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING):
+        rng, quiet = isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING)
+        with rng, generators_kept(), quiet:
             value = read(trainer)
     finally:
         if fit_loop._combined_loader is not None:
@@ -105,6 +109,31 @@ def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> 
             fit_loop._combined_loader = None
     kept[1][key] = value
     return value
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """Put back the generator of every ``DataLoader`` iterated inside (its seed drawn from it), as it was before.
+
+    A loader's generator may be the user's own, held by their DataModule and handed to every loader its hook builds:
+    a read that starts an iterator would draw the run's first shuffle from it, and the run would shuffle differently
+    from the run without the read. ``isolate_rng`` keeps only the global generators.
+    """
+    saved: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+    iterate = DataLoader.__iter__
+
+    def noting(loader: DataLoader[Any]) -> Any:
+        for generator in loader_generators([loader]):
+            saved.setdefault(id(generator), (generator, generator.get_state()))
+        return iterate(loader)
+
+    DataLoader.__iter__ = noting  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DataLoader.__iter__ = iterate  # type: ignore[method-assign]
+        for generator, state in saved.values():
+            generator.set_state(state)
 
 
 def _weak(source: Any) -> Callable[[], Any]:
