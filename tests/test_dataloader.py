@@ -315,11 +315,12 @@ class _RecordLabels(L.Callback):
 
 
 def _without_and_with_a_worker_probe(
-    tmp_path: Path, epochs: int, data: Callable[[], L.LightningDataModule], workers: int = 1
+    tmp_path: Path, epochs: int, data: Callable[[], L.LightningDataModule], workers: int = 1, margin: float = 0.05
 ) -> tuple[list[list[list[int]]], list[dict[str, Any]]]:
     """The same seeded fit without the tuner, then with a counted probe of ``workers``: batch labels, and its report."""
     runs, reports = [], []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": workers}], probe_steps=6)]):
+    tuner = DataLoaderTuner(candidates=[{"num_workers": workers}], probe_steps=6, margin=margin)
+    for callbacks in ([], [tuner]):
         L.seed_everything(0, verbose=False)
         recorder = _RecordLabels()
         trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
@@ -356,14 +357,8 @@ def test_a_counted_probe_that_keeps_the_loader_leaves_every_epochs_order_as_with
     draws random numbers in the main process is another matter: a worker's blocks draw them from the worker's.)
     """
     epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40) + 3
-    runs = []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6, margin=0.99)]):
-        L.seed_everything(0, verbose=False)
-        recorder = _RecordLabels()
-        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
-        trainer.fit(Model(), SlowData(n=160, augment=False, delay=_HIDDEN_READ))
-        runs.append(recorder.labels)
-    report = callbacks[0].report()
+    data = lambda: SlowData(n=160, augment=False, delay=_HIDDEN_READ)  # noqa: E731
+    runs, (report,) = _without_and_with_a_worker_probe(tmp_path, epochs, data, margin=0.99)
     assert report["reason"].endswith("counted trials")
     assert any(b["setting"].startswith("num_workers=1") for b in report["blocks"])
     assert report["rebuilt"] is False
@@ -417,14 +412,9 @@ def test_a_kept_loader_trains_every_epoch_as_without_the_tuner_whatever_its_hook
     and its reads of the loader drew from a generator the DataModule holds (epoch 0's shuffle differed).
     """
     epochs = epochs_to_probe(settings=2, probe_steps=6, batches_per_epoch=40) + 2
-    runs = []
-    for callbacks in ([], [DataLoaderTuner(candidates=[{"num_workers": 1}], probe_steps=6, margin=0.99)]):
-        L.seed_everything(0, verbose=False)
-        recorder = _RecordLabels()
-        trainer = tiny_trainer(tmp_path, callbacks=[*callbacks, recorder], max_epochs=epochs, limit_val_batches=0)
-        trainer.fit(Model(), data(n=160, delay=_HIDDEN_READ))
-        runs.append(recorder.labels)
-    report = callbacks[0].report()
+    runs, (report,) = _without_and_with_a_worker_probe(
+        tmp_path, epochs, lambda: data(n=160, delay=_HIDDEN_READ), 1, 0.99
+    )
     assert report["reason"].endswith("counted trials")
     assert report["rebuilt"] is False
     assert runs[0] == runs[1]
