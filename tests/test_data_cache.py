@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_speedkit.data import CacheBudgetError, CachedDataset, callable_fingerprint, dataset_fingerprint
 from lightning_speedkit.demo.data import DemoDataModule
@@ -451,3 +451,32 @@ def test_demo_datamodule_cache_serves_the_same_validation_batches(demo_cache: Pa
     for (xa, ya), (xb, yb) in zip(plain.val_dataloader(), cached.val_dataloader(), strict=True):
         assert torch.equal(xa, xb)
         assert torch.equal(ya, yb)
+
+
+class _Photos(Dataset[tuple[Any, int]]):
+    """PIL images, as torchvision's ``ImageFolder`` returns them: version ``v`` of the pixels."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        return Image.fromarray(np.full((4, 4, 3), self.v * 10 + i, np.uint8)), i % 2
+
+
+def _pixels(sample: tuple[Any, int]) -> tuple[np.ndarray[Any, Any], int]:
+    return np.asarray(sample[0]), sample[1]
+
+
+def test_a_source_of_pil_images_is_fingerprinted_by_its_pixels(tmp_path: Path) -> None:
+    """New pixels behind the same length and labels build a new cache (a PIL image was hashed by its type alone)."""
+    assert dataset_fingerprint(_Photos(1)) != dataset_fingerprint(_Photos(2))
+    assert dataset_fingerprint(_Photos(1)) == dataset_fingerprint(_Photos(1))
+    first = CachedDataset(_Photos(1), tmp_path, pre_transform=_pixels)
+    second = CachedDataset(_Photos(2), tmp_path, pre_transform=_pixels)
+    assert int(first[3][0][0, 0, 0]) == 13
+    assert int(second[3][0][0, 0, 0]) == 23

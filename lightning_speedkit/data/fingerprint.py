@@ -188,8 +188,8 @@ def _feed(digest: Any, value: Any, other: Callable[[Any, Any], bool] | None = No
     """Add ``value`` to ``digest`` the same way in every process: no memory address, whatever the sample holds.
 
     Arrays and tensors (bfloat16 too) by dtype, shape and bytes; dicts, tuples and lists item by item; numbers,
-    strings and None by ``repr``; any other object by ``other(digest, object)`` when it returns True, else by its
-    type alone (its ``repr`` may hold an address).
+    strings and None by ``repr``; an object numpy reads as an array (a PIL image) by that array; any other object by
+    ``other(digest, object)`` when it returns True, else by its type alone (its ``repr`` may hold an address).
 
     Example:
         >>> def hex(value): (d := hashlib.sha256(), _feed(d, value)); return d.hexdigest()[:8]
@@ -217,5 +217,8 @@ def _feed(digest: Any, value: Any, other: Callable[[Any, Any], bool] | None = No
             _feed(digest, item, other)
     elif value is None or isinstance(value, (str, bytes, int, float, complex, np.generic)):
         digest.update(f"{type(value).__name__}:{value!r}".encode())
+    elif hasattr(value, "__array_interface__") or hasattr(value, "__array__"):  # a PIL image: by its pixels
+        digest.update(f"{type(value).__qualname__}:".encode())
+        _feed(digest, np.asarray(value), other)
     elif other is None or not other(digest, value):
         digest.update(f"object:{type(value).__module__}.{type(value).__qualname__}".encode())
