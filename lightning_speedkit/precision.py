@@ -126,6 +126,10 @@ class _PrecisionTrials(CountedTrials):
             self._saved = take_state(trainer, schedulers=False, precision=False)  # the LR schedule counts the steps
             self.snapshot_s += time.perf_counter() - began
 
+    def keep_run_state(self) -> None:
+        """Drop the block's copy: the state the run was put back to since stands (`PrecisionTuner.rolled_back`)."""
+        self._saved = None
+
     @override
     def step_recorded(self, trainer: pl.Trainer, outputs: Any) -> None:
         self.losses[-1].append(loss_tensor(outputs))  # no device sync inside the timed steps
@@ -246,6 +250,7 @@ class PrecisionTuner(trials.Lever):
         self.probe_steps = check_probe_steps("probe_steps", probe_steps, low=2)
         self.margin = check_margin("margin", margin)
         self.loss_tolerance = float(loss_tolerance)
+        self._paused: trials.Setting | None = None  # a candidate set aside for a validation inside its block
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -275,6 +280,29 @@ class PrecisionTuner(trials.Lever):
             reason = f"no other autocast precision to try on this {device.upper()} (candidates: {', '.join(wanted)})"
             return trials.Decision.skipped(current, reason)
         return _Autocast(current), others
+
+    def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
+        """`TrainingGuard` put the state of ``step`` back and backed the LR off: a candidate's block keeps that state.
+
+        The copy the block took at its start is dropped: put back at a rejected block's end, it undid the rollback.
+        """
+        if isinstance(self._counted, _PrecisionTrials):
+            self._counted.keep_run_state()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation inside a candidate's block runs in the run's precision: its metric may pick a checkpoint."""
+        counted = self._counted
+        active = None if counted is None else counted.active
+        if counted is not None and active is not None and active is not counted.current:
+            active.revert(trainer)
+            self._paused = active
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused is not None:  # the block goes on in its precision
+            self._paused.apply(trainer)
+            self._paused = None
 
     @override
     def counted_trials(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TinyClassifier, load_benchmark, tiny_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_speedkit import trials
@@ -218,3 +218,64 @@ def test_fp16_asked_for_on_a_cpu_is_refused_before_any_step(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"`candidates` must not hold '16-mixed' on CPU.*got \['16-mixed'\]"):
         tiny_trainer(tmp_path, callbacks=[PrecisionTuner(candidates=["16-mixed"])]).fit(model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class _ValidationPrecision(Callback):
+    """At each validation batch: whether the tuner had decided yet, and the precision the step runs in."""
+
+    def __init__(self, tuner: PrecisionTuner) -> None:
+        self.tuner, self.seen = tuner, list[tuple[bool, str]]()
+
+    @override
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
+        self.seen.append((self.tuner.decision is not None, str(trainer.precision)))
+
+
+def test_a_validation_inside_a_candidates_block_runs_in_the_runs_precision(tmp_path: Path) -> None:
+    """Validations that fall inside a bf16 block of the probe run in fp32, the precision the run has while it probes.
+
+    They ran in the candidate's: a monitored checkpoint could be chosen on a metric of a precision later rejected
+    (after the decision, here bf16, validations run in it, as under ``Trainer(precision=...)``).
+    """
+    torch.manual_seed(0)
+    model, tuner = _Handicapped(slow_in="32-true"), PrecisionTuner(candidates=BOTH, probe_steps=4)
+    watch = _ValidationPrecision(tuner)
+    options: dict[str, Any] = {"val_check_interval": 2, "limit_val_batches": 1, "num_sanity_val_steps": 0}
+    tiny_trainer(tmp_path, callbacks=[tuner, watch], max_epochs=2, **options).fit(model)
+    report = tuner.report()
+    assert report["decision"] == "bf16-mixed", report
+    assert any(block["setting"] == "bf16-mixed" for block in report["blocks"])
+    probing = [precision for decided, precision in watch.seen if not decided]
+    assert len(probing) >= 4  # validations fell among the probe's blocks, bf16 ones included
+    assert set(probing) == {"32-true"}
+
+
+class _NanAt(TinyClassifier):
+    """A NaN loss at one global step (here inside the probe's first bf16 block)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(num_samples=256, batch_size=4)
+        self.step = step
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == self.step else loss
+
+
+def test_a_guard_rollback_inside_a_candidates_block_stands(tmp_path: Path) -> None:
+    """A NaN in a bf16 block: the guard rolls back and halves the LR, and the block's rejection does not undo that.
+
+    The rejected block put back the copy it took at its start: the weights of before the rollback, the LR unhalved.
+    """
+    from lightning_speedkit import TrainingGuard
+
+    torch.manual_seed(0)
+    model, tuner = _NanAt(step=6), PrecisionTuner(candidates=BOTH, probe_steps=4)
+    guard = TrainingGuard(every_n_steps=2, backoff=0.5)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner, guard], max_epochs=2, limit_val_batches=0)
+    trainer.fit(model)
+    assert [event["trigger"] for event in guard.report()["events"]] == ["non-finite loss"]
+    assert tuner.report()["rejected"] == {"bf16-mixed": "non-finite loss"}
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 * model.lr)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

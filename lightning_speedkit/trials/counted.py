@@ -178,6 +178,11 @@ class CountedTrials:
         queue = _QUEUES.get(trainer) or []
         return self in queue and queue[0] is not self
 
+    @property
+    def active(self) -> Setting | None:
+        """The setting whose block is running (None before the first block)."""
+        return self._active
+
     def step_started(self, trainer: pl.Trainer) -> None:
         """Before a training step: start the next block when the last one is over, then start the clock."""
         if self._waiting(trainer):
