@@ -154,3 +154,25 @@ def test_the_rest_of_the_int8_api_names_bad_arguments(call: Any, argument: str, 
     with pytest.raises(ValueError, match=f"`{argument}`") as caught:
         call()
     assert re.search(r"got " + re.escape(shown), str(caught.value)), str(caught.value)
+
+
+class _Delegating(nn.Module):
+    """A wrapper whose forward passes everything through: it names no input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.net(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+def test_a_forward_that_names_no_input_is_refused_naming_the_model(tmp_path: Path) -> None:
+    """``forward(*args, **kwargs)``: the export feeds inputs by name, so it says so, naming ``model``.
+
+    It refused ``example_input`` for a parameter 'input' the user never passed (or ``calibration_data``).
+    """
+    data = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))]
+    with pytest.raises(ValueError, match=r"`model` must name its inputs in forward\(\).*\(\*args, \*\*kwargs\)"):
+        export_int8(_Delegating(), data, tmp_path / "m.onnx", latency_repeats=0)
+    assert not any(tmp_path.iterdir())

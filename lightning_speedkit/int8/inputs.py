@@ -57,6 +57,20 @@ def forward_names(model: nn.Module) -> tuple[list[str], int]:
     return names, required
 
 
+def _input_names(model: nn.Module) -> tuple[list[str], int]:
+    """`forward_names`, or a ``ValueError`` naming ``model`` when forward names no input (``forward(*args, **kw)``)."""
+    names, required = forward_names(model)
+    if not names:  # the export feeds its inputs by name: a made-up one was refused as unknown, naming another argument
+        given = ", ".join(
+            str(p.replace(annotation=p.empty)) for p in inspect.signature(model.forward).parameters.values()
+        )
+        raise ValueError(
+            f"`model` must name its inputs in forward() to be exported: forward({given}) of {type(model).__name__}"
+            " names none. Give it named parameters (`forward(self, x)`), or export the module it wraps."
+        )
+    return names, required
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
@@ -83,7 +97,7 @@ def named_inputs(model: nn.Module, value: Any, argument: str = "example_input") 
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be a torch.nn.Module, got {model!r}.")
-    names, required = forward_names(model)
+    names, required = _input_names(model)
     signature = f"forward({', '.join(names[: max(required, 1)])}) of {type(model).__name__}"
     if isinstance(value, torch.Tensor):
         pairs = [(names[0] if names else "input", value)]
@@ -203,7 +217,7 @@ def check_runs(model: nn.Module, example: Mapping[str, torch.Tensor], argument: 
         ValueError: ``"`example_input` must be inputs that forward(x) of Net accepts, got ...: forward raised
             RuntimeError: mat1 and mat2 shapes cannot be multiplied ..."``, with the model's error as the cause.
     """
-    names, required = forward_names(model)
+    names, required = _input_names(model)
     signature = f"forward({', '.join(names[: max(required, 1)])}) of {type(model).__name__}"
     was_training = model.training
     device = next(iter(model.parameters()), torch.empty(0)).device
