@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -175,13 +176,27 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> Path:
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
     """Write ``data`` as indented JSON to ``path`` through `atomic_file`: never a half-written file.
 
+    Strict JSON (RFC 8259, what ``jq`` and JavaScript read): an infinite or NaN float is written as null.
+
     Example:
         >>> import tempfile
         >>> import json
-        >>> json.loads(write_json_atomic({"a": 1}, Path(tempfile.mkdtemp()) / "r.json").read_text())
-        {'a': 1}
+        >>> path = write_json_atomic({"a": 1, "b": [float("inf")]}, Path(tempfile.mkdtemp()) / "r.json")
+        >>> json.loads(path.read_text())
+        {'a': 1, 'b': [None]}
     """
-    return write_text_atomic(json.dumps(data, indent=2, default=str), path)
+    return write_text_atomic(json.dumps(_finite(data), indent=2, default=str, allow_nan=False), path)
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with every non-finite float (in dicts, lists and tuples) as None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(value) for value in data]
+    return data
 
 
 def _umask() -> int:

@@ -51,3 +51,22 @@ def test_atomic_directory_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
 def test_flatten_drops_secret_looking_keys() -> None:
     """Keys that look like secrets never reach a logger payload, whatever their value."""
     assert flatten_reports({"wandb_api_key": "x", "run": {"token": "y", "steps": 3}}) == {"speedkit/run/steps": 3}
+
+
+def test_a_json_report_is_strict_json_even_with_an_infinite_value(tmp_path: Path) -> None:
+    """``speedkit_summary.json`` and every JSON result go through `write_json_atomic`: no ``Infinity`` or ``NaN``.
+
+    An unbounded compiled run's projected saving (``inf``) made the summary file one jq and JavaScript refuse.
+    """
+    import json
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    data = {"saving_s": float("inf"), "nested": [{"loss": float("nan")}, (1.5, float("-inf"))], "name": "x"}
+    text = write_json_atomic(data, tmp_path / "summary.json").read_text()
+    assert json.loads(text, parse_constant=refuse) == {
+        "saving_s": None,
+        "nested": [{"loss": None}, [1.5, None]],
+        "name": "x",
+    }

@@ -121,7 +121,7 @@ class Compile(trials.Lever):
     MAX_GAIN = MAX_GAIN
     EXTRA_SPEC: ClassVar[StateSpec] = {
         "compile_s": (float, None),
-        "saving_s": float,
+        "saving_s": (float, None),
         "cost_s": float,
         "graphs": int,
         "graph_breaks": int,
@@ -340,7 +340,7 @@ class Compile(trials.Lever):
             report["reason"] = "eager: no step time to compare"
             return
         keep, why = compile_pays_back(eager_s, compiled_s, compile_s, left, self.margin)
-        saving = math.inf if math.isinf(left) else (eager_s - compiled_s) * left
+        saving = None if math.isinf(left) else (eager_s - compiled_s) * left  # an unbounded run: no total
         report.update(decision=_COMPILED if keep else _EAGER, reason=why, saving_s=saving)
         report["cost_s"] = compile_s * (1.0 + self.margin)
 
