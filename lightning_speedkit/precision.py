@@ -255,6 +255,7 @@ class PrecisionTuner(trials.Lever):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._paused = None  # a validation an exception ended set none aside for this fit
         device = trainer.strategy.root_device.type
         if self.candidates is not None and device != "cuda" and "16-mixed" in self.candidates:
             raise ValueError(

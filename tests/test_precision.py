@@ -279,3 +279,32 @@ def test_a_guard_rollback_inside_a_candidates_block_stands(tmp_path: Path) -> No
     assert tuner.report()["rejected"] == {"bf16-mixed": "non-finite loss"}
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 * model.lr)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _FailsInBf16(TinyClassifier):
+    """Raises in its first bf16 step when asked to: a fit an exception ends inside the probe's candidate block."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__(num_samples=256, batch_size=4)
+        self.fail, self.precisions = fail, list[str]()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.precisions.append(str(self.trainer.precision))
+        if self.fail and self.trainer.precision == "bf16-mixed":
+            raise RuntimeError("the run broke inside a bf16 block")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_tuner_reused_after_a_fit_that_broke_mid_probe_starts_afresh(tmp_path: Path) -> None:
+    """The next fit of the same tuner trains in its Trainer's precision: the broken fit's probe is not continued.
+
+    Its counted trials were kept, and the next fit (too short to probe) trained its first steps in their bf16 blocks.
+    """
+    tuner = PrecisionTuner(candidates=BOTH, probe_steps=4)
+    with pytest.raises(RuntimeError, match="inside a bf16 block"):
+        tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=8, limit_val_batches=0).fit(_FailsInBf16(fail=True))
+    model = _FailsInBf16(fail=False)
+    tiny_trainer(tmp_path / "again", callbacks=[tuner], max_epochs=1, limit_val_batches=0).fit(model)
+    assert tuner.report()["decision"] == "32-true"
+    assert set(model.precisions) == {"32-true"}

@@ -149,10 +149,12 @@ def untie_weights(path: Path) -> list[str]:
     are untied; a shape or a scalar read by many nodes is left as it is.
     """
     import onnx
+    from onnx import numpy_helper
 
     model = onnx.load(str(path))
     weights = {i.name: i for i in model.graph.initializer if len(i.dims) >= 2 and i.data_type in _FLOAT_TYPES}
     readers: dict[str, int] = {}
+    added = 0  # bytes of the copies: the file grows by them
     for node in model.graph.node:
         for k, name in enumerate(node.input):
             if name in weights:
@@ -162,9 +164,10 @@ def untie_weights(path: Path) -> list[str]:
                     copy.CopyFrom(weights[name])
                     copy.name = node.input[k] = f"{name}__reader{readers[name]}"
                     model.graph.initializer.append(copy)
+                    added += numpy_helper.to_array(copy).nbytes
     untied = sorted(name for name, count in readers.items() if count > 1)
     if untied:
-        large = sum(p.stat().st_size for p in files_of(path)) > EXTERNAL_DATA_BYTES
+        large = sum(p.stat().st_size for p in files_of(path)) + added > EXTERNAL_DATA_BYTES
         location = path.name + ".data"  # `files_of`'s sidecar, written again
         onnx.save_model(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True, location=location)
     return untied

@@ -132,6 +132,8 @@ class Lever(LeanCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_checkpoints(trainer)
         forget_peeks(trainer)  # a new fit: its train loader is read afresh
+        if stage == "fit":  # an earlier fit an exception ended mid-probe left its trials: not this fit's
+            self._counted, self._deciding = None, False
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

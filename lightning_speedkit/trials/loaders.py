@@ -26,7 +26,6 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.utilities.combined_loader import CombinedLoader, _shutdown_workers_and_reset_iterator
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.seed import isolate_rng
-from torch.utils.data import DataLoader
 
 from lightning_speedkit.report import quiet_logger
 
@@ -99,7 +98,7 @@ def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> 
         return kept[1][key]  # type: ignore[no-any-return]
     try:
         rng, quiet = isolate_rng(include_cuda=torch.cuda.is_available()), quiet_logger(LIGHTNING_INFO, logging.WARNING)
-        with rng, generators_kept(), quiet:
+        with rng, generators_kept(source), quiet:
             value = read(trainer)
     finally:
         if fit_loop._combined_loader is not None:
@@ -112,27 +111,25 @@ def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> 
 
 
 @contextlib.contextmanager
-def generators_kept() -> Iterator[None]:
-    """Put back the generator of every ``DataLoader`` iterated inside (its seed drawn from it), as it was before.
+def generators_kept(source: Any) -> Iterator[None]:
+    """Put back the generators ``source`` holds (its attributes, and those of its lists, tuples and dicts) on exit.
 
-    A loader's generator may be the user's own, held by their DataModule and handed to every loader its hook builds:
-    a read that starts an iterator would draw the run's first shuffle from it, and the run would shuffle differently
-    from the run without the read. ``isolate_rng`` keeps only the global generators.
+    A DataModule may hold one generator and hand it to every loader its hook builds: a read that starts an iterator
+    draws the seed of the run's first shuffle from it, and the run would shuffle differently from the run without
+    the read. ``isolate_rng`` keeps only the global generators; one the hook makes afresh needs nothing.
     """
-    saved: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-    iterate = DataLoader.__iter__
-
-    def noting(loader: DataLoader[Any]) -> Any:
-        for generator in loader_generators([loader]):
-            saved.setdefault(id(generator), (generator, generator.get_state()))
-        return iterate(loader)
-
-    DataLoader.__iter__ = noting  # type: ignore[method-assign,assignment]
+    found: list[torch.Generator] = []
+    for value in vars(source).values() if hasattr(source, "__dict__") else ():
+        for item in (
+            value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        ):
+            if isinstance(item, torch.Generator) and all(item is not g for g in found):
+                found.append(item)
+    states = [generator.get_state() for generator in found]
     try:
         yield
     finally:
-        DataLoader.__iter__ = iterate  # type: ignore[method-assign]
-        for generator, state in saved.values():
+        for generator, state in zip(found, states, strict=True):
             generator.set_state(state)
 
 
@@ -173,8 +170,7 @@ def loader_generators(loaders: list[Any]) -> list[torch.Generator]:
     """The ``torch.Generator`` objects the loaders, their samplers and batch samplers draw from, each once.
 
     Example:
-        >>> from torch.utils.data import DataLoader
-        >>> g = torch.Generator().manual_seed(0)
+        >>>         >>> g = torch.Generator().manual_seed(0)
         >>> loader = DataLoader(list(range(8)), shuffle=True, generator=g)
         >>> [found is g for found in loader_generators([loader, loader])]
         [True]
@@ -196,8 +192,7 @@ def set_aside_iterators(loaders: list[Any]) -> list[tuple[Any, Any]]:
     and the run's first epoch would end before its first batch.
 
     Example:
-        >>> from torch.utils.data import DataLoader
-        >>> loader = DataLoader(list(range(8)))
+        >>>         >>> loader = DataLoader(list(range(8)))
         >>> loader._iterator = "the run's pool"
         >>> kept = set_aside_iterators([loader])
         >>> loader._iterator, kept == [(loader, "the run's pool")]
