@@ -5,6 +5,7 @@ import json
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from conftest import TinyClassifier, load_benchmark, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from typing_extensions import override
 
 import lightning_speedkit.monitor as monitor_module
@@ -275,6 +276,33 @@ def test_slow_dataset_is_data_bound_and_advice_names_workers(tmp_path: Path) -> 
     assert not sampler_threads()
 
 
+class _SlowStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A plain IterableDataset that does not shard itself by worker: each worker would yield all of it."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = SlowDataset()
+        return (data[i] for i in range(len(data)))
+
+
+def test_an_iterable_dataset_is_not_advised_workers_that_would_repeat_it(tmp_path: Path) -> None:
+    """A slow IterableDataset is data_bound, and the advice says workers need sharding first.
+
+    It advised two workers, which, each yielding every sample, trained on the data twice an epoch.
+    """
+
+    class Streamed(TinyClassifier):
+        @override
+        def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+            return DataLoader(_SlowStream(), batch_size=8)
+
+    with pytest.warns(UserWarning, match="UtilizationMonitor: data_bound"):
+        report = fit(tmp_path, Streamed(), UtilizationMonitor(window=4)).report()
+    assert report["diagnosis"] == "data_bound"
+    assert "IterableDataset" in report["advice"]
+    assert "get_worker_info" in report["advice"]
+    assert "try num_workers" not in report["advice"]
+
+
 def test_advice_does_not_suggest_workers_a_tuner_measured_slower(tmp_path: Path) -> None:
     """With a loader tuner that measured more workers slower on this run, the advice says so and offers no workers.
 
@@ -518,3 +546,24 @@ def test_the_advice_reads_the_loader_in_use_not_the_one_the_fit_started_with(tmp
     assert trainer.train_dataloader.num_workers == 2
     assert monitor.report()["loader"]["num_workers"] == 2
     assert "num_workers=0" not in monitor.report()["advice"]
+
+
+def test_the_compute_bound_advice_leaves_out_what_the_run_already_has() -> None:
+    """A compiled model is not told to compile; on CUDA, bf16, compile and channels_last each only when not in use."""
+    cpu = LoaderSettings(in_use=("torch.compile",))
+    assert diagnose(0.05, loader=cpu).advice.endswith("speed the model up: a GPU.")
+    assert diagnose(0.05, loader=LoaderSettings()).advice.endswith("speed the model up: torch.compile, or a GPU.")
+    cuda = LoaderSettings(accelerator="cuda", in_use=("bf16-mixed precision", "channels_last"))
+    assert diagnose(0.05, utilization=0.95, loader=cuda).advice.endswith("speed the model up: torch.compile.")
+
+
+def test_a_compiled_model_is_not_advised_torch_compile(tmp_path: Path) -> None:
+    """A compute-bound fit under `Compile` reads as compiled: the advice names only what it lacks (a GPU here)."""
+    from lightning_speedkit import Compile
+
+    monitor = UtilizationMonitor(window=4)
+    tiny_trainer(tmp_path, callbacks=[Compile(backend="eager", measure=False), monitor], max_steps=8).fit(HeavyModel())
+    report = monitor.report()
+    assert report["diagnosis"] == "compute_bound"
+    assert "torch.compile" not in report["advice"]
+    assert report["advice"].endswith("speed the model up: a GPU.")

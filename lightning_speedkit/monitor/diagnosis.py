@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from torch.utils.data import IterableDataset
+
 from lightning_speedkit.data.batched import fetches_at_once
 from lightning_speedkit.data.streaming import is_streaming_loader
 from lightning_speedkit.monitor.flops import mfu
@@ -60,6 +62,8 @@ class LoaderSettings:
     remote: bool = False
     workers_measured_slower: str | None = None
     fetched_per_sample: bool = False
+    iterable: bool = False  # an IterableDataset (not litdata's): each worker would yield every sample
+    in_use: tuple[str, ...] = ()  # the compute speedups the run already has (`monitor.loader.loader_in_use`)
 
     @classmethod
     def from_loader(cls, loader: Any, cores: int, ranks_per_node: int = 1, accelerator: str = "cpu") -> LoaderSettings:
@@ -79,6 +83,7 @@ class LoaderSettings:
             streaming=is_streaming_loader(loader),
             remote=getattr(getattr(getattr(loader, "dataset", None), "input_dir", None), "url", None) is not None,
             fetched_per_sample=fetches_at_once(getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)),
+            iterable=isinstance(getattr(loader, "dataset", None), IterableDataset) and not is_streaming_loader(loader),
         )
 
     @property
@@ -168,9 +173,12 @@ def diagnose(
             f"underutilized: the device is busy {round(100 * utilization)}% of the time although data waits only"
             f" {wait}%; try {larger}, or torch.compile / CUDA graphs to cut launch overhead.",
         )
-    speedups = "bf16-mixed precision, torch.compile, channels_last" if cuda else "torch.compile, or a GPU"
+    levers = ["bf16-mixed precision", "torch.compile", "channels_last"] if cuda else ["torch.compile"]
+    left = [lever for lever in levers if loader is None or lever not in loader.in_use]  # never what it already has
+    speedups = ", ".join(left) if cuda else ", or ".join([*left, "a GPU"])
     return WindowDiagnosis(
-        "compute_bound", f"compute_bound: {100 - wait}% of each step computes; speed the model up: {speedups}."
+        "compute_bound",
+        f"compute_bound: {100 - wait}% of each step computes; speed the model up: {speedups or 'a faster GPU'}.",
     )
 
 
@@ -373,6 +381,11 @@ def _loader_advice(loader: LoaderSettings | None) -> str:
         return (
             f"{have}, and DataLoaderTuner measured {loader.workers_measured_slower} on real steps here; make each"
             " sample cheaper (cache decoded data, augment on the device, a faster decoder)"
+        )
+    if loader.iterable and loader.num_workers < loader.suggested_workers:  # workers would repeat the data
+        return (
+            f"{have}, an IterableDataset: with workers each would yield every sample, unless it shards itself by"
+            " worker (torch.utils.data.get_worker_info()); shard it, then try workers, or make each sample cheaper"
         )
     if loader.num_workers < loader.suggested_workers:
         tries = [f"num_workers={loader.suggested_workers}"]

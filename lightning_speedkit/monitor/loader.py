@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from lightning_speedkit.layout import is_channels_last
 from lightning_speedkit.monitor.diagnosis import LoaderSettings, first_loader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["loader_in_use"]
+__all__ = ["loader_in_use", "speedups_in_use"]
 
 
 def loader_in_use(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderSettings | None:
@@ -18,16 +19,30 @@ def loader_in_use(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderS
 
     `lightning_speedkit.DataLoaderTuner` rebuilds the loader in its probe and after it; advice from the settings
     read at fit start told a run with 2 workers to try 2 workers. A tuner in ``trainer.callbacks`` (found by its
-    ``workers_measured_slower`` method) adds what it measured of more workers, when they all lost.
+    ``workers_measured_slower`` method) adds what it measured of more workers, when they all lost; `speedups_in_use`
+    what the model already runs with (it was advised torch.compile when compiled).
     """
     if loader is None:
         return None
     now = first_loader(trainer.train_dataloader)
     if now is not None:
         loader = LoaderSettings.from_loader(now, loader.cores, loader.ranks_per_node, loader.accelerator)
+    loader = replace(loader, in_use=speedups_in_use(trainer))
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         measured = getattr(callback, "workers_measured_slower", None)
         note = measured() if callable(measured) else None
         if note:
             return replace(loader, workers_measured_slower=note)
     return loader
+
+
+def speedups_in_use(trainer: pl.Trainer) -> tuple[str, ...]:
+    """What the compute-bound advice would name that the run already has: compiled, NHWC, bf16 or fp16 autocast."""
+    module, used = trainer.lightning_module, []
+    if module is not None and getattr(module, "_compiled_call_impl", None) is not None:
+        used.append("torch.compile")
+    if module is not None and is_channels_last(module):
+        used.append("channels_last")
+    if str(trainer.precision).startswith(("bf16", "16")):
+        used.append("bf16-mixed precision")
+    return tuple(used)
