@@ -291,7 +291,7 @@ def warmup_factor(
         0.4
         >>> warmup_factor(5, warmup_steps=4, total_steps=6, decay="linear", min_lr_ratio=0.5)
         0.75
-        >>> warmup_factor(30, warmup_steps=0, time_fraction=0.24, warmup_share=0.1, time_start=0.2)
+        >>> warmup_factor(30, warmup_steps=0, time_fraction=0.625, warmup_share=0.5, time_start=0.5)
         0.5
     """
     check_schedule(warmup_steps, total_steps, decay, min_lr_ratio, start_factor, cooldown=cooldown)

@@ -170,7 +170,8 @@ def loader_generators(loaders: list[Any]) -> list[torch.Generator]:
     """The ``torch.Generator`` objects the loaders, their samplers and batch samplers draw from, each once.
 
     Example:
-        >>>         >>> g = torch.Generator().manual_seed(0)
+        >>> from torch.utils.data import DataLoader
+        >>> g = torch.Generator().manual_seed(0)
         >>> loader = DataLoader(list(range(8)), shuffle=True, generator=g)
         >>> [found is g for found in loader_generators([loader, loader])]
         [True]
@@ -192,7 +193,8 @@ def set_aside_iterators(loaders: list[Any]) -> list[tuple[Any, Any]]:
     and the run's first epoch would end before its first batch.
 
     Example:
-        >>>         >>> loader = DataLoader(list(range(8)))
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(list(range(8)))
         >>> loader._iterator = "the run's pool"
         >>> kept = set_aside_iterators([loader])
         >>> loader._iterator, kept == [(loader, "the run's pool")]
