@@ -35,7 +35,6 @@ from lightning_speedkit.trials.counted import counted_cost
 __all__ = ["ChannelsLast"]
 
 _NHWC, _NCHW = "channels_last", "default"
-_VIEW_ERROR = "view size is not compatible with input tensor's size and stride"
 _MAX_GAIN = 0.4
 """The most NHWC is taken to save of a step when deciding whether a probe can pay back (1.33-1.36x measured here)."""
 
@@ -48,16 +47,14 @@ class _Layout(trials.Setting):
 
     changes_math = False
 
-    def __init__(self, channels_last: bool, lever: ChannelsLast | None = None) -> None:
+    def __init__(self, channels_last: bool) -> None:
         self.channels_last, self.name = channels_last, _NHWC if channels_last else _NCHW
-        self._was, self.lever = False, lever
+        self._was = False
 
     @override
     def apply(self, trainer: pl.Trainer) -> None:
         self._was = is_channels_last(trainer.lightning_module)
         _set_layout(trainer, self.channels_last)
-        if self.channels_last and self.lever is not None:
-            self.lever.guard_step(trainer)  # its first NHWC step checks the user's training_step too
 
     @override
     def revert(self, trainer: pl.Trainer) -> None:
@@ -87,9 +84,7 @@ class ChannelsLast(trials.Lever):
     convolutions move to NHWC. With ``verify=True`` the module's ``example_input_array`` is run through it (eval mode,
     no grad) in both layouts first: if the NHWC run fails (``x.view(...)`` on an activation is the usual culprit:
     use ``reshape`` or ``flatten``) or its output differs, the model goes back to the default layout with a
-    warning; a module without ``example_input_array`` is left alone unless ``verify=False``. The first training step
-    in NHWC is checked too (`guard_step`): a ``training_step`` that ``view``s the features goes back to the default
-    layout for the fit, and the step runs again. At train start, any
+    warning; a module without ``example_input_array`` is left alone unless ``verify=False``. At train start, any
     optimizer state loaded from a checkpoint of the default layout gets the parameters' strides. Convolutions built
     later (in ``configure_model`` or lazily) are reported at fit start; `StructuredPruning` keeps the layout of the
     layers it shrinks. Values never change, so checkpoints load into a model in either layout.
@@ -157,13 +152,11 @@ class ChannelsLast(trials.Lever):
         self.converted = 0
         self._status = "not set up"
         self._verified = False
-        self._step_checked, self._refused = False, ""  # the user's training_step run channels-last; why it cannot
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._verified = self._verified and stage != "fit"  # each fit's model is checked again (another may not run)
-        self._step_checked, self._refused = self._step_checked and stage != "fit", ""
         if not self.enabled:
             self._status = "disabled"
             return
@@ -236,7 +229,7 @@ class ChannelsLast(trials.Lever):
             return trials.Decision.skipped(_NHWC if is_channels_last(pl_module) else _NCHW, self._status)
         if not self.measure:
             return trials.Decision.skipped(_NHWC, "kept without timing (measure=False)")
-        return _Layout(False), [_Layout(True, self)]
+        return _Layout(False), [_Layout(True)]
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
@@ -254,52 +247,6 @@ class ChannelsLast(trials.Lever):
         if self._status == "channels_last":  # state restored from a checkpoint of the default layout
             for optimizer in trainer.optimizers:
                 align_optimizer_state(optimizer)
-        if is_channels_last(pl_module):
-            self.guard_step(trainer)
-
-    @override
-    def finish(self, decision: trials.Decision) -> trials.Decision:
-        if self._refused and decision.decision == _NHWC:  # its blocks timed, but the user's step cannot run NHWC
-            decision.decision, decision.reason = _NCHW, f"{self._refused}; {decision.reason}"
-        return decision
-
-    def guard_step(self, trainer: pl.Trainer) -> None:
-        """Run the next training step through a check: one the layout breaks is run again in the default layout.
-
-        ``example_input_array`` checks the model's forward only; a ``training_step`` that calls ``x.view(...)`` on a
-        channels-last activation fails there ("view size is not compatible with input tensor's size and stride").
-        Then the model goes back to the default layout for good (the probe drops NHWC, a decision made without
-        timing says why) and the step runs again: the run goes on as without the callback.
-        """
-        module = trainer.lightning_module
-        if self._step_checked or "training_step" in module.__dict__:
-            return
-        user_step = module.training_step
-
-        def checked_step(*args: Any, **kwargs: Any) -> Any:
-            del module.__dict__["training_step"]  # one step checks it (in NHWC: a probe's block may be NCHW)
-            nhwc = is_channels_last(module)
-            try:
-                output = user_step(*args, **kwargs)
-            except RuntimeError as error:
-                if _VIEW_ERROR not in str(error) or not nhwc:
-                    raise
-                self._refuse(trainer, f"reverted: the training_step cannot run channels-last ({_VIEW_ERROR})")
-                output = user_step(*args, **kwargs)
-            self._step_checked = self._step_checked or nhwc
-            return output
-
-        module.training_step = checked_step  # type: ignore[method-assign]
-
-    def _refuse(self, trainer: pl.Trainer, why: str) -> None:
-        """Back to the default layout for the rest of the fit (every rank meets the same error): the report says why."""
-        _set_layout(trainer, False)
-        self._refused, self._status, self.converted = why, f"default layout: {why}", 0
-        if self._counted is not None:
-            self._counted.drop([_NHWC], why, note="refused")
-        elif self._decision is not None and self._decision.decision == _NHWC:
-            self._decision.decision, self._decision.reason = _NCHW, why
-        rank_zero_warn(f"ChannelsLast: {why}; use `reshape` or `flatten`. The layout is the default for this fit.")
 
     @override
     def status(self) -> dict[str, Any]:

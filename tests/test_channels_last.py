@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -482,54 +481,3 @@ def test_stability_benchmark_quick_mode_decides_afresh_and_judges_against_the_re
     assert verdict["runs"] == 2
     assert 0 <= verdict["agree"] <= 2
     assert verdict["most_common"] >= 1
-
-
-class _ViewInTheStep(DemoClassifier):
-    """Its forward runs channels-last; its ``training_step`` flattens the features with ``view``, which NHWC breaks."""
-
-    def __init__(self) -> None:
-        super().__init__(width=16, crop_size=16)
-        self.steps = 0
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.stem(x)
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.steps += 1
-        features = self(batch[0])
-        flat = features.view(features.size(0), -1)[:, : self.model.classifier.in_features]
-        return nn.functional.cross_entropy(self.model.classifier(flat), batch[1])
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        pass
-
-
-@pytest.mark.parametrize("measure", [False, True], ids=["unmeasured", "counted_probe"])
-def test_a_training_step_that_breaks_channels_last_reverts_and_trains_as_without_it(
-    tmp_path: Path, measure: bool
-) -> None:
-    """The check on ``example_input_array`` runs forward only: a ``view`` in ``training_step`` crashed the fit.
-
-    The first channels-last step that raises it goes back to the default layout for good, warns, and runs again:
-    the run ends with the weights of the run without the callback, and the decision says why.
-    """
-    plain, layout = _ViewInTheStep(), _ViewInTheStep()
-    layout.load_state_dict(plain.state_dict())
-    steps = 200 if measure else 8
-    for model, callbacks in ((plain, []), (layout, [callback := ChannelsLast(measure=measure, probe_steps=4)])):
-        L.seed_everything(0, verbose=False)
-        trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=callbacks, limit_val_batches=0)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(model, _images(8 * steps, batch_size=8))
-    assert any("cannot run channels-last" in str(w.message) for w in caught)
-    report = callback.report()
-    assert report["decision"] == "default", report
-    assert "training_step cannot run channels-last" in report["reason"]
-    assert not is_channels_last(layout)
-    assert layout.steps == plain.steps + 1  # the failed step ran again, none lost
-    for a, b in zip(plain.parameters(), layout.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
