@@ -560,10 +560,37 @@ def test_the_compute_bound_advice_leaves_out_what_the_run_already_has() -> None:
 def test_a_compiled_model_is_not_advised_torch_compile(tmp_path: Path) -> None:
     """A compute-bound fit under `Compile` reads as compiled: the advice names only what it lacks (a GPU here)."""
     from lightning_speedkit import Compile
+    from lightning_speedkit.monitor.loader import speedups_in_use
 
     monitor = UtilizationMonitor(window=4)
-    tiny_trainer(tmp_path, callbacks=[Compile(backend="eager", measure=False), monitor], max_steps=8).fit(HeavyModel())
-    report = monitor.report()
-    assert report["diagnosis"] == "compute_bound"
-    assert "torch.compile" not in report["advice"]
-    assert report["advice"].endswith("speed the model up: a GPU.")
+    trainer = tiny_trainer(tmp_path, callbacks=[Compile(backend="eager", measure=False), monitor], max_steps=8)
+    trainer.fit(HeavyModel())
+    assert speedups_in_use(trainer) == ("torch.compile",)
+    assert tuple(monitor.report()["loader"]["in_use"]) == ("torch.compile",)
+    assert "torch.compile" not in monitor.report()["advice"]  # compute bound (on a quiet machine): "a GPU" alone
+
+
+def test_a_model_with_a_compiled_submodule_is_not_advised_torch_compile(tmp_path: Path) -> None:
+    """``self.net = torch.compile(net)`` reads as compiled too (an ``OptimizedModule`` inside the module)."""
+    from lightning_speedkit.monitor.loader import speedups_in_use
+
+    monitor, model = UtilizationMonitor(window=4), HeavyModel()
+    model.net = torch.compile(model.net, backend="eager")  # type: ignore[assignment]
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], max_steps=8)
+    trainer.fit(model)
+    assert speedups_in_use(trainer) == ("torch.compile",)
+    assert "torch.compile" not in monitor.report()["advice"]
+
+
+def test_a_librarys_iterable_dataset_that_shards_itself_keeps_the_worker_advice() -> None:
+    """An IterableDataset of litdata, Hugging Face datasets or WebDataset splits itself among workers: not flagged."""
+    from lightning_speedkit.data.streaming import unsharded_iterable
+
+    body = {"__module__": "litdata.streaming.dataset", "__iter__": lambda self: iter(())}
+    shards = type("StreamingDataset", (IterableDataset,), body)
+    plain = type("Stream", (IterableDataset,), {"__iter__": lambda self: iter(())})
+    assert not unsharded_iterable(shards())
+    assert unsharded_iterable(plain())
+    loader = LoaderSettings.from_loader(DataLoader(shards(), batch_size=4), cores=2)
+    assert not loader.iterable
+    assert "try num_workers=2" in diagnose(0.6, loader=loader).advice

@@ -236,3 +236,24 @@ def _untransformed(dataset: Any) -> Any:
         plain.transform = None
         return plain
     return dataset
+
+
+_SHARDING = ("litdata", "datasets", "webdataset", "torchdata")
+"""Libraries whose iterable datasets split themselves among a loader's workers."""
+
+
+def unsharded_iterable(dataset: Any) -> bool:
+    """An ``IterableDataset`` that, as far as its type tells, does not split itself among workers (no library's).
+
+    With ``num_workers=2`` each worker would yield every sample of it: the epoch trains on the data twice.
+
+    Example:
+        >>> from torch.utils.data import IterableDataset
+        >>> class Stream(IterableDataset):
+        ...     def __iter__(self): return iter(range(4))
+        >>> unsharded_iterable(Stream()), unsharded_iterable([1, 2])
+        (True, False)
+    """
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset) and not type(dataset).__module__.startswith(_SHARDING)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from lightning_speedkit.int8.formats import Int8Format
-from lightning_speedkit.int8.to_onnx import EXTERNAL_DATA_BYTES, describe_failure, export_onnx
+from lightning_speedkit.int8.ties import untie_weights
+from lightning_speedkit.int8.to_onnx import EXTERNAL_DATA_BYTES, describe_failure, export_onnx, files_of
 from lightning_speedkit.report import quiet_logger
 from lightning_speedkit.timing import median_ms
 
@@ -72,11 +73,6 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, Any]:
         "INT8 export takes batches that are a tensor or a sequence (input, target, ...) with a tensor input,"
         f" got {type(batch).__name__}."
     )
-
-
-def files_of(model_path: Path) -> list[Path]:
-    """A model file and its external-data sidecar (``<name>.data``), those that exist."""
-    return [p for p in (model_path, model_path.with_name(model_path.name + ".data")) if p.is_file()]
 
 
 def opset_of(onnx: Any, path: Path) -> int | None:
@@ -137,43 +133,6 @@ def preprocess(fp32: Path, out: Path) -> dict[str, Any]:
             )
             return {"symbolic_shape_inference": "skipped", "fallback_reason": reason, "untied": untie_weights(out)}
     return {"symbolic_shape_inference": "done", "fallback_reason": None, "untied": untie_weights(out)}
-
-
-def untie_weights(path: Path) -> list[str]:
-    """Give each node after the first that reads a shared weight its own copy, in place; the weights untied.
-
-    ONNX Runtime's quantizer quantizes an initializer once for all its readers: a weight tied between an
-    ``Embedding`` (a ``Gather``, whose output is an activation) and a ``Linear`` (per-channel weights) gets the
-    ``Linear``'s per-channel scale on the ``Gather``'s output too, and the INT8 model cannot run ("For per axis
-    quantization, scale must be 1D tensor with size ..."). Only float initializers of two dimensions or more (weights)
-    are untied; a shape or a scalar read by many nodes is left as it is.
-    """
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path))
-    weights = {i.name: i for i in model.graph.initializer if len(i.dims) >= 2 and i.data_type in _FLOAT_TYPES}
-    readers: dict[str, int] = {}
-    added = 0  # bytes of the copies: the file grows by them
-    for node in model.graph.node:
-        for k, name in enumerate(node.input):
-            if name in weights:
-                readers[name] = readers.get(name, 0) + 1
-                if readers[name] > 1:
-                    copy = onnx.TensorProto()
-                    copy.CopyFrom(weights[name])
-                    copy.name = node.input[k] = f"{name}__reader{readers[name]}"
-                    model.graph.initializer.append(copy)
-                    added += numpy_helper.to_array(copy).nbytes
-    untied = sorted(name for name, count in readers.items() if count > 1)
-    if untied:
-        large = sum(p.stat().st_size for p in files_of(path)) + added > EXTERNAL_DATA_BYTES
-        location = path.name + ".data"  # `files_of`'s sidecar, written again
-        onnx.save_model(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True, location=location)
-    return untied
-
-
-_FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 
 
 def runs_once(session: Any, feed: Mapping[str, np.ndarray]) -> None:

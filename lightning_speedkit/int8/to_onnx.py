@@ -20,7 +20,7 @@ from lightning_speedkit.report import quiet_logger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXTERNAL_DATA_BYTES", "describe_failure", "export_onnx"]
+__all__ = ["EXTERNAL_DATA_BYTES", "describe_failure", "export_onnx", "files_of"]
 
 EXTERNAL_DATA_BYTES = 1_500_000_000
 """Models with more weight bytes keep them in a ``.data`` sidecar (protobuf's 2 GB limit, with room); others inline.
@@ -171,3 +171,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor | Mapping[str, torch.Ten
     except OSError as error:  # a full or read-only disk: say so, not "cannot convert"
         raise OSError(error.errno, f"INT8 export: cannot write the ONNX model ({error.strerror})", str(path)) from error
     return layers
+
+
+def files_of(model_path: Path) -> list[Path]:
+    """A model file and its external-data sidecar (``<name>.data``), those that exist."""
+    return [p for p in (model_path, model_path.with_name(model_path.name + ".data")) if p.is_file()]

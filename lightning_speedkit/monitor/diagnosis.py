@@ -6,10 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from torch.utils.data import IterableDataset
-
 from lightning_speedkit.data.batched import fetches_at_once
-from lightning_speedkit.data.streaming import is_streaming_loader
+from lightning_speedkit.data.streaming import is_streaming_loader, unsharded_iterable
 from lightning_speedkit.monitor.flops import mfu
 from lightning_speedkit.timing import WindowStats
 
@@ -83,7 +81,7 @@ class LoaderSettings:
             streaming=is_streaming_loader(loader),
             remote=getattr(getattr(getattr(loader, "dataset", None), "input_dir", None), "url", None) is not None,
             fetched_per_sample=fetches_at_once(getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)),
-            iterable=isinstance(getattr(loader, "dataset", None), IterableDataset) and not is_streaming_loader(loader),
+            iterable=unsharded_iterable(getattr(loader, "dataset", None)) and not is_streaming_loader(loader),
         )
 
     @property

@@ -39,10 +39,21 @@ def loader_in_use(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderS
 def speedups_in_use(trainer: pl.Trainer) -> tuple[str, ...]:
     """What the compute-bound advice would name that the run already has: compiled, NHWC, bf16 or fp16 autocast."""
     module, used = trainer.lightning_module, []
-    if module is not None and getattr(module, "_compiled_call_impl", None) is not None:
+    if module is not None and _compiled(module):
         used.append("torch.compile")
     if module is not None and is_channels_last(module):
         used.append("channels_last")
-    if str(trainer.precision).startswith(("bf16", "16")):
+    if str(trainer.precision).startswith(("bf16", "16", "transformer-engine")):  # a half precision already
         used.append("bf16-mixed precision")
     return tuple(used)
+
+
+def _compiled(module: pl.LightningModule) -> bool:
+    """Compiled: by `lightning_speedkit.Compile` or ``module.compile``, as ``fit(torch.compile(model))``, or in part.
+
+    Lightning keeps the ``torch.compile`` of a module passed to fit in ``_compiler_ctx``; a submodule compiled by the
+    user (``self.net = torch.compile(net)``) is an ``OptimizedModule``.
+    """
+    if getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_compiler_ctx", None):
+        return True
+    return any(type(sub).__name__ == "OptimizedModule" for sub in module.modules())
