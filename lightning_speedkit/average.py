@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_speedkit.budget import estimated_budget
 from lightning_speedkit.checks import check_number
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.report import log_rank_zero
@@ -84,7 +85,7 @@ def validation_interval(trainer: pl.Trainer) -> float:
     if validates and interval >= batches and trainer.check_val_every_n_epoch:
         interval = batches * trainer.check_val_every_n_epoch
     if math.isinf(interval) or interval <= 0:
-        total = float(trainer.estimated_stepping_batches)
+        total = estimated_budget(trainer)
         return _NO_INTERVAL if math.isinf(total) else max(1.0, total)
     return max(1.0, interval / max(1, trainer.accumulate_grad_batches))
 

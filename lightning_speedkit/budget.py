@@ -20,6 +20,7 @@ __all__ = [
     "budget_steps",
     "budget_timer",
     "budget_total",
+    "estimated_budget",
     "rebudgeted",
     "schedule_step",
     "time_fraction",
@@ -44,6 +45,17 @@ def schedule_step(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
 
 
+def estimated_budget(trainer: pl.Trainer) -> float:
+    """``trainer.estimated_stepping_batches``, with ``inf`` for a budget the Trainer cannot tell.
+
+    Lightning answers ``max_steps`` for a train loader without a length (an ``IterableDataset``), which is ``-1`` when
+    only ``max_epochs`` bounds the fit: read as a budget, -1 made a schedule of one step (LR 0 from the second on)
+    and left the levers 0 steps to repay a probe.
+    """
+    estimated = float(trainer.estimated_stepping_batches)
+    return math.inf if estimated < 0 else estimated
+
+
 def budget_steps(trainer: pl.Trainer) -> float:
     """The Trainer's budget (``trainer.estimated_stepping_batches``) in the unit of `schedule_step`.
 
@@ -52,7 +64,7 @@ def budget_steps(trainer: pl.Trainer) -> float:
     ended), or the epochs' batches when fewer (`budget_pending`: whether that is still a guess).
     """
     if not _manual_max_steps(trainer):  # the Trainer's own unit
-        return float(trainer.estimated_stepping_batches)
+        return estimated_budget(trainer)
     per_batch = trainer.global_step / done if (done := schedule_step(trainer)) and trainer.global_step else 1.0
     epochs, per_epoch = trainer.max_epochs, float(trainer.num_training_batches)
     by_epochs = math.inf if epochs in (None, -1) or math.isinf(per_epoch) else math.ceil(per_epoch) * max(epochs, 1)

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_speedkit.budget import schedule_step
+from lightning_speedkit.budget import estimated_budget, schedule_step
 from lightning_speedkit.checks import check_int, check_number, is_int
 from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
@@ -203,7 +203,7 @@ class TrainingGuard(LeanCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self.stall_steps, float):
-            total = trainer.estimated_stepping_batches
+            total = estimated_budget(trainer)
             self._stall_at = None if math.isinf(total) else max(4, int(self.stall_steps * total))
 
     @override

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_speedkit.budget import budget_timer
+from lightning_speedkit.budget import budget_timer, estimated_budget
 from lightning_speedkit.checks import is_number
 from lightning_speedkit.lr_range import (
     MIN_SIGNAL,
@@ -263,7 +263,7 @@ def rescale_run_lrs(trainer: pl.Trainer, scale: float, lengthen_warmup: bool = T
     found[0].rescale_base_lrs(trainer, scale)
     if scale <= 1.0 or not lengthen_warmup:
         return
-    estimated = trainer.estimated_stepping_batches
+    estimated = estimated_budget(trainer)
     remaining = None if math.isinf(estimated) else max(1, int(estimated) - trainer.global_step)
     for warmup in found:
         total = warmup.total_steps or remaining

@@ -48,6 +48,12 @@ class _Schedule(NamedTuple):
     time_start: float = 0.0  # the share of a time budget spent at the start (a warmup over time counts from it)
 
 
+_NO_BUDGET = (
+    "the Trainer cannot tell the fit's length (max_steps=-1, no max_time, and max_epochs=-1 or a train loader"
+    " without a length)"
+)
+
+
 class WarmupScheduler(LeanCallback):
     """Linear LR warmup over optimizer steps, then warmup-stable-decay (or cosine, linear, constant), on every group.
 
@@ -190,7 +196,9 @@ class WarmupScheduler(LeanCallback):
                 rank_zero_info(
                     f"WarmupScheduler: the budget changed since the checkpoint: {total} steps, not {s.total_steps}."
                 )
-                self._schedule = s._replace(total_steps=total)
+                share = self._warmup_spec  # a warmup given as a share of the budget is a share of the new one
+                warmup = s.warmup_steps if is_int(share) else min(math.ceil(share * total), total)
+                self._schedule = s._replace(total_steps=total, warmup_steps=warmup)
         self._resumed = False
         t0, share, spent = self._schedule.time_start if self._schedule else 0.0, self._time_share(), self._time_fraction
         ramp = share and (spent or 0.0) < t0 + share * (1.0 - t0)  # a ramp over time: the clock read every step
@@ -342,16 +350,20 @@ class WarmupScheduler(LeanCallback):
             if total is None and not timed:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
             warmup = 0 if total is None else math.ceil(warmup * total)
+        if total is None and self._decay != "constant" and not timed and self.decay == AUTO:
+            self._decay = "constant"  # preset's default: a run of unknown length keeps the LR, as without a schedule
+            rank_zero_info(f"WarmupScheduler: {_NO_BUDGET}: no cool-down, the LR stays at its peak.")
         if total is None and self._decay != "constant" and not timed:
             raise ValueError(
-                f"`total_steps` is needed for decay={self._decay!r}, got None, and the Trainer cannot estimate it"
-                " (max_steps=-1 with an endless dataloader and no max_time): pass total_steps, max_steps or max_time."
+                f"`total_steps` is needed for decay={self._decay!r}, got None, and {_NO_BUDGET}: pass total_steps,"
+                " max_steps or max_time."
             )
         check_schedule(int(warmup), total, self._decay, self.min_lr_ratio, self.start_factor, "warmup", self.cooldown)
         self._schedule = _Schedule(int(warmup), total, start, (timed and time_fraction(trainer, None)) or 0.0)
         if self._provisional:
             return
-        budget = f"{total} steps" + (" or the time budget, whichever ends first" if timed else "")
+        budget = f"{total} steps" if total is not None else "the time budget" if timed else "a run of unknown length"
+        budget += " or the time budget, whichever ends first" if timed and total is not None else ""
         shape = f"wsd (cool-down over the last {self.cooldown:.0%})" if self._decay == "wsd" else self._decay
         ramp = f"a warmup over {share:.0%} of the time" if (share := self._time_share()) else f"{warmup} warmup steps"
         rank_zero_info(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from conftest import ROOT, TinyClassifier, callback_of, load_benchmark, short_job_reason
@@ -398,6 +400,48 @@ def test_preset_adds_no_decay_to_a_users_own_scheduler(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="the wsd decay multiplies on top of your scheduler"):
         trainer.fit(Scheduled())
     assert callback_of(trainer, speedkit.WarmupScheduler).report()["decay_used"] == "wsd"
+
+
+def test_preset_on_a_loader_without_a_length_keeps_the_users_lr_to_the_end(tmp_path: Path) -> None:
+    """An ``IterableDataset`` bounded by ``max_epochs``: Lightning estimates the budget as ``max_steps``, -1.
+
+    Read as a budget, -1 made preset's schedule one step long: every step after the first trained at LR 0, and every
+    lever saw 0 steps left. The length is unknown, not 0: the LR stays the user's on every step (no cool-down, said
+    so), the steps left read as unbounded, and an explicit ``decay="wsd"`` is refused, naming ``total_steps``.
+    """
+
+    class Stream(torch.utils.data.IterableDataset[Any]):
+        def __iter__(self) -> Any:
+            return iter(TinyClassifier()._data(0))
+
+    class Streamed(TinyClassifier):
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(Stream(), batch_size=8)
+
+    class Lrs(L.Callback):
+        def __init__(self) -> None:
+            self.lrs: list[float] = []
+            self.left: list[float] = []
+
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.left.append(speedkit.trials.steps_left(trainer))
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    common: dict[str, Any] = {"logger": False, "verbose": False, "default_root_dir": tmp_path, "max_epochs": 2}
+    common |= {"enable_checkpointing": False, "enable_progress_bar": False, "limit_val_batches": 0}
+    lrs = Lrs()
+    trainer = preset(callbacks=[lrs], **common)
+    trainer.fit(Streamed())
+    assert trainer.global_step == 16
+    assert lrs.lrs == [0.1] * 16
+    assert lrs.left == [math.inf]
+    report = callback_of(trainer, speedkit.WarmupScheduler).report()
+    assert (report["decay_used"], report["resolved"]["total_steps"]) == ("constant", None)
+    trainer = preset(warmup={"decay": "wsd"}, **common)
+    with pytest.raises(ValueError, match=r"`total_steps` is needed for decay='wsd'.*cannot tell the fit's length"):
+        trainer.fit(Streamed())
 
 
 _CPU_DDP_RUN = """

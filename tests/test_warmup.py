@@ -619,15 +619,19 @@ def test_resume_mid_warmup_gives_the_uninterrupted_lr_sequence(tmp_path: Path, s
     assert resumed[0].schedule == full[0].schedule == (6, 16, 0)  # type: ignore[attr-defined]
 
 
-def test_a_resumed_run_given_more_epochs_ends_its_schedule_at_the_new_budget(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("warmup", "schedule"), [(2, (2, 32, 0)), (0.1, (4, 32, 0))], ids=["steps", "share"])
+def test_a_resumed_run_given_more_epochs_ends_its_schedule_at_the_new_budget(
+    tmp_path: Path, warmup: float, schedule: tuple[int, int, int]
+) -> None:
     """Resumed from the end of a 2-epoch run with ``max_epochs=4``: the schedule is sized as a 4-epoch run's.
 
     The checkpoint's schedule ended at the old budget, so every step given after it ran at the floor (LR 0) without a
-    word; ``total_steps`` left to the Trainer follows its budget on a resume, with one line saying so.
+    word; ``total_steps`` left to the Trainer follows its budget on a resume, with one line saying so. A warmup given
+    as a share of the budget is that share of the new one (it kept the old one's: 2 steps where the run has 4).
     """
 
     def callbacks() -> list[Callback]:
-        return [WarmupScheduler(warmup=2), LRRecorder()]
+        return [WarmupScheduler(warmup=warmup, decay="cosine"), LRRecorder()]
 
     full = callbacks()
     fit(tmp_path / "full", TinyClassifier(), *full, max_epochs=4)
@@ -635,8 +639,9 @@ def test_a_resumed_run_given_more_epochs_ends_its_schedule_at_the_new_budget(tmp
     fit(tmp_path / "short", TinyClassifier(), *callbacks(), short, max_epochs=2, enable_checkpointing=True)
     resumed = callbacks()
     fit(tmp_path / "resumed", TinyClassifier(), *resumed, max_epochs=4, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed[0].schedule == full[0].schedule == (2, 32, 0)  # type: ignore[attr-defined]
+    assert resumed[0].schedule == full[0].schedule == schedule  # type: ignore[attr-defined]
     assert resumed[1].steps == full[1].steps[16:]  # type: ignore[attr-defined]
+    assert resumed[1].lrs() == pytest.approx(full[1].lrs()[16:])  # type: ignore[attr-defined]
     assert min(resumed[1].lrs()) > 0  # type: ignore[attr-defined]
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_speedkit.budget import estimated_budget
 from lightning_speedkit.decisions import (
     choose_setting,
     clearly_slower,
@@ -29,7 +30,7 @@ __all__ = ["DETERMINISTIC", "PROBE_ROUNDS", "estimated_steps", "measure", "probe
 
 
 def _estimated(trainer: pl.Trainer) -> float:
-    return float(trainer.estimated_stepping_batches)
+    return estimated_budget(trainer)
 
 
 def estimated_steps(trainer: pl.Trainer) -> float:
