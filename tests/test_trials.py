@@ -119,12 +119,13 @@ def test_a_trial_leaves_the_run_exactly_as_without_it(tmp_path: Path) -> None:
 class _MidFitTrials(L.Callback):
     """Runs three trials at the start of epoch 1, once the optimizer and the scheduler hold state."""
 
-    def __init__(self) -> None:
+    def __init__(self, replay: bool = False) -> None:
         self.results: list[Any] = []
+        self.replay = replay
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch == 1:
-            with TrialSession(trainer, steps=3) as session:
+            with TrialSession(trainer, steps=3, replay=self.replay) as session:
                 self.results = [session.run(s) for s in (AsIs(), _LRSchedule(), AsIs())]
 
 
@@ -492,3 +493,85 @@ def test_steps_left_on_a_resume_counts_from_the_checkpoints_step(tmp_path: Path)
     tiny_trainer(tmp_path, max_steps=30, max_epochs=10, callbacks=[resumed]).fit(TinyClassifier(), ckpt_path=path)
     assert first.left == [12.0]
     assert resumed.left == [18.0]
+
+
+class _TwoOptimizers(TinyClassifier):
+    """Manual optimization, two optimizers stepped every batch (a GAN's shape): two optimizer steps a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.batches = 0
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.batches += 1
+        loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+        for optimizer in self.optimizers():  # type: ignore[union-attr]
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():  # type: ignore[union-attr]
+            optimizer.step()
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        first, second = self.net[0], self.net[2]
+        return [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
+
+
+def test_a_trial_under_manual_optimization_runs_its_steps_in_batches(tmp_path: Path) -> None:
+    """``steps`` are batches: with two optimizer steps a batch, a trial bounded by ``max_steps`` ran half of them.
+
+    An LR trial of 4 batches gave the search 2 losses to tell LRs apart by.
+    """
+    model = _TwoOptimizers()
+
+    class _Trial(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            with TrialSession(trainer, steps=4) as session:
+                self.result = session.run(AsIs())
+
+    trial = _Trial()
+    tiny_trainer(tmp_path, max_steps=6, callbacks=[trial], limit_val_batches=0).fit(model)
+    assert len(trial.result.losses) == 4
+    assert len(trial.result.step_s) == 4
+    assert model.batches == 4 + 3  # the trial's 4 batches, then the run's own 6 optimizer steps: 3 batches
+
+
+class _StatefulLoader(torch.utils.data.DataLoader[Any]):
+    """A loader that saves its position (as torchdata's ``StatefulDataLoader`` and litdata's loader do)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class _StatefulData(_Dropout):
+    @override
+    def train_dataloader(self) -> Any:
+        return _StatefulLoader(self._data(0), batch_size=self.batch_size, shuffle=True)
+
+
+def test_trials_mid_fit_on_a_stateful_train_loader_leave_its_position_to_the_run(tmp_path: Path) -> None:
+    """The loop's state holds a stateful loader's position: the run's, not the trials'.
+
+    Put back on the trial's loop, Lightning queued it for the trial's own loader, which has none to take, and the fit
+    crashed ("The CombinedLoader has 0 stateful loaders"): preset's cool-down trial on torchdata's or litdata's loader.
+    """
+    runs = {}
+    for name, trials in (("with", True), ("without", False)):
+        L.seed_everything(0, verbose=False)
+        runner = _MidFitTrials(replay=True)  # as the cool-down and LR trials run
+        callbacks = ([runner] if trials else []) + [_EpochOneRecorder(tmp_path, name)]
+        model = _StatefulData()
+        tiny_trainer(tmp_path, max_epochs=3, callbacks=callbacks).fit(model)
+        runs[name] = runner
+    assert rank_records(tmp_path, "with", 1)[0] == rank_records(tmp_path, "without", 1)[0]
+    assert [len(r.step_s) for r in runs["with"].results] == [3, 3, 3]

@@ -11,17 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor
-from typing_extensions import override
 
-from lightning_speedkit.batch import batch_size_of
 from lightning_speedkit.checks import check_probe_steps
 from lightning_speedkit.oom import is_oom_error, release_memory
 from lightning_speedkit.report import quiet_logger
-from lightning_speedkit.timing import StepTimer
 from lightning_speedkit.trials.loaders import (
     LIGHTNING_INFO,
     loader_generators,
@@ -29,8 +24,9 @@ from lightning_speedkit.trials.loaders import (
     run_loaders,
     set_aside_iterators,
 )
+from lightning_speedkit.trials.probe import PeerOutOfMemory, _Probe, agree, agree_failed
 from lightning_speedkit.trials.replay import fetch_batches, replaying
-from lightning_speedkit.trials.settings import Setting, TrialResult, loss_of
+from lightning_speedkit.trials.settings import Setting, TrialResult
 from lightning_speedkit.trials.snapshot import (
     loop_flags,
     metric_states,
@@ -46,73 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["LIGHTNING_INFO", "TrialSession"]
-
-
-class _PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this trial (this rank has already taken part in the verdict)."""
-
-
-def _agree(trainer: pl.Trainer) -> None:
-    """A sync point: raise `_PeerOutOfMemory` unless every rank reached it (a failed rank answers from its handler)."""
-    if not trainer.strategy.reduce_boolean_decision(True, all=True):
-        raise _PeerOutOfMemory
-
-
-def _agree_failed(trainer: pl.Trainer) -> None:
-    """This rank's verdict after its own OOM: answers the peers' pending sync point with 'failed'."""
-    trainer.strategy.reduce_boolean_decision(False, all=True)
-
-
-class _Probe(Callback):
-    """The trials' own callback: times each step through `StepTimer`, keeps its loss, places the ranks' sync points."""
-
-    def __init__(self) -> None:
-        self.timer = StepTimer(window=1)
-        self.losses: list[float | None] = []
-
-    def start(self, device: torch.device) -> None:
-        self.timer = StepTimer(window=1_000_000, device=device)
-        self.losses = []
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.timer.started == 0:
-            self.timer.mark()
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.timer.step_start(samples=batch_size_of(batch) or 0)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        _agree(trainer)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        _agree(trainer)
-        self.timer.step_end()
-        self.losses.append(loss_of(outputs))
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        _agree(trainer)
-
-    def measured(self) -> tuple[list[float], list[int], list[float]]:
-        self.timer.flush()
-        steps = self.timer.recent_steps()
-        return [s.data_wait_s + s.compute_s for s in steps], [s.samples for s in steps], [s.data_wait_s for s in steps]
 
 
 class TrialSession:
@@ -171,6 +100,7 @@ class TrialSession:
             **take_state(trainer),
             "precision_plugin": trainer.strategy.precision_plugin,
             "loop": copy.deepcopy(fit_loop.state_dict()),
+            "loader_states": fit_loop._combined_loader_states_to_load,
             "loop_flags": loop_flags(fit_loop),
             "modes": {name: sub.training for name, sub in module.named_modules()},
             "metrics": metric_states(module),
@@ -266,12 +196,14 @@ class TrialSession:
             epoch, step = trainer.current_epoch, trainer.global_step  # 0 at fit start; later for a trial mid-fit
             fit_loop.max_epochs, fit_loop.min_epochs = epoch + self.steps, None
             fit_loop.epoch_loop.max_steps, fit_loop.epoch_loop.min_steps = step + self.steps, None
+            if not trainer.lightning_module.automatic_optimization:  # its optimizer steps a batch vary: `_Probe` stops
+                fit_loop.epoch_loop.max_steps = -1
             trainer.callbacks = [self.probe, *setting.callbacks()]  # type: ignore[attr-defined]
-            self.probe.start(trainer.strategy.root_device)
+            self.probe.start(trainer.strategy.root_device, self.steps)
             with self._no_sync(), replaying(trainer, batches) if batches else contextlib.nullcontext():
                 fit_loop._combined_loader = None
                 fit_loop._data_fetcher = None  # a fetcher of the run (a trial mid-fit) is kept aside, not reused
-                fit_loop.load_state_dict(copy.deepcopy(self._saved["loop"]))
+                self._load_loop([])  # the run's own loader position is not the trial's (a stateful loader's)
                 fit_loop.restarting = False
                 # An iteration-bounded fit loop stays "restarting", and so would its epoch loop, keeping the batch
                 # counts of the epoch before: a trial mid-fit would then find its epoch done before any step.
@@ -283,8 +215,8 @@ class TrialSession:
                     trainer.validating = True
                     val_loop.run()
                     trainer.training = True
-                _agree(trainer)  # the verdict: a rank that failed after the last sync point answers here
-        except _PeerOutOfMemory:
+                agree(trainer)  # the verdict: a rank that failed after the last sync point answers here
+        except PeerOutOfMemory:
             outcome, error = "peer", "another rank ran out of memory"
         except Exception as exc:
             if not is_oom_error(exc):
@@ -296,7 +228,7 @@ class TrialSession:
             setting.revert(trainer)
             self._restore_state()
         if outcome == "oom":
-            _agree_failed(trainer)
+            agree_failed(trainer)
         if outcome != "fits":  # the failed step's tensors may sit in reference cycles through its traceback
             release_memory()
         step_s, samples, waits = self.probe.measured() if outcome == "fits" else ([], [], [])
@@ -360,9 +292,18 @@ class TrialSession:
         trainer, saved = self.trainer, self._saved
         trainer.strategy.precision_plugin = saved["precision_plugin"]
         put_back(trainer, saved)  # copies: the next trial puts the same state back
-        trainer.fit_loop.load_state_dict(copy.deepcopy(saved["loop"]))
+        self._load_loop(saved["loader_states"])
         trainer.fit_loop.restarting = False
         self._restore_rng()
+
+    def _load_loop(self, loader_states: list[Any]) -> None:
+        """The fit loop's progress as on entry; ``loader_states`` queued for its loaders (Lightning queues the saved).
+
+        A stateful train loader's position (torchdata's ``StatefulDataLoader``, litdata's) is in the loop's state:
+        queued as loaded, it went to the trial's loader, which has no state to take, and the fit crashed.
+        """
+        self.trainer.fit_loop.load_state_dict(copy.deepcopy(self._saved["loop"]))
+        self.trainer.fit_loop._combined_loader_states_to_load = loader_states
 
     def __exit__(self, *exc_info: object) -> None:
         try:
