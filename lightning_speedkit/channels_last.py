@@ -152,11 +152,13 @@ class ChannelsLast(trials.Lever):
         self.converted = 0
         self._status = "not set up"
         self._verified = False
+        self._step_failed = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._verified = self._verified and stage != "fit"  # each fit's model is checked again (another may not run)
+        self._step_failed = self._step_failed and stage != "fit"
         if not self.enabled:
             self._status = "disabled"
             return
@@ -222,6 +224,26 @@ class ChannelsLast(trials.Lever):
         rank_zero_info(f"ChannelsLast: {converted} convolution weights moved to the channels-last layout.")
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check one real training step (and validation batch) channels-last, then the lever's life cycle."""
+        if self._verified and is_channels_last(pl_module):
+            problem = _step_problem(trainer)
+            if problem is not None:
+                _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
+                self.converted, self._verified, self._step_failed = 0, False, True
+                self._status = f"reverted: the training or validation step fails channels-last ({problem})"
+                rank_zero_warn(
+                    f"ChannelsLast: {self._status}; layout unchanged. A `view` of an activation is the usual culprit:"
+                    " use `reshape` or `flatten`."
+                )
+        super().on_fit_start(trainer, pl_module)
+
+    @override
+    def holds(self, trainer: pl.Trainer, decision: trials.Decision) -> bool:
+        """A decision (an earlier fit's, or remembered) holds unless this fit's steps fail channels-last."""
+        return not (self._step_failed and decision.decision == _NHWC) and super().holds(trainer, decision)
+
+    @override
     def plan(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[trials.Setting, Sequence[trials.Setting]] | trials.Decision:
@@ -282,6 +304,21 @@ class ChannelsLast(trials.Lever):
         except (AssertionError, TypeError, ValueError):
             return "its output differs from the default layout's"
         return None
+
+
+def _step_problem(trainer: pl.Trainer) -> str | None:
+    """Why one training step and one validation batch of the run fail in the layout in place, or None when they run.
+
+    The `lightning_speedkit.trials.TrialSession` puts everything back (weights, optimizer, batch-norm statistics,
+    RNG, loop progress), so the run that follows is the run without the check. ``example_input_array`` runs only the
+    forward: a ``training_step`` or a loss that ``view``s an activation fails here, not in the run's first step.
+    """
+    with trials.TrialSession(trainer, 1, warmup=0, validate=True) as session:
+        try:
+            result = session.run(_Layout(True), max_batches=1)
+        except Exception as err:  # the step's own error, on every rank alike (each runs the same step)
+            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None if result.fits else result.error
 
 
 def _named(layers: list[str]) -> str:

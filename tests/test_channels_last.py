@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -481,3 +482,109 @@ def test_stability_benchmark_quick_mode_decides_afresh_and_judges_against_the_re
     assert verdict["runs"] == 2
     assert 0 <= verdict["agree"] <= 2
     assert verdict["most_common"] >= 1
+
+
+class _ViewInTheStep(DemoClassifier):
+    """Its forward runs channels-last; its ``training_step`` flattens the features with ``view``, which NHWC breaks."""
+
+    def __init__(self) -> None:
+        super().__init__(width=16, crop_size=16)
+        self.steps = 0
+        self.views = True  # False: ``flatten``, which runs in either layout
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.stem(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        features = self(batch[0])
+        flat = features.view(features.size(0), -1) if self.views else features.flatten(1)
+        return nn.functional.cross_entropy(
+            self.model.classifier(flat[:, : self.model.classifier.in_features]), batch[1]
+        )
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("measure", [False, True], ids=["unmeasured", "counted_probe"])
+def test_a_training_step_that_breaks_channels_last_is_caught_before_the_run_and_trains_as_without_it(
+    tmp_path: Path, measure: bool
+) -> None:
+    """The check on ``example_input_array`` runs forward only: a ``view`` in ``training_step`` crashed the fit.
+
+    At fit start one real step runs channels-last with everything put back afterwards; it fails, so the model goes back
+    to the default layout, the callback warns and says why, and the run is the run without the callback, weight for
+    weight (the check's step is not a step of the run).
+    """
+    plain, layout = _ViewInTheStep(), _ViewInTheStep()
+    layout.load_state_dict(plain.state_dict())
+    steps = 200 if measure else 8
+    callback = ChannelsLast(measure=measure, probe_steps=4)
+    for model, callbacks in ((plain, []), (layout, [callback])):
+        L.seed_everything(0, verbose=False)
+        trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=callbacks, limit_val_batches=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, _images(8 * steps, batch_size=8))
+    assert any("fails channels-last" in str(w.message) for w in caught)
+    report = callback.report()
+    assert report["decision"] == "default", report
+    assert "fails channels-last (RuntimeError: view size" in report["reason"]
+    assert not is_channels_last(layout)
+    assert layout.steps == plain.steps + 1  # the check's one step, put back
+    for a, b in zip(plain.parameters(), layout.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_earlier_fits_channels_last_decision_is_checked_against_this_fits_step(tmp_path: Path) -> None:
+    """One callback, two fits: the first model's step runs NHWC and keeps it; the second's ``view``s its features.
+
+    The earlier fit's decision (like a remembered one: the fingerprint holds the model's structure, not its code)
+    does not hold for a fit whose step fails channels-last: the report says default, as the layout is.
+    """
+    callback = ChannelsLast(measure=False)
+    decisions = []
+    flattens = _ViewInTheStep()
+    flattens.views = False
+    for model in (flattens, _ViewInTheStep()):
+        L.seed_everything(0, verbose=False)
+        trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback], limit_val_batches=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, _images(64, batch_size=8))
+        decisions.append((callback.report()["decision"], is_channels_last(model)))
+    assert decisions == [("channels_last", True), ("default", False)]
+    assert "fails channels-last" in callback.report()["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_a_step_that_breaks_channels_last_reverts_on_every_rank_before_training(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """2-process DDP: both ranks' check fails alike, and both go back to NCHW at fit start.
+
+    The wrapper is rebuilt at fit start, outside any step; both ranks train and end with identical weights.
+    """
+    strategy = DDPStrategy(  # the model trains its stem and head only
+        start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True, find_unused_parameters=True
+    )
+    L.seed_everything(0, verbose=False)
+    trainer = tiny_trainer(
+        tmp_path,
+        max_epochs=1,
+        callbacks=[ChannelsLast(measure=False), RankWriter(tmp_path, _rank_state)],
+        limit_val_batches=0,
+        strategy=strategy,
+        devices=2,
+    )
+    trainer.fit(_ViewInTheStep(), _images(64, batch_size=8))
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["channels_last"] is ranks[1]["channels_last"] is False
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
