@@ -397,4 +397,4 @@ class DataLoaderTuner(Lever):
     def _left_alone(self, reason: str) -> None:
         if reason not in self._left:
             self._left.append(reason)
-            rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason}.")
+            rank_zero_warn(f"DataLoaderTuner: leaving the dataloaders alone: {reason.rstrip('.')}.")
