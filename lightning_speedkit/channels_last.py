@@ -165,6 +165,9 @@ class ChannelsLast(trials.Lever):
         if is_channels_last(pl_module):  # converted already (an earlier stage, or by the user)
             self._status = "channels_last"
             return
+        if stage != "fit" and self._step_failed:  # the fit's own steps failed NHWC: validating would too
+            self._status = "default layout: the fit's steps fail channels-last"
+            return
         if stage != "fit" and self.measure and (self._decision is None or self._decision.decision != _NHWC):
             # validate/test/predict: the layout is a fit's measured decision; none, or the default, leaves it as is
             self._status = (
@@ -226,7 +229,8 @@ class ChannelsLast(trials.Lever):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check one real training step (and validation batch) channels-last, then the lever's life cycle."""
-        if self._verified and is_channels_last(pl_module):
+        kept = self._decision  # a checkpoint's or an earlier fit's; NCHW there: `apply` reverts, nothing to check
+        if self._verified and is_channels_last(pl_module) and not trainer.should_stop and not _default(kept):
             problem = _step_problem(trainer)
             if problem is not None:
                 _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
@@ -236,6 +240,8 @@ class ChannelsLast(trials.Lever):
                     f"ChannelsLast: {self._status}; layout unchanged. A `view` of an activation is the usual culprit:"
                     " use `reshape` or `flatten`."
                 )
+                if kept is not None:  # a resumed NHWC decision would be taken as it is: this fit's is the default
+                    self._decision = trials.Decision.skipped(_NCHW, self._status)
         super().on_fit_start(trainer, pl_module)
 
     @override
@@ -306,19 +312,24 @@ class ChannelsLast(trials.Lever):
         return None
 
 
+def _default(decision: trials.Decision | None) -> bool:
+    return decision is not None and decision.decision == _NCHW
+
+
 def _step_problem(trainer: pl.Trainer) -> str | None:
-    """Why one training step and one validation batch of the run fail in the layout in place, or None when they run.
+    """Why one training step (and validation batch, when the run validates) fails channels-last, or None.
 
     The `lightning_speedkit.trials.TrialSession` puts everything back (weights, optimizer, batch-norm statistics,
     RNG, loop progress), so the run that follows is the run without the check. ``example_input_array`` runs only the
-    forward: a ``training_step`` or a loss that ``view``s an activation fails here, not in the run's first step.
+    forward: a ``training_step`` or a loss that ``view``s an activation fails here, not in the run's first step. A step
+    that fails in the default layout too is the run's own problem, not the layout's: None, the layout left as it is.
+    Every rank gets one verdict (a rank's error fails the trial on all of them).
     """
-    with trials.TrialSession(trainer, 1, warmup=0, validate=True) as session:
-        try:
-            result = session.run(_Layout(True), max_batches=1)
-        except Exception as err:  # the step's own error, on every rank alike (each runs the same step)
-            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return None if result.fits else result.error
+    with trials.TrialSession(trainer, 1, warmup=0, validate=trainer.enable_validation) as session:
+        result = session.run(_Layout(True), max_batches=1, catch=True)
+        if result.fits or session.run(_Layout(False), max_batches=1, catch=True).fits is False:
+            return None
+    return result.error
 
 
 def _named(layers: list[str]) -> str:

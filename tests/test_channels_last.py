@@ -516,9 +516,9 @@ def test_a_training_step_that_breaks_channels_last_is_caught_before_the_run_and_
 ) -> None:
     """The check on ``example_input_array`` runs forward only: a ``view`` in ``training_step`` crashed the fit.
 
-    At fit start one real step runs channels-last with everything put back afterwards; it fails, so the model goes back
-    to the default layout, the callback warns and says why, and the run is the run without the callback, weight for
-    weight (the check's step is not a step of the run).
+    At fit start one real step runs channels-last with everything put back afterwards; it fails there and runs in the
+    default layout, so the model goes back to the default layout, the callback warns and says why, and the run is the
+    run without the callback, weight for weight (the check's steps are not steps of the run).
     """
     plain, layout = _ViewInTheStep(), _ViewInTheStep()
     layout.load_state_dict(plain.state_dict())
@@ -535,7 +535,7 @@ def test_a_training_step_that_breaks_channels_last_is_caught_before_the_run_and_
     assert report["decision"] == "default", report
     assert "fails channels-last (RuntimeError: view size" in report["reason"]
     assert not is_channels_last(layout)
-    assert layout.steps == plain.steps + 1  # the check's one step, put back
+    assert layout.steps == plain.steps + 2  # the check's step in each layout (NHWC failed, NCHW ran), put back
     for a, b in zip(plain.parameters(), layout.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -561,6 +561,23 @@ def test_an_earlier_fits_channels_last_decision_is_checked_against_this_fits_ste
     assert "fails channels-last" in callback.report()["reason"]
 
 
+def _assert_ddp_ranks_revert_alike(tmp_path: Path, model: DemoClassifier) -> None:
+    """A 2-process DDP fit (gloo) of ``model`` under ``ChannelsLast(measure=False)``: both ranks NCHW, identical."""
+    strategy = DDPStrategy(  # the model trains its stem and head only
+        start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True, find_unused_parameters=True
+    )
+    L.seed_everything(0, verbose=False)
+    callbacks = [ChannelsLast(measure=False), RankWriter(tmp_path, _rank_state)]
+    trainer = tiny_trainer(
+        tmp_path, max_epochs=1, callbacks=callbacks, limit_val_batches=0, strategy=strategy, devices=2
+    )
+    trainer.fit(model, _images(64, batch_size=8))
+    ranks = rank_records(tmp_path)
+    assert ranks[0]["channels_last"] is ranks[1]["channels_last"] is False
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_a_step_that_breaks_channels_last_reverts_on_every_rank_before_training(
@@ -570,21 +587,104 @@ def test_ddp_a_step_that_breaks_channels_last_reverts_on_every_rank_before_train
 
     The wrapper is rebuilt at fit start, outside any step; both ranks train and end with identical weights.
     """
-    strategy = DDPStrategy(  # the model trains its stem and head only
-        start_method="spawn", process_group_backend="gloo", gradient_as_bucket_view=True, find_unused_parameters=True
-    )
-    L.seed_everything(0, verbose=False)
-    trainer = tiny_trainer(
-        tmp_path,
-        max_epochs=1,
-        callbacks=[ChannelsLast(measure=False), RankWriter(tmp_path, _rank_state)],
-        limit_val_batches=0,
-        strategy=strategy,
-        devices=2,
-    )
-    trainer.fit(_ViewInTheStep(), _images(64, batch_size=8))
-    ranks = rank_records(tmp_path)
-    assert ranks[0]["channels_last"] is ranks[1]["channels_last"] is False
-    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
-        assert a == pytest.approx(b, abs=1e-6)
+    _assert_ddp_ranks_revert_alike(tmp_path, _ViewInTheStep())
     assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
+
+
+class _ViewsInValidation(_ViewInTheStep):
+    """Trains with ``flatten`` (either layout); its ``validation_step`` ``view``s the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = False
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        features = self(batch[0])
+        features.view(features.size(0), -1)
+
+
+class _StopAtStart(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.should_stop = True
+
+
+class _Broken(_ViewInTheStep):
+    """A bug of the user's own in ``training_step``, in any layout."""
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise KeyError("logits")
+
+
+def test_the_step_check_blames_the_layout_only_for_what_the_layout_breaks(tmp_path: Path) -> None:
+    """The check validates only a run that validates, and blames the layout only for what fails in NHWC alone.
+
+    A step that fails in the default layout too keeps NHWC (the run then raises the user's own error, with no word
+    about layouts); a stop asked at fit start is kept, not erased by the check's trial.
+    """
+    quiet = {"max_epochs": 1, "enable_checkpointing": False}
+    for limit, layout in ((0, True), (2, False)):  # `validation_step` views: only a run that validates reverts
+        callback, model = ChannelsLast(measure=False), _ViewsInValidation()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=limit, **quiet).fit(
+                model, _images(32), _images(16)
+            )
+        assert is_channels_last(model) is layout, callback.report()
+    tiny_trainer(tmp_path, callbacks=[callback]).validate(model, _images(16), verbose=False)  # the reverted one
+    assert not is_channels_last(model)  # validating after the fit keeps the default layout its steps needed
+    callback, broken = ChannelsLast(measure=False), _Broken()
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=0, **quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyError, match="logits"):
+            trainer.fit(broken, _images(32))
+    assert not any("fails channels-last" in str(w.message) for w in caught)
+    assert is_channels_last(broken)
+    stopped, callback = _ViewInTheStep(), ChannelsLast(measure=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[_StopAtStart(), callback], limit_val_batches=0, **quiet)
+    trainer.fit(stopped, _images(32))
+    assert (trainer.global_step, stopped.steps) == (0, 0)
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_resumed_channels_last_decision_reports_the_default_layout_its_failed_check_chose(tmp_path: Path) -> None:
+    """A checkpoint of an NHWC run, resumed by a model whose step ``view``s: the report says default, as the layout is.
+
+    A resumed decision was taken as it was: the report and the next checkpoint said NHWC on an NCHW model.
+    """
+    first = _ViewInTheStep()
+    first.views = False
+    trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(measure=False)], limit_val_batches=0)
+    trainer.fit(first, _images(32))
+    trainer.save_checkpoint(tmp_path / "nhwc.ckpt")
+    callback, resumed = ChannelsLast(measure=False), _ViewInTheStep()
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[callback], limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(resumed, _images(32), ckpt_path=tmp_path / "nhwc.ckpt")
+    assert not is_channels_last(resumed)
+    assert callback.report()["decision"] == "default"
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=False)["callbacks"]
+    assert [state["decision"]["decision"] for key, state in saved.items() if "ChannelsLast" in key] == ["default"]
+
+
+class _ViewsOnRankOne(_ViewInTheStep):
+    """Only rank 1's step ``view``s (as a data-dependent path would): the ranks' checks fail apart."""
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.views = self.global_rank == 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_a_check_that_fails_on_one_rank_reverts_every_rank(tmp_path: Path) -> None:
+    """2-process DDP: rank 1's step fails NHWC, rank 0's runs; both get one verdict and revert at fit start.
+
+    No rank is left waiting in a collective; both train and end identical.
+    """
+    _assert_ddp_ranks_revert_alike(tmp_path, _ViewsOnRankOne())

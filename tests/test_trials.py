@@ -575,3 +575,22 @@ def test_trials_mid_fit_on_a_stateful_train_loader_leave_its_position_to_the_run
         runs[name] = runner
     assert rank_records(tmp_path, "with", 1)[0] == rank_records(tmp_path, "without", 1)[0]
     assert [len(r.step_s) for r in runs["with"].results] == [3, 3, 3]
+
+
+def test_a_stop_the_run_asked_for_before_the_trials_is_the_runs_after_them(tmp_path: Path) -> None:
+    """A stop asked before a session (at fit start, or by EarlyStopping held back by ``min_epochs``) outlives it.
+
+    The trials still run their steps; the session used to leave ``trainer.should_stop`` False, and the run trained.
+    """
+
+    class _StopThenTrial(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            trainer.should_stop = True
+            with TrialSession(trainer, steps=2) as session:
+                self.result = session.run(AsIs())
+
+    trial = _StopThenTrial()
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[trial], limit_val_batches=0)
+    trainer.fit(TinyClassifier())
+    assert len(trial.result.losses) == 2
+    assert trainer.global_step == 0

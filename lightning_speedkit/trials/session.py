@@ -106,6 +106,7 @@ class TrialSession:
             "metrics": metric_states(module),
             "forward": module.__dict__.get("forward"),
             "stage": trainer.state.stage,
+            "should_stop": trainer.should_stop,  # a stop asked before the trials (at fit start) is the run's
             "callbacks": trainer.callbacks,  # type: ignore[attr-defined]
             "loggers": trainer.loggers,
             "limits": (trainer.limit_train_batches, trainer.limit_val_batches, trainer.accumulate_grad_batches),
@@ -166,13 +167,15 @@ class TrialSession:
                 return None
         return min(lengths) if lengths else None
 
-    def run(self, setting: Setting, max_batches: int | None = None) -> TrialResult:
+    def run(self, setting: Setting, max_batches: int | None = None, catch: bool = False) -> TrialResult:
         """Apply ``setting``, train ``steps`` batches (and validate one if asked), revert; all ranks get one result.
 
         Args:
             setting: What to try.
             max_batches: At most this many batches per epoch (the batch-size finder's full batches); the trial then
                 spans epochs. Without it, a train loader shorter than ``steps`` is an error.
+            catch: Any error of the steps fails the trial (on every rank, as running out of memory does), its first
+                line in the result's ``error``; without it, only running out of memory does and other errors raise.
 
         Raises:
             ValueError: If the train loader has fewer batches per epoch than ``steps`` (and no ``max_batches``).
@@ -199,6 +202,7 @@ class TrialSession:
             if not trainer.lightning_module.automatic_optimization:  # its optimizer steps a batch vary: `_Probe` stops
                 fit_loop.epoch_loop.max_steps = -1
             trainer.callbacks = [self.probe, *setting.callbacks()]  # type: ignore[attr-defined]
+            trainer.should_stop = False  # the run's own stop (put back on exit) does not end a trial before its steps
             self.probe.start(trainer.strategy.root_device, self.steps)
             with self._no_sync(), replaying(trainer, batches) if batches else contextlib.nullcontext():
                 fit_loop._combined_loader = None
@@ -217,17 +221,18 @@ class TrialSession:
                     trainer.training = True
                 agree(trainer)  # the verdict: a rank that failed after the last sync point answers here
         except PeerOutOfMemory:
-            outcome, error = "peer", "another rank ran out of memory"
+            outcome, error = "peer", "another rank failed (out of memory, or an error of its step)"
         except Exception as exc:
-            if not is_oom_error(exc):
+            if not (catch or is_oom_error(exc)):
                 raise
-            outcome, error = "oom", str(exc).splitlines()[0][:300]
+            line = str(exc).splitlines()[0][:300] if str(exc) else ""
+            outcome, error = "failed", line if is_oom_error(exc) else f"{type(exc).__name__}: {line}"
         finally:
             trainer.callbacks = [self.probe]  # type: ignore[attr-defined]
             self._clean_up()
             setting.revert(trainer)
             self._restore_state()
-        if outcome == "oom":
+        if outcome == "failed":
             agree_failed(trainer)
         if outcome != "fits":  # the failed step's tensors may sit in reference cycles through its traceback
             release_memory()
@@ -323,7 +328,7 @@ class TrialSession:
         fit_loop.max_epochs, fit_loop.min_epochs, epoch_loop.max_steps, epoch_loop.min_steps = saved["loop_limits"]
         self._restore_modes()
         trainer.state.stage = saved["stage"]
-        trainer.should_stop = False
+        trainer.should_stop = saved["should_stop"]
         put_metric_states(saved["metrics"])  # not in state_dict: what the run had accumulated, not the trials' updates
         connector = trainer._logger_connector
         connector.reset_results()
