@@ -921,3 +921,44 @@ def test_a_candidate_with_a_bad_batched_fetch_is_refused() -> None:
     """``batched_fetch`` takes a bool; the error lists every key a candidate takes."""
     with pytest.raises(ValueError, match=r"keys num_workers, .*, pin_memory, batched_fetch .* got \{"):
         DataLoaderTuner(candidates=[{"num_workers": 0, "batched_fetch": "yes"}])
+
+
+class _NoiseDataset(SlowDataset):
+    """`SlowDataset` whose samples also carry the noise their augmentation drew (a worker's torch RNG stream)."""
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        time.sleep(self.delay)
+        noise = torch.randn(())
+        return self.x[i] + noise, self.y[i], noise
+
+
+class _NoiseData(SlowData):
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_NoiseDataset(n=self.n, delay=self.delay), batch_size=self.batch_size, shuffle=True)
+
+
+class _NoiseModel(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.noise: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.noise.extend(batch[2].tolist())
+        return super().training_step(batch[:2], batch_idx)
+
+
+def test_worker_blocks_of_the_probe_draw_random_streams_of_their_own(tmp_path: Path) -> None:
+    """Every sample of the run draws augmentation noise of its own, workers or not.
+
+    Every probe block's loader drew its workers' seed from the run's RNG, put back afterwards: each worker block and
+    the next epoch's workers got the same seed, so their augmentations repeated one stream an epoch later.
+    """
+    tuner = DataLoaderTuner(max_workers=2)
+    epochs = epochs_to_probe(settings=3, probe_steps=6, batches_per_epoch=160) + 1
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=epochs, limit_val_batches=0)
+    model = _NoiseModel()
+    L.seed_everything(0, verbose=False)
+    trainer.fit(model, _NoiseData(delay=0.005, n=640))
+    assert tuner.report()["chosen"]["num_workers"] >= 1, tuner.report()  # workers win a data-bound loader
+    assert len(model.noise) == 640 * epochs
+    assert len(set(model.noise)) == len(model.noise)

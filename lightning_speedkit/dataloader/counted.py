@@ -1,13 +1,12 @@
 """The loader tuner's counted trials: the first epoch's batches, in the user's order, served by each setting in turn.
 
-Loader settings change how batches arrive, never which: so their trials can be the fit's first training steps
-(`lightning_speedkit.trials.counted`). `CountedLoader` takes over the first epoch's iterator: the epoch's batches of
-indices are the ones the fit's own loader drew (so the sample order is the run's), served through a loader rebuilt
-with the settings in force (`LiveSettings`); when the counted trials switch to another setting, the loader is rebuilt
-over the batches left. After the decision the rest of the epoch is served with the settings kept, and later epochs
-by the rebuilt loaders themselves. `LoaderTrials` is the probe itself: the lever contract's counted trials, which
-stop after the loader in place's block when its wait for data cannot repay the probe, and leave out more workers
-once fewer lost while their steps hardly waited for data.
+Loader settings change how batches arrive, never which: their trials can be the fit's first training steps
+(`lightning_speedkit.trials.counted`). `CountedLoader` takes over the first epoch's iterator: the batches of indices
+the fit's own loader drew (the run's sample order), served by a loader rebuilt with the settings in force
+(`LiveSettings`), rebuilt over the batches left at each switch. After the decision the epoch is served with the
+settings kept, later epochs by the rebuilt loaders. `LoaderTrials` is the probe: the lever contract's counted trials,
+which stop after the loader in place's block when its wait for data cannot repay the probe, and leave out more
+workers once fewer lost while their steps hardly waited for data.
 """
 
 from __future__ import annotations
@@ -72,6 +71,14 @@ class _Epoch:
         while self._first < position and self._held:
             self._held.popleft()
             self._first += 1
+
+
+def _block_seed(run_seed: int, block: int) -> int:
+    """The seed a block's loader draws its workers' seeds from: the run's, mixed with the block's number.
+
+    From the run's RNG put back, every block's workers and the next epoch's got one seed: one random stream, twice.
+    """
+    return (run_seed * 0x9E3779B97F4A7C15 + 0x5EED * (block + 1)) % 2**63
 
 
 class _Batches(Sampler[list[int]]):
@@ -360,12 +367,12 @@ class CountedLoader:
                     self.loaders_built += 1
                     if loader.num_workers > 0 and loader.persistent_workers:
                         kept[name] = (loader, batches)
-                # the batches its workers prefetch at once are drawn here, from the run's RNG as the fit's iterator
-                # would draw them
+                # the workers' first prefetch, drawn here from the run's RNG as the fit's iterator would draw it
                 epoch.batch(position + loader.num_workers * (loader.prefetch_factor or 0))
-                generator = loader.generator
-                state = generator.get_state() if generator is not None else None
+                state = generator.get_state() if (generator := loader.generator) is not None else None
                 with isolate_rng(include_cuda=torch.cuda.is_available()):  # this iterator's seed draw is not the run's
+                    drawn = generator or torch.default_generator
+                    drawn.manual_seed(_block_seed(drawn.initial_seed(), self.loaders_built))
                     iterator = iter(loader)
                 if generator is not None and state is not None:
                     generator.set_state(state)
