@@ -51,13 +51,14 @@ def triple_first(sample: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Equal values of the same types: numpy scalars come back as the Python numbers ``item()`` gives."""
-
-    def plain(x: Any) -> Any:
-        return x.item() if isinstance(x, np.generic) else x
-
-    pairs = zip(map(plain, a), map(plain, b), strict=True)
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) and type(x) is type(y) for x, y in pairs)
+    """Equal values of the same types and dtypes (a numpy scalar comes back as one, of its dtype)."""
+    pairs = zip(a, b, strict=True)
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        and type(x) is type(y)
+        and np.asarray(x).dtype == np.asarray(y).dtype
+        for x, y in pairs
+    )
 
 
 class Numbers:
@@ -68,7 +69,9 @@ class Numbers:
 
     def __getitem__(self, i: int) -> tuple[Any, ...]:
         numbers = (bool(i % 2), np.uint8(i), np.int16(-i), np.float16(i / 2), np.float32(i / 3), -i / 7, complex(i, 1))
-        return (torch.full((2,), i, dtype=torch.bfloat16).float(), *numbers, np.arange(i, i + 3, dtype=np.int32))
+        numpy = (np.bool_(i % 2), np.complex64(i), np.array(i / 4, dtype=np.float32))  # a 0-d array stays one
+        tensor = torch.full((2,), i, dtype=torch.bfloat16).float()
+        return (tensor, *numbers, *numpy, np.arange(i, i + 3, dtype=np.int32))
 
 
 @pytest.mark.parametrize("source", [Source(), Numbers()], ids=["images", "numbers"])
@@ -77,6 +80,15 @@ def test_cache_returns_the_source_samples(tmp_path: Path, source: Any) -> None:
     cached = CachedDataset(source, tmp_path)
     assert len(cached) == len(source)
     assert all(_same(cached[i], source[i]) for i in range(len(source)))
+
+
+def test_a_collated_batch_of_the_cache_has_the_sources_dtypes(tmp_path: Path) -> None:
+    """The numpy scalar fields came back as Python numbers: a float32 target collated to float64, an int16 to int64."""
+    source = [(torch.full((2,), i / 3), np.float32(i / 3), np.int16(i), np.array(i / 4, np.float32)) for i in range(6)]
+    cached = CachedDataset(source, tmp_path)
+    theirs, ours = next(iter(DataLoader(source, batch_size=6))), next(iter(DataLoader(cached, batch_size=6)))
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_transform_runs_after_the_cache_and_pre_transform_before(tmp_path: Path) -> None:

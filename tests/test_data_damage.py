@@ -192,6 +192,15 @@ def test_a_file_truncated_while_open_fails_the_read_without_killing_the_process(
     assert _serves_the_source(CachedDataset(Images(), tmp_path))
 
 
+def test_a_file_removed_before_the_first_read_fails_it_naming_the_cache(tmp_path: Path) -> None:
+    """The data file removed under an open dataset, before any read: CacheDamagedError, not a bare FileNotFoundError."""
+    cached = CachedDataset(Images(), tmp_path)
+    (cached.directory / DATA).unlink()
+    with pytest.raises(CacheDamagedError, match=f"{DATA}, sample 3.*cannot be opened"):
+        cached[3]
+    assert _serves_the_source(CachedDataset(Images(), tmp_path))
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_a_worker_that_reads_a_damaged_sample_raises_in_the_main_process(tmp_path: Path, context: str) -> None:
     """A DataLoader worker (forked or spawned) serves intact samples and raises CacheDamagedError on a damaged one."""

@@ -86,7 +86,8 @@ class CachedDataset(Dataset[Any]):
     `CacheDamagedError` naming the cache, the file and the sample.
 
     Samples may be a single array/tensor/number or a tuple of them; every sample must have the same shapes and
-    dtypes. Tensors come back as tensors, numbers as Python numbers.
+    dtypes. Tensors come back as tensors, arrays as arrays (0-d too), numpy scalars as numpy scalars of their dtype and
+    Python numbers as Python numbers, so a collated batch has the source's dtypes.
 
     Args:
         source: A map-style dataset (``__len__`` and ``__getitem__``) returning decoded, deterministic samples.
@@ -172,11 +173,11 @@ class CachedDataset(Dataset[Any]):
         words = self._rows.row(position)  # a private copy, its checksum checked
         fields: list[Any] = []
         for kind, start, dtype, shape, unpack in self._layout:
-            if unpack is not None:  # a number: straight to a Python number
+            if unpack is not None:  # a Python number: straight to one
                 fields.append(unpack(words, start)[0])
             else:
                 value = np.ndarray(shape, dtype, words, start)
-                fields.append(torch.from_numpy(value) if kind == "tensor" else value)
+                fields.append(torch.from_numpy(value) if kind == "tensor" else value[()] if kind == "numpy" else value)
         sample = tuple(fields) if self._tuple else fields[0]
         return self.transform(sample) if self.transform is not None else sample
 

@@ -39,7 +39,7 @@ __all__ = [
     "write_packed",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a numpy scalar comes back as its dtype's scalar, not a Python number
 DATA_FILE = "samples.npy"
 MANIFEST = "manifest.json"
 DAMAGED = "damaged.txt"  # written by a read that found a damaged row: the next open rebuilds the cache
@@ -278,7 +278,10 @@ class PackedRows:
             words = self._memory[index].copy()
         else:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                except OSError as error:  # removed after the cache was opened
+                    raise self._failed(index, f"the file cannot be opened ({error.strerror})") from error
             words = np.empty(self.row_bytes // 8, "<u8")
             start = self.data_offset + index * self.row_bytes
             got = os.preadv(self._fd, [words.data], start)

@@ -144,7 +144,7 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
                 f"CachedDataset: field {position} of sample 0 is a {type(field).__name__}; the cache holds flat"
                 " samples (an array, a tensor or a number, or a tuple of them): flatten it in `pre_transform`."
             )
-        kind = "tensor" if isinstance(field, torch.Tensor) else "scalar" if np.ndim(field) == 0 else "array"
+        kind = _kind(field)
         try:
             array = to_numpy(field)
         except TypeError as error:  # a bfloat16 tensor: numpy has no such dtype
@@ -164,6 +164,23 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
     for field, offset in zip(fields, offsets, strict=True):
         field["offset"] = offset
     return fields, isinstance(sample, (tuple, list))
+
+
+def _kind(field: Any) -> str:
+    """How a field is stored and served: ``"tensor"``, ``"array"`` (0-d too), ``"numpy"`` or ``"scalar"``.
+
+    A numpy scalar comes back as its dtype's scalar, not a Python number: a float32 target became float64 once
+    collated. ``"scalar"`` is a Python number.
+
+    Example:
+        >>> [_kind(v) for v in (torch.zeros(1), np.array(0.5), np.float32(0.5), 0.5)]
+        ['tensor', 'array', 'numpy', 'scalar']
+    """
+    if isinstance(field, torch.Tensor):
+        return "tensor"
+    if isinstance(field, np.generic):
+        return "numpy"
+    return "array" if isinstance(field, np.ndarray) or np.ndim(field) > 0 else "scalar"
 
 
 def pack_row(row: np.ndarray[Any, Any], fields: list[dict[str, Any]], sample: Any, index: int) -> None:
