@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import signal
@@ -120,8 +121,8 @@ def run_benchmarks(
     unknown = [name for name in chosen if name not in available]
     if unknown:
         raise ValueError(f"`names` must be among {', '.join(available)}, got {', '.join(map(repr, unknown))}.")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"`timeout_s` must be a positive number of seconds or None, got {timeout_s!r}.")
+    if timeout_s is not None and not 0 < timeout_s < math.inf:  # inf: the timer thread crashed, the limit was gone
+        raise ValueError(f"`timeout_s` must be a positive number of seconds, finite, or None, got {timeout_s!r}.")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,12 @@ def test_environment_variable_names_the_directory(scripts: Path, monkeypatch: py
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"names": ["ok", "nope"]}, "`names`"), ({"names": ["ok"], "timeout_s": 0}, "`timeout_s`")],
+    [
+        ({"names": ["ok", "nope"]}, "`names`"),
+        ({"names": ["ok"], "timeout_s": 0}, "`timeout_s`"),
+        ({"names": ["ok"], "timeout_s": float("inf")}, "`timeout_s` must be a positive number of seconds, finite"),
+        ({"names": ["ok"], "timeout_s": float("nan")}, "`timeout_s`"),
+    ],
 )
 def test_bad_arguments_are_refused(scripts: Path, tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
     """An unknown benchmark or a non-positive timeout is a ValueError naming the argument."""
