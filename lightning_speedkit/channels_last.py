@@ -35,6 +35,7 @@ from lightning_speedkit.trials.counted import counted_cost
 __all__ = ["ChannelsLast"]
 
 _NHWC, _NCHW = "channels_last", "default"
+_STEP_FAILS = "reverted: the training or validation step fails channels-last"
 _MAX_GAIN = 0.4
 """The most NHWC is taken to save of a step when deciding whether a probe can pay back (1.33-1.36x measured here)."""
 
@@ -229,25 +230,35 @@ class ChannelsLast(trials.Lever):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check one real training step (and validation batch) channels-last, then the lever's life cycle."""
-        kept = self._decision  # a checkpoint's or an earlier fit's; NCHW there: `apply` reverts, nothing to check
-        if self._verified and is_channels_last(pl_module) and not trainer.should_stop and not _default(kept):
+        kept = self._decision  # a checkpoint's or an earlier fit's (which may not hold for this one)
+        if self._verified and is_channels_last(pl_module) and not trainer.should_stop:
             problem = _step_problem(trainer)
             if problem is not None:
                 _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
                 self.converted, self._verified, self._step_failed = 0, False, True
-                self._status = f"reverted: the training or validation step fails channels-last ({problem})"
+                self._status = f"{_STEP_FAILS} ({problem})"
                 rank_zero_warn(
                     f"ChannelsLast: {self._status}; layout unchanged. A `view` of an activation is the usual culprit:"
                     " use `reshape` or `flatten`."
                 )
-                if kept is not None:  # a resumed NHWC decision would be taken as it is: this fit's is the default
+                self._decision = None  # decided again (`plan`: the default layout), with this fit's job
+                if kept is not None and kept.source == "resumed":  # a resume takes its decision as it is: this one
                     self._decision = trials.Decision.skipped(_NCHW, self._status)
+                    self._decision.source = "resumed"
         super().on_fit_start(trainer, pl_module)
 
     @override
     def holds(self, trainer: pl.Trainer, decision: trials.Decision) -> bool:
-        """A decision (an earlier fit's, or remembered) holds unless this fit's steps fail channels-last."""
-        return not (self._step_failed and decision.decision == _NHWC) and super().holds(trainer, decision)
+        """A decision (an earlier fit's, or remembered) holds unless this fit's steps decide otherwise.
+
+        NHWC does not hold for a fit whose steps fail channels-last; the default layout a failed check chose does not
+        hold for a fit whose steps ran (the fingerprint holds the model's structure, not its code).
+        """
+        if decision.decision == _NHWC and self._step_failed:
+            return False
+        if decision.decision == _NCHW and decision.reason.startswith(_STEP_FAILS) and not self._step_failed:
+            return False
+        return super().holds(trainer, decision)
 
     @override
     def plan(
@@ -261,7 +272,7 @@ class ChannelsLast(trials.Lever):
 
     @override
     def apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: trials.Decision) -> None:
-        if self._verified and self.measure:
+        if self._verified:  # measured, or a resumed decision (NHWC "kept without timing" is in place already)
             self._use(trainer, decision.decision == _NHWC, decision.reason)
         set_up = self._status in ("channels_last", "no convolutions at setup")
         if set_up and has_convolutions(pl_module) and not is_channels_last(pl_module):
@@ -310,10 +321,6 @@ class ChannelsLast(trials.Lever):
         except (AssertionError, TypeError, ValueError):
             return "its output differs from the default layout's"
         return None
-
-
-def _default(decision: trials.Decision | None) -> bool:
-    return decision is not None and decision.decision == _NCHW
 
 
 def _step_problem(trainer: pl.Trainer) -> str | None:

@@ -280,7 +280,7 @@ class PackedRows:
             if self._fd is None:
                 try:
                     self._fd = os.open(self.path, os.O_RDONLY)
-                except OSError as error:  # removed after the cache was opened
+                except FileNotFoundError as error:  # removed after the cache was opened (not EMFILE, EACCES: no damage)
                     raise self._failed(index, f"the file cannot be opened ({error.strerror})") from error
             words = np.empty(self.row_bytes // 8, "<u8")
             start = self.data_offset + index * self.row_bytes

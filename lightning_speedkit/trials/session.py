@@ -230,10 +230,10 @@ class TrialSession:
         finally:
             trainer.callbacks = [self.probe]  # type: ignore[attr-defined]
             self._clean_up()
+            if outcome == "failed":  # the peers wait in a sync point: answered before a revert's own collectives
+                agree_failed(trainer)
             setting.revert(trainer)
             self._restore_state()
-        if outcome == "failed":
-            agree_failed(trainer)
         if outcome != "fits":  # the failed step's tensors may sit in reference cycles through its traceback
             release_memory()
         step_s, samples, waits = self.probe.measured() if outcome == "fits" else ([], [], [])
