@@ -540,19 +540,39 @@ def test_a_training_step_that_breaks_channels_last_is_caught_before_the_run_and_
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _step_class(views: bool) -> type[_ViewInTheStep]:
+    """A class named ``Step`` whose ``training_step`` views the features, or flattens them: one structure, two codes."""
+    if views:
+
+        class Step(_ViewInTheStep):
+            @override
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                self.views = True
+                return super().training_step(batch, batch_idx)
+
+    else:
+
+        class Step(_ViewInTheStep):  # type: ignore[no-redef]
+            @override
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                self.views = False
+                return super().training_step(batch, batch_idx)
+
+    return Step
+
+
 def test_an_earlier_fits_channels_last_decision_is_checked_against_this_fits_step(tmp_path: Path) -> None:
     """Three fits, one callback: the first's step runs NHWC, the second's ``view``s its features, the third's runs.
 
-    The earlier fit's decision (like a remembered one: the fingerprint holds the model's structure, not its code)
-    does not hold for a fit whose step fails channels-last (the report says default, as the layout is), and the
-    default a failed check chose does not hold for a fit whose step runs again.
+    The models have one class name and one structure: their jobs differ by their steps' code alone (as a notebook's
+    edited ``training_step``). An earlier fit's decision, or a remembered one, held for a fit whose step fails
+    channels-last; the default a failed check chose does not hold for a fit whose step runs again.
     """
     callback = ChannelsLast(measure=False)
     decisions = []
-    flattens, fixed = _ViewInTheStep(), _ViewInTheStep()
-    flattens.views = fixed.views = False
-    for model in (flattens, _ViewInTheStep(), fixed):
+    for views in (False, True, False):
         L.seed_everything(0, verbose=False)
+        model = _step_class(views)()
         trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=[callback], limit_val_batches=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

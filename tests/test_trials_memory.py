@@ -41,10 +41,15 @@ def _levers(**kwargs: Any) -> list[Lever]:
 
 
 def _fit(
-    tmp_path: Path, levers: list[Lever], width: int = 16, extra: Sequence[L.Callback] = (), **kwargs: Any
+    tmp_path: Path,
+    levers: list[Lever],
+    width: int = 16,
+    extra: Sequence[L.Callback] = (),
+    model_class: type[DemoClassifier] = DemoClassifier,
+    **kwargs: Any,
 ) -> L.Trainer:
     L.seed_everything(0, verbose=False)
-    model = DemoClassifier(width=width, crop_size=16)
+    model = model_class(width=width, crop_size=16)
     trainer = tiny_trainer(tmp_path, max_epochs=12, callbacks=[*levers, *extra], limit_val_batches=0, **kwargs)
     trainer.fit(model, _images())
     return trainer
@@ -120,6 +125,23 @@ def test_any_change_in_the_fingerprint_probes_again(tmp_path: Path, change: dict
     _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
     lever = speedkit.ChannelsLast(probe_steps=3, **change.pop("lever", {}))
     _fit(tmp_path / "b", [lever], **change)
+    assert lever.report()["source"] == "measured", lever.report()["reason"]
+    assert len(DecisionMemory().entries()) == 2
+
+
+def test_an_edited_step_is_another_job(tmp_path: Path) -> None:
+    """The same class name and structure with another ``training_step``: measured afresh.
+
+    A remembered NHWC layout crashed a step edited to ``view`` its features.
+    """
+
+    def training_step(self: DemoClassifier, batch: Any, batch_idx: int) -> Any:
+        return DemoClassifier.training_step(self, batch, batch_idx) * 1.0
+
+    edited = type("DemoClassifier", (DemoClassifier,), {"training_step": training_step})
+    _fit(tmp_path / "a", [speedkit.ChannelsLast(probe_steps=3)])
+    lever = speedkit.ChannelsLast(probe_steps=3)
+    _fit(tmp_path / "b", [lever], model_class=edited)
     assert lever.report()["source"] == "measured", lever.report()["reason"]
     assert len(DecisionMemory().entries()) == 2
 
