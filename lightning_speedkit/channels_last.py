@@ -35,6 +35,7 @@ from lightning_speedkit.trials.counted import counted_cost
 __all__ = ["ChannelsLast"]
 
 _NHWC, _NCHW = "channels_last", "default"
+_STEP_FAILS = "reverted: the training or validation step fails channels-last"
 _MAX_GAIN = 0.4
 """The most NHWC is taken to save of a step when deciding whether a probe can pay back (1.33-1.36x measured here)."""
 
@@ -228,39 +229,41 @@ class ChannelsLast(trials.Lever):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A resumed NHWC decision is checked against this fit's step first (the code may have changed since)."""
-        kept = self._decision
-        if kept is not None and kept.source == "resumed" and kept.decision == _NHWC and self._step_fails(trainer):
-            self._decision = trials.Decision.skipped(_NCHW, self._status)
-            self._decision.source = "resumed"  # a resume takes its checkpoint's decision as it is: this one
+        """Check one real training step (and validation batch) channels-last, then the lever's life cycle.
+
+        The check runs whenever NHWC is in place or a resumed decision would put it there, remembered runs included:
+        one restored step, not a measurement (the job's fingerprint holds the model's structure, not its code).
+        """
+        kept = self._decision  # a checkpoint's or an earlier fit's (which may not hold for this one)
+        resumed_nhwc = kept is not None and kept.source == "resumed" and kept.decision == _NHWC
+        if self._verified and (is_channels_last(pl_module) or resumed_nhwc) and not trainer.should_stop:
+            problem = _step_problem(trainer)
+            if problem is not None:
+                _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
+                self.converted, self._verified, self._step_failed = 0, False, True
+                self._status = f"{_STEP_FAILS} ({problem})"
+                rank_zero_warn(
+                    f"ChannelsLast: {self._status}; layout unchanged. A `view` of an activation is the usual culprit:"
+                    " use `reshape` or `flatten`."
+                )
+                self._decision = None  # decided again (`plan`: the default layout), with this fit's job
+                if kept is not None and kept.source == "resumed":  # a resume takes its decision as it is: this one
+                    self._decision = trials.Decision.skipped(_NCHW, self._status)
+                    self._decision.source = "resumed"
         super().on_fit_start(trainer, pl_module)
 
     @override
-    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> trials.Decision | None:
-        """A new decision (no earlier fit's or remembered one holds): one real step is checked channels-last first."""
-        if self._step_fails(trainer):
-            return trials.Decision.skipped(_NCHW, self._status)
-        return super().decide(trainer, pl_module)
+    def holds(self, trainer: pl.Trainer, decision: trials.Decision) -> bool:
+        """A decision (an earlier fit's, or remembered) holds unless this fit's steps decide otherwise.
 
-    def _step_fails(self, trainer: pl.Trainer) -> bool:
-        """Whether one real training step (and validation batch) fails NHWC in place, and not in the default layout.
-
-        If so, the model goes back to the default layout, before any step of the run, with a warning.
+        NHWC does not hold for a fit whose steps fail channels-last; the default layout a failed check chose does not
+        hold for a fit whose steps ran (the fingerprint holds the model's structure, not its code).
         """
-        module = trainer.lightning_module
-        if not (self._verified and is_channels_last(module)) or trainer.should_stop:
+        if decision.decision == _NHWC and self._step_failed:
             return False
-        problem = _step_problem(trainer)
-        if problem is None:
+        if decision.decision == _NCHW and decision.reason.startswith(_STEP_FAILS) and not self._step_failed:
             return False
-        _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
-        self.converted, self._verified, self._step_failed = 0, False, True
-        self._status = f"reverted: the training or validation step fails channels-last ({problem})"
-        rank_zero_warn(
-            f"ChannelsLast: {self._status}; layout unchanged. A `view` of an activation is the usual culprit: use"
-            " `reshape` or `flatten`."
-        )
-        return True
+        return super().holds(trainer, decision)
 
     @override
     def plan(

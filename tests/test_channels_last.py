@@ -565,8 +565,8 @@ def test_an_earlier_fits_channels_last_decision_is_checked_against_this_fits_ste
     """Three fits, one callback: the first's step runs NHWC, the second's ``view``s its features, the third's runs.
 
     The models have one class name and one structure: their jobs differ by their steps' code alone (as a notebook's
-    edited ``training_step``). An earlier fit's decision, or a remembered one, held for a fit whose step fails
-    channels-last; the default a failed check chose does not hold for a fit whose step runs again.
+    edited ``training_step``), which the fingerprint does not hold. An earlier fit's decision held for a fit whose
+    step fails channels-last; the default a failed check chose does not hold for a fit whose step runs again.
     """
     callback = ChannelsLast(measure=False)
     decisions = []
@@ -697,6 +697,30 @@ def test_a_resumed_channels_last_decision_reports_the_default_layout_its_failed_
     assert (trainer.global_step, is_channels_last(again), callback.report()["decision"]) == (12, False, "default")
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_resumed_channels_last_decision_is_checked_on_a_run_too_short_to_probe(tmp_path: Path) -> None:
+    """A short resumed run with a step that ``view``s: the resumed NHWC decision is checked too, and reverted.
+
+    Setup, before the checkpoint loads, found that no probe could repay and left NCHW; the resumed NHWC decision then
+    put NHWC back unchecked, and the first step crashed.
+    """
+    first = _ViewInTheStep()
+    first.views = False
+    trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=[ChannelsLast(measure=False)], limit_val_batches=0)
+    trainer.fit(first, _images(32))
+    trainer.save_checkpoint(tmp_path / "nhwc.ckpt")
+    callback, resumed = ChannelsLast(probe_steps=4), _ViewInTheStep()  # measured: 8 more steps cannot repay a probe
+    checkpoint = torch.load(tmp_path / "nhwc.ckpt", weights_only=False)  # as if that fit had measured NHWC
+    states = checkpoint["callbacks"]
+    states[callback.state_key] = states.pop(next(key for key in states if "ChannelsLast" in key))
+    torch.save(checkpoint, tmp_path / "nhwc.ckpt")
+    trainer = tiny_trainer(tmp_path, max_epochs=3, callbacks=[callback], limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(resumed, _images(32), ckpt_path=tmp_path / "nhwc.ckpt")
+    assert (trainer.global_step, is_channels_last(resumed), callback.report()["decision"]) == (12, False, "default")
+
+
 class _ViewsOnRankOne(_ViewInTheStep):
     """Only rank 1's step ``view``s (as a data-dependent path would): the ranks' checks fail apart."""
 
@@ -706,8 +730,6 @@ class _ViewsOnRankOne(_ViewInTheStep):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.slow
-@pytest.mark.ddp
 class _BrokenOnRankOne(_ViewInTheStep):
     """Only rank 1's step raises, in either layout (a bug on a data-dependent path); rank 0's runs in both."""
 

@@ -24,7 +24,7 @@ from lightning_speedkit.trials.loaders import peek_train_loader
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["BUILT_FROM", "STEPS", "fingerprint", "fingerprint_key", "read_fingerprint", "step_code"]
+__all__ = ["BUILT_FROM", "fingerprint", "fingerprint_key", "read_fingerprint"]
 
 
 def fingerprint_key(print_: Mapping[str, Any]) -> str:
@@ -50,42 +50,10 @@ def _device(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def _model(module: torch.nn.Module) -> dict[str, Any]:
-    """Module types, every parameter's and buffer's name, shape and dtype, and the steps' code, hashed.
-
-    A model can be large; its steps' code is `step_code`.
-    """
+    """Module types and every parameter's and buffer's name, shape and dtype, hashed (a model can be large)."""
     layout = [(name, type(sub).__name__) for name, sub in module.named_modules()]
     tensors = [(name, list(t.shape), str(t.dtype)) for name, t in (*module.named_parameters(), *module.named_buffers())]
-    structure = fingerprint_key({"layout": layout, "tensors": tensors})
-    return {"class": type(module).__name__, "structure": structure, "steps": step_code(module)}
-
-
-STEPS = ("forward", "training_step", "validation_step")
-"""The methods whose code is part of a job: an edited step may run another way (a ``view`` NHWC breaks), or slower."""
-
-
-def step_code(module: torch.nn.Module) -> str:
-    """A digest of the code of the module's `STEPS` (bytecode, constants and names, nested functions too).
-
-    Example:
-        >>> class A(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         return x.view(-1)
-        >>> class B(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         return x.reshape(-1)
-        >>> step_code(A()) == step_code(A()), step_code(A()) == step_code(B())
-        (True, False)
-    """
-    return fingerprint_key({name: _code(getattr(type(module), name, None)) for name in STEPS})
-
-
-def _code(value: Any) -> Any:
-    code = getattr(getattr(value, "__func__", value), "__code__", value)
-    if not hasattr(code, "co_code"):
-        return type(value).__name__
-    constants = [_code(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
-    return [code.co_code.hex(), constants, list(code.co_names)]
+    return {"class": type(module).__name__, "structure": fingerprint_key({"layout": layout, "tensors": tensors})}
 
 
 def _shapes(value: Any) -> Any:

@@ -4,8 +4,7 @@ The same job on the same machine (a sweep, a restart, tomorrow's run, every rank
 lever again. torch.compile's cache artifacts and Triton's autotune cache keep their tuning on disk keyed by versions,
 device and configuration; this does the same for speedkit's decisions. A decision is keyed by a `fingerprint` of:
 
-- the model's structure (module types, parameter names, shapes and dtypes) and the code of its steps (``forward``,
-  ``training_step``, ``validation_step``: an edited step may run another way, or slower);
+- the model's structure (module types, parameter names, shapes and dtypes);
 - the batch (the shapes and dtypes of one training sample, and the batch size) and the data set's length;
 - the loader's settings, the number of devices and nodes, the precision (as built) and gradient accumulation;
 - the Trainer's ``limit_train_batches``, ``val_check_interval`` and ``check_val_every_n_epoch`` (a batch size found
