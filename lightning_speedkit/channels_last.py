@@ -235,8 +235,8 @@ class ChannelsLast(trials.Lever):
         one restored step, not a measurement (the job's fingerprint holds the model's structure, not its code).
         """
         kept = self._decision  # a checkpoint's or an earlier fit's (which may not hold for this one)
-        resumed_nhwc = kept is not None and kept.source == "resumed" and kept.decision == _NHWC
-        if self._verified and (is_channels_last(pl_module) or resumed_nhwc) and not trainer.should_stop:
+        resumed = kept.decision if kept is not None and kept.source == "resumed" else None
+        if self._verified and (is_channels_last(pl_module) or resumed == _NHWC) and not trainer.should_stop:
             problem = _step_problem(trainer)
             if problem is not None:
                 _set_layout(trainer, False)  # at fit start, outside any step: a DDP wrapper is rebuilt, not re-entered
@@ -247,7 +247,7 @@ class ChannelsLast(trials.Lever):
                     " use `reshape` or `flatten`."
                 )
                 self._decision = None  # decided again (`plan`: the default layout), with this fit's job
-                if kept is not None and kept.source == "resumed":  # a resume takes its decision as it is: this one
+                if resumed is not None:  # a resume takes its decision as it is: this one
                     self._decision = trials.Decision.skipped(_NCHW, self._status)
                     self._decision.source = "resumed"
         super().on_fit_start(trainer, pl_module)

@@ -51,6 +51,7 @@ __all__ = [
     "still_falling",
     "time_fraction",
     "warmup_factor",
+    "warmup_steps_of",
 ]
 
 DECAYS = ("wsd", "constant", "cosine", "linear")
@@ -70,6 +71,18 @@ def check_warmup(warmup: int | float) -> None:
     """Raise ``ValueError`` unless ``warmup`` is an int >= 0 (steps) or a float in (0, 1) (fraction)."""
     if not is_int(warmup, low=0) and not (isinstance(warmup, float) and 0.0 < warmup < 1.0):
         raise ValueError(f"`warmup` must be an int >= 0 (steps) or a float in (0, 1) (fraction), got {warmup!r}.")
+
+
+def warmup_steps_of(warmup: int | float, total: int | None) -> int:
+    """A warmup in steps: ``warmup`` itself (steps), or that share of ``total`` steps rounded up (0 with no total).
+
+    Example:
+        >>> warmup_steps_of(5, 100), warmup_steps_of(0.05, 90), warmup_steps_of(0.05, None)
+        (5, 5, 0)
+    """
+    if is_int(warmup):
+        return int(warmup)
+    return 0 if total is None else math.ceil(warmup * total)
 
 
 def check_cooldown(cooldown: float) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -30,6 +29,7 @@ from lightning_speedkit.schedule import (
     scheduler_names,
     time_fraction,
     warmup_factor,
+    warmup_steps_of,
 )
 from lightning_speedkit.step_factor import StepFactor
 
@@ -196,8 +196,7 @@ class WarmupScheduler(LeanCallback):
                 rank_zero_info(
                     f"WarmupScheduler: the budget changed since the checkpoint: {total} steps, not {s.total_steps}."
                 )
-                share = self._warmup_spec  # a warmup given as a share of the budget is a share of the new one
-                warmup = s.warmup_steps if is_int(share) else min(math.ceil(share * total), total)
+                warmup = warmup_steps_of(self._warmup_spec, total)  # a share of the budget: of the new one
                 self._schedule = s._replace(total_steps=total, warmup_steps=warmup)
         self._resumed = False
         t0, share, spent = self._schedule.time_start if self._schedule else 0.0, self._time_share(), self._time_fraction
@@ -302,7 +301,7 @@ class WarmupScheduler(LeanCallback):
         """Make the warmup ``warmup_steps`` steps long (a float: a share of the budget, of its time if no step one)."""
         total = None if self._schedule is None else self._schedule.total_steps
         check_warmup(warmup_steps)
-        steps = warmup_steps if isinstance(warmup_steps, int) else math.ceil(warmup_steps * (total or 0))
+        steps = warmup_steps_of(warmup_steps, total)
         check_schedule(steps, total, "constant", 0.0, 0.0)
         self._warmup_spec = warmup_steps
         if self._schedule is not None:
@@ -349,7 +348,7 @@ class WarmupScheduler(LeanCallback):
         if not is_int(warmup):  # a share of the steps; of the time when there is no step budget (`_time_share`)
             if total is None and not timed:
                 raise ValueError(f"`warmup` as a fraction ({warmup}) needs `total_steps`, got None: pass total_steps.")
-            warmup = 0 if total is None else math.ceil(warmup * total)
+            warmup = warmup_steps_of(warmup, total)
         if total is None and self._decay != "constant" and not timed and self.decay == AUTO:
             self._decay = "constant"  # preset's default: a run of unknown length keeps the LR, as without a schedule
             rank_zero_info(f"WarmupScheduler: {_NO_BUDGET}: no cool-down, the LR stays at its peak.")

@@ -1,7 +1,8 @@
 """The trials' own callback and the sync points that let every rank agree on a trial's outcome.
 
 `_Probe` is `lightning_speedkit.trials.TrialSession`'s alone: it times each trial step, keeps its loss, stops the trial
-after its batches and places the ranks' sync points (`agree`; `agree_failed` after this rank's own OOM).
+after its batches and places the ranks' sync points (`agree`; `agree_failed` after this rank's own failure: running
+out of memory, or any error of a trial run with ``catch``).
 """
 
 from __future__ import annotations
@@ -20,21 +21,21 @@ from lightning_speedkit.trials.settings import loss_of
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PeerOutOfMemory", "agree", "agree_failed"]
+__all__ = ["PeerFailed", "agree", "agree_failed"]
 
 
-class PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this trial (this rank has already taken part in the verdict)."""
+class PeerFailed(Exception):
+    """Another rank's trial failed (out of memory, or an error caught); this rank has taken part in the verdict."""
 
 
 def agree(trainer: pl.Trainer) -> None:
-    """A sync point: raise `PeerOutOfMemory` unless every rank reached it (a failed rank answers from its handler)."""
+    """A sync point: raise `PeerFailed` unless every rank reached it (a failed rank answers from its handler)."""
     if not trainer.strategy.reduce_boolean_decision(True, all=True):
-        raise PeerOutOfMemory
+        raise PeerFailed
 
 
 def agree_failed(trainer: pl.Trainer) -> None:
-    """This rank's verdict after its own OOM: answers the peers' pending sync point with 'failed'."""
+    """This rank's verdict after its own failure: answers the peers' pending sync point with 'failed'."""
     trainer.strategy.reduce_boolean_decision(False, all=True)
 
 
@@ -73,9 +74,8 @@ class _Probe(Callback):
         agree(trainer)
         self.timer.step_end()
         self.losses.append(loss_of(outputs))
-        if (
-            len(self.losses) >= self.batches
-        ):  # under manual optimization `max_steps` counts optimizer steps, not batches
+        # the trial ends after its batches (under manual optimization `max_steps` counts optimizer steps instead)
+        if len(self.losses) >= self.batches:
             trainer.should_stop = True
 
     @override

@@ -24,7 +24,7 @@ from lightning_speedkit.trials.loaders import (
     run_loaders,
     set_aside_iterators,
 )
-from lightning_speedkit.trials.probe import PeerOutOfMemory, _Probe, agree, agree_failed
+from lightning_speedkit.trials.probe import PeerFailed, _Probe, agree, agree_failed
 from lightning_speedkit.trials.replay import fetch_batches, replaying
 from lightning_speedkit.trials.settings import Setting, TrialResult
 from lightning_speedkit.trials.snapshot import (
@@ -220,7 +220,7 @@ class TrialSession:
                     val_loop.run()
                     trainer.training = True
                 agree(trainer)  # the verdict: a rank that failed after the last sync point answers here
-        except PeerOutOfMemory:
+        except PeerFailed:
             outcome, error = "peer", "another rank failed (out of memory, or an error of its step)"
         except Exception as exc:
             if not (catch or is_oom_error(exc)):
