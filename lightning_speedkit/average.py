@@ -158,6 +158,7 @@ class WeightAverage(LeanCallback):
         self._last_step = -1
         self._restarts: list[str] = []
         self._trained_in_fit = False  # whether this fit's training loop ran (a finished run's resume runs none)
+        self._ended = False  # whether the average went in at this fit's end
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -167,7 +168,8 @@ class WeightAverage(LeanCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._after_fit, self._trained_in_fit = None, True
+        self._after_fit, self._trained_in_fit, self._ended = None, True, False
+        self._last_step = max(self._last_step, trainer.global_step)  # a batch that ends at it stepped nothing
         if self.decay is None and self._decay is None:  # a resume keeps the decay it had
             self._interval = validation_interval(trainer)
             self._decay = ema_decay(self._interval, self.share)
@@ -220,10 +222,21 @@ class WeightAverage(LeanCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._trained_in_fit:  # resumed from a finished run's checkpoint: no step ran, and no `on_train_end`
-            self.on_train_end(trainer, pl_module)  # the module ends with the average, as the run it resumed did
+            self.put_final_weights(trainer, pl_module)  # the module ends with the average, as the run it resumed did
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.put_final_weights(trainer, pl_module)
+
+    def put_final_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the average in the module, once a fit, on every rank (a collective: every rank calls it).
+
+        Called at the fit's end, and first by a callback that exports the weights there (`Int8Export`) and may come
+        earlier in the callback list.
+        """
+        if self._ended:
+            return
+        self._ended = True
         self._put_back(pl_module)
         names, tensors = self._current(pl_module)
         if self._average is not None and self._matches(self._average, names, tensors):

@@ -122,6 +122,21 @@ def test_training_is_unchanged_and_validation_sees_the_average(tmp_path: Path) -
     assert average.report()["decay"] == 0.9
 
 
+def test_accumulated_batches_average_only_the_weights_after_optimizer_steps(tmp_path: Path) -> None:
+    """Under gradient accumulation the average starts at the first optimizer step, not from the untrained weights.
+
+    A batch that only accumulates ends at the step count it began with; the first one ended at step 0 and started the
+    average from the initial weights, which every later average then carried.
+    """
+    steps, average = _Steps(), WeightAverage(decay=0.5)
+    _trainer, model = _fit(tmp_path, [steps, average], accumulate_grad_batches=2)
+    stepped = steps.weights[1::2]  # 8 batches an epoch, 2 epochs: an optimizer step every second batch
+    assert len(stepped) == 8
+    for name, value in _ema(stepped, 0.5).items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+    assert average.report()["updates"] == len(stepped) - 1
+
+
 class _NewStorage(L.Callback):
     """After the third step every parameter gets new storage under the same object, as a layout change does."""
 

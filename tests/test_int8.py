@@ -554,6 +554,32 @@ def test_benchmark_quick_mode_writes_its_table(tmp_path: Path, demo_cache: Path)
     assert set(formats["conv"]) >= set(module.FORMATS) | {"FP32"}
 
 
+@pytest.mark.parametrize("export_first", [True, False])
+def test_a_weight_average_is_exported_whichever_comes_first_in_the_list(tmp_path: Path, export_first: bool) -> None:
+    """With a `WeightAverage`, the export holds the average the module ends the fit with, in either callback order.
+
+    Before, an `Int8Export` listed first exported at its ``on_train_end``, before the average went in: the trained
+    weights, while the module (and README) ended with the average.
+    """
+    from lightning_speedkit import WeightAverage
+
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(num_samples=64)
+    average, export = WeightAverage(decay=0.9), Int8Export(tmp_path / "int8", latency_repeats=0, max_metric_drop=None)
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[export, average] if export_first else [average, export])
+    trainer.fit(model)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        ended_with = model.eval()(x).numpy()
+        trained = TinyClassifier()
+        trained.load_state_dict(dict(zip(average._names, average._after_fit or [], strict=True)))
+        trained_out = trained.eval()(x).numpy()
+    exported = run_ort(export.report()["fp32_path"], x)
+    # the average and the trained weights can be told apart (put in twice, the average would be both)
+    assert np.abs(ended_with - trained_out).max() > 1e-3
+    np.testing.assert_allclose(exported, ended_with, atol=1e-5)
+
+
 def test_a_one_logit_binary_classifier_gets_no_top1_verdict(tmp_path: Path) -> None:
     """One output column (a binary logit) has no argmax to compare: agreement and accuracy are not reported.
 

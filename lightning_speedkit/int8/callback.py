@@ -38,17 +38,18 @@ class Int8Export(LeanCallback):
 
     Runs `lightning_speedkit.int8.export_int8` at ``on_train_end`` on the weights of the best checkpoint when a
     ``ModelCheckpoint`` monitors a metric (loaded with ``weights_only=True`` into a copy of the module; if its shapes
-    no longer fit, e.g. it was saved before pruning, the final weights are used and a warning says so), else on
-    the final weights. It calibrates on the first ``calibration_batches`` validation batches and, with ``verify``,
-    compares FP32 and INT8 in ONNX Runtime on the whole validation set, including the module's own validation
-    metric: ``metric`` if given, else the torchmetrics ``Metric`` attribute named like a ``ModelCheckpoint``'s
-    ``monitor``, else the only one whose name starts with ``val``; without one, top-1 accuracy when the targets
-    are class indices. The validation batches come from the datamodule's (or module's) ``val_dataloader()``, not
-    sharded; they must be ``(input, target, ...)``, an input tensor or a dict keyed by ``forward``'s parameters
-    (``input_ids``, ``attention_mask``, ``labels``), unless ``inputs_from_batch`` picks the model's inputs out of
-    them. When the INT8 model misses ``max_metric_drop`` (or ``min_agreement``), the most sensitive layers are kept
-    in FP32 until it holds (at most ``max_fp32_layers``); the report lists them and their cost in size and latency.
-    If it still misses, `report` has ``passed: False`` and a ``status`` starting with ``FAILED``.
+    no longer fit, e.g. it was saved before pruning, the final weights are used and a warning says so), else on the
+    final weights (a `WeightAverage`'s average, wherever it is in the callback list). It calibrates on the first
+    ``calibration_batches`` validation batches and, with ``verify``, compares FP32 and INT8 in ONNX Runtime on the
+    whole validation set, including the module's own validation metric: ``metric`` if given, else the torchmetrics
+    ``Metric`` attribute named like a ``ModelCheckpoint``'s ``monitor``, else the only one whose name starts with
+    ``val``; without one, top-1 accuracy when the targets are class indices. The validation batches come from the
+    datamodule's (or module's) ``val_dataloader()``, not sharded; they must be ``(input, target, ...)``, an input
+    tensor or a dict keyed by ``forward``'s parameters (``input_ids``, ``attention_mask``, ``labels``), unless
+    ``inputs_from_batch`` picks the model's inputs out of them. When the INT8 model misses ``max_metric_drop`` (or
+    ``min_agreement``), the most sensitive layers are kept in FP32 until it holds (at most ``max_fp32_layers``); the
+    report lists them and their cost in size and latency. If it still misses, `report` has ``passed: False`` and a
+    ``status`` starting with ``FAILED``.
 
     Files in ``dirpath``: ``model.onnx`` (INT8), ``model.fp32.onnx`` and ``model.json`` (the report), named after
     ``filename``, switched into place as a whole when complete (`lightning_speedkit.int8.place`). An existing
@@ -215,6 +216,9 @@ class Int8Export(LeanCallback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if callable(put := getattr(callback, "put_final_weights", None)):  # a `WeightAverage` later in the list
+                put(trainer, pl_module)  # the export holds the weights the fit ends with
         failure: BaseException | None = None
         report: dict[str, Any] | None = None
         if trainer.is_global_zero:
