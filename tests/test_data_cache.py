@@ -311,6 +311,35 @@ def test_killed_build_is_detected_and_rebuilt(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+def test_an_older_format_of_the_same_source_is_named_and_left_on_disk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new format's build names the older format's copy of the same source (never read again), and leaves it there.
+
+    A library update that changes the format rebuilt the cache beside the old one without a word: a second copy of a
+    data set's decoded samples, whose space only the user can give back (another install may still read it).
+    """
+    first = CachedDataset(Source(), tmp_path / "a", fingerprint="fixed")
+    version, key = first.directory.name.split("-", 2)[1:]
+    older = tmp_path / "b" / f"cache-{'v' + str(int(version[1:]) - 1)}-{key}"
+    other = tmp_path / "b" / "cache-v1-another0source0key0"
+    for place in (older, other):
+        place.mkdir(parents=True)
+        (place / "data.bin").write_bytes(b"old")
+    with caplog.at_level("WARNING", logger="lightning_speedkit.data.cache"):
+        cached = CachedDataset(Source(), tmp_path / "b", fingerprint="fixed")
+    named = [r.getMessage() for r in caplog.records if "older cache format" in r.getMessage()]
+    assert len(named) == 1
+    assert str(older) in named[0]
+    assert (older / "data.bin").read_bytes() == b"old"
+    assert other.is_dir()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_speedkit.data.cache"):
+        CachedDataset(Source(), tmp_path / "b", fingerprint="fixed")  # found built: nothing said again
+    assert not [r for r in caplog.records if "older cache format" in r.getMessage()]
+    assert _same(cached[3], Source()[3])
+
+
 def test_disk_budget_is_refused_clearly(tmp_path: Path) -> None:
     """A cache larger than ``max_disk_bytes`` is refused before anything is written."""
     with pytest.raises(CacheBudgetError, match="max_disk_bytes"):

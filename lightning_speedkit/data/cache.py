@@ -263,6 +263,13 @@ class CachedDataset(Dataset[Any]):
         log.info(
             "CachedDataset: packed %d samples (%s bytes) into %s, decoded by %s", length, total, self.directory, shown
         )
+        for older in sorted(self.root.glob(f"cache-v*-{self.directory.name.rsplit('-', 1)[1]}")):
+            if older != self.directory and older.is_dir():  # a format this version no longer reads: left, named
+                log.warning(
+                    "CachedDataset: %s holds the same source in an older cache format, which is not read any more;"
+                    " remove it to free its space",
+                    older,
+                )
         return manifest
 
     def _decoded(self, index: int) -> Any:
