@@ -264,9 +264,9 @@ class CachedDataset(Dataset[Any]):
             "CachedDataset: packed %d samples (%s bytes) into %s, decoded by %s", length, total, self.directory, shown
         )
         for older in sorted(self.root.glob(f"cache-v*-{self.directory.name.rsplit('-', 1)[1]}")):
-            if older != self.directory and older.is_dir():  # a format this version no longer reads: left, named
+            if older != self.directory and older.is_dir():  # an older (or newer) format: not read, left, named
                 log.warning(
-                    "CachedDataset: %s holds the same source in an older cache format, which is not read any more;"
+                    "CachedDataset: %s holds the same source in another cache format, which this version does not read;"
                     " remove it to free its space",
                     older,
                 )
