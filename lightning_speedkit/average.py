@@ -222,17 +222,17 @@ class WeightAverage(LeanCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._trained_in_fit:  # resumed from a finished run's checkpoint: no step ran, and no `on_train_end`
-            self.put_final_weights(trainer, pl_module)  # the module ends with the average, as the run it resumed did
+            self.settle_weights(trainer, pl_module)  # the module ends with the average, as the run it resumed did
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.put_final_weights(trainer, pl_module)
+        self.settle_weights(trainer, pl_module)
 
-    def put_final_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def settle_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put the average in the module, once a fit, on every rank (a collective: every rank calls it).
 
-        Called at the fit's end, and first by a callback that exports the weights there (`Int8Export`) and may come
-        earlier in the callback list.
+        Called at the fit's end, and earlier by a callback that exports the weights there (`Int8Export`, which settles
+        every callback's end-of-fit weights in list order first, wherever it is in the list).
         """
         if self._ended:
             return
@@ -253,7 +253,10 @@ class WeightAverage(LeanCallback):
     def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
         """`TrainingGuard` put the weights of ``step`` back: the average, which holds the broken steps, starts again."""
         if self._average is not None:
-            self._start(*self._current(trainer.lightning_module), f"rolled back to step {step}")
+            names, tensors = self._current(trainer.lightning_module)
+            self._start(names, tensors, f"rolled back to step {step}")
+            if self._ended:  # after the average went in: the weights put back are what a resume goes on from
+                self._after_fit = [_host_copy(t) for t in tensors]
 
     @override
     def on_save_checkpoint(

@@ -247,6 +247,8 @@ class TrainingGuard(LeanCallback):
         if self._pending:  # the last steps' losses are judged too: a broken last step is rolled back
             self._check(trainer)
 
+    settle_weights = on_train_end  # `Int8Export` calls it before exporting: judged once (a second call finds none)
+
     def _check(self, trainer: pl.Trainer) -> bool:
         """Read the pending losses (one sync, one reduction over ranks) and judge them in order; False: rolled back."""
         pending, self._pending = self._pending, []

@@ -298,6 +298,35 @@ def test_a_guard_rollback_starts_the_average_again(tmp_path: Path) -> None:
     assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
 
 
+class _BreaksLastStep(TinyClassifier):
+    """The last of 5 steps gets a NaN loss: with checks every 5 steps, only the guard's end-of-fit check judges it."""
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 4 else loss
+
+
+def test_a_rollback_after_the_average_went_in_keeps_the_weights_put_back_for_a_resume(tmp_path: Path) -> None:
+    """A guard rollback at the fit's end, after the average went in: a checkpoint saved then resumes from sane weights.
+
+    The average restarted from the weights put back, but the trained weights a resume goes on from stayed the broken
+    ones (NaN) in the callback's state.
+    """
+    from lightning_speedkit import TrainingGuard
+
+    guard, average = TrainingGuard(every_n_steps=2, check_every_n_steps=5), WeightAverage(decay=0.5)
+    trainer, model = _fit(tmp_path, [average, guard], make=_BreaksLastStep, max_epochs=-1, max_steps=5)
+    assert guard.report()["rollbacks"] == 1
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    state = torch.load(tmp_path / "after.ckpt", weights_only=False)
+    trained = state["callbacks"][average.state_key]["trained"]
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    for name, value in model.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(trained[name], value)  # the module holds the weights put back
+
+
 def test_preset_puts_the_average_after_the_guard() -> None:
     """``preset(average=True)`` adds it after TrainingGuard (a rolled-back step is never averaged); off by default."""
     names = preset(average=True, logger=False, verbose=False).speedkit["callbacks"]

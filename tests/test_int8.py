@@ -580,6 +580,34 @@ def test_a_weight_average_is_exported_whichever_comes_first_in_the_list(tmp_path
     np.testing.assert_allclose(exported, ended_with, atol=1e-5)
 
 
+def test_the_export_follows_a_guard_rollback_judged_at_the_fit_end(tmp_path: Path) -> None:
+    """Listed first, the export settles the guard's last check, then the average: it holds the weights put back.
+
+    The average went in before the guard judged the last (NaN) step and rolled it back: the export held a NaN average
+    while the module ended with the weights put back.
+    """
+    from lightning_speedkit import TrainingGuard, WeightAverage
+
+    class _BreaksLastStep(TinyClassifier):
+        @override
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.trainer.global_step == 4 else loss
+
+    L.seed_everything(0, verbose=False)
+    model = _BreaksLastStep(num_samples=64)
+    guard, average = TrainingGuard(every_n_steps=2, check_every_n_steps=5), WeightAverage(decay=0.5)
+    export = Int8Export(tmp_path / "int8", latency_repeats=0, max_metric_drop=None)
+    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[export, guard, average])
+    trainer.fit(model)
+    assert guard.report()["rollbacks"] == 1
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        ended_with = model.eval()(x).numpy()
+    assert np.isfinite(ended_with).all()
+    np.testing.assert_allclose(run_ort(export.report()["fp32_path"], x), ended_with, atol=1e-5)
+
+
 def test_a_one_logit_binary_classifier_gets_no_top1_verdict(tmp_path: Path) -> None:
     """One output column (a binary logit) has no argmax to compare: agreement and accuracy are not reported.
 

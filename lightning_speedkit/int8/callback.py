@@ -217,8 +217,8 @@ class Int8Export(LeanCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if callable(put := getattr(callback, "put_final_weights", None)):  # a `WeightAverage` later in the list
-                put(trainer, pl_module)  # the export holds the weights the fit ends with
+            if callable(settle := getattr(callback, "settle_weights", None)):  # a guard's last check, an average
+                settle(trainer, pl_module)  # in list order, each once: the export holds the weights the fit ends with
         failure: BaseException | None = None
         report: dict[str, Any] | None = None
         if trainer.is_global_zero:
