@@ -907,6 +907,49 @@ def test_tensor_data_is_tried_fetched_at_once_and_the_fit_is_the_fit_without_the
         assert torch.equal(a, b)
 
 
+class _TensorSubset(_Tensors):
+    """Each ``train_dataloader()`` call trains on a random half of the rows (Lightning calls the hook once a fit).
+
+    The rows are drawn from the global RNG, or from a generator the DataModule holds (``held=True``).
+    """
+
+    def __init__(self, held: bool) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(3) if held else None
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        rows = torch.randperm(len(self.data), generator=self.generator)[: len(self.data) // 2].tolist()
+        return DataLoader(torch.utils.data.Subset(self.data, rows), batch_size=self.batch_size, shuffle=True)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("held", [False, True], ids=["global_rng", "held_generator"])
+def test_a_hook_that_draws_its_rows_gets_them_once_whether_the_loader_is_rebuilt_or_kept(
+    tmp_path: Path, held: bool
+) -> None:
+    """The tuner calls the user's hook at fit start and rebuilds the loader Lightning built, never calling it again.
+
+    After a counted epoch the rebuilt loader came from calling ``train_dataloader()`` again: a hook that draws its
+    rows trained every later epoch on other rows than the run without the tuner. The fit-start read drew from a
+    generator the DataModule holds, so even a kept loader trained on other rows. The batched fetch serves the same
+    batches, so the whole fit must equal the fit without the tuner, bit for bit, whichever setting wins.
+    """
+    epochs = epochs_to_probe(settings=2, probe_steps=4, batches_per_epoch=64) + 2
+
+    def fit(callbacks: list[L.Callback]) -> list[torch.Tensor]:
+        L.seed_everything(0, verbose=False)
+        model = Model()
+        trainer = tiny_trainer(tmp_path, callbacks=callbacks, max_epochs=epochs, limit_val_batches=2)
+        trainer.fit(model, _TensorSubset(held))
+        return [p.detach().clone() for p in model.parameters()]
+
+    tuner = DataLoaderTuner(max_workers=0, probe_steps=4, margin=0.0, remember=False)
+    tuned, plain = fit([tuner]), fit([])
+    assert tuner.report()["reason"].endswith("counted trials")
+    for a, b in zip(tuned, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_batched_fetch_asked_for_a_dataset_of_other_samples_is_left_out(tmp_path: Path) -> None:
     """A candidate with ``batched_fetch`` for a dataset that computes its samples: a warning, the others tried."""
     tuner = DataLoaderTuner(candidates=[{"num_workers": 0, "batched_fetch": True}, {"num_workers": 1}], probe_steps=4)

@@ -43,7 +43,7 @@ from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.restore import ListOf, StateSpec
 from lightning_speedkit.trials import PROBE_ROUNDS, AsIs, Decision, LeaveOut, Lever, Setting, TrialResult
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, CountedTrials, queued_steps
-from lightning_speedkit.trials.loaders import forget_peeks
+from lightning_speedkit.trials.loaders import forget_peeks, generators_kept
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +254,8 @@ class DataLoaderTuner(Lever):
             self._serving = None
             if self._decision is not None and not self._decision.extra.get("rebuilt", True):
                 return  # kept as built: the next epoch continues it, its generator too (the hook is not called again)
-            loop = trainer.fit_loop
-            loop._combined_loader = None
-            if loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch + 1 < loop.max_epochs:
-                # built now, off the run's RNG: Lightning's setup draws an iterator's seed the run without us does not
-                with isolate_rng(include_cuda=torch.cuda.is_available()):
-                    loop.setup_data()
+            if self._applied is not None:  # the loader built at fit start, rebuilt: its hook is not called again
+                self._applied.rebuild_in_place(trainer)
 
     @override
     def finish(self, decision: Decision) -> Decision:
@@ -295,10 +291,9 @@ class DataLoaderTuner(Lever):
             self._live.settings = dict(chosen)
         if decision.extra.get("rebuilt", True) and owner is not None:
             self._applied = LoaderSettings(owner, chosen, _HOOKS, self._left_alone)
-            self._applied.apply(trainer)
-            if self._serving is None:  # a counted epoch's own loader is dropped at its end
-                trainer.fit_loop._combined_loader = None
-            trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+            self._applied.apply(trainer)  # the hooks return rebuilt loaders: a later fit, a reload
+            if self._serving is None:  # a counted epoch's own loader is rebuilt at its end
+                self._applied.rebuild_in_place(trainer)  # the loaders already built (fit start: none yet)
             forget_peeks(trainer)  # a streaming loader's length depends on its workers
 
     @override
@@ -348,8 +343,8 @@ class DataLoaderTuner(Lever):
 
     def _plan(self, trainer: pl.Trainer, owner: Owner) -> dict[str, Any]:
         """Rank zero: the loader's own settings, the candidates to try, or why the loader is left alone."""
-        with isolate_rng(include_cuda=torch.cuda.is_available()):  # the run's own call then draws as without us
-            loader = owner.train_dataloader()
+        with isolate_rng(include_cuda=torch.cuda.is_available()), generators_kept(owner):  # the run's own call then
+            loader = owner.train_dataloader()  # draws as without us, from the global RNG and the owner's generators
         if not isinstance(loader, DataLoader):
             return {"left_alone": f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader"}
         streaming = is_streaming_loader(loader)

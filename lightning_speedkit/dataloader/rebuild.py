@@ -256,20 +256,38 @@ class LoaderSettings(Setting):
                 setattr(self.owner, hook, previous)
         self._saved = {}
 
+    def rebuild(self, loader: Any, hook: str) -> Any:
+        """``loader`` (one ``hook`` built) rebuilt with these settings; as it is when not a DataLoader or refused."""
+        if not isinstance(loader, DataLoader):
+            return loader
+        settings = self.settings
+        if settings.get(BATCHED) and not fetches_at_once(loader.dataset, loader.collate_fn):
+            settings = {k: v for k, v in settings.items() if k != BATCHED}  # not rows of tensors: the rest only
+        try:
+            return rebuild_dataloader(loader, settings)
+        except NotRebuildableError as error:
+            if self.on_refused is not None:
+                self.on_refused(f"{hook}: {error}")
+            return loader
+
+    def rebuild_in_place(self, trainer: pl.Trainer) -> None:
+        """Rebuild the loaders the fit already holds, in place: the hooks are not called again.
+
+        A hook called twice draws twice (a random subset, a generator the DataModule holds): the run would then train
+        or validate on other samples than the run without the tuner, whose Lightning calls each hook once a fit.
+        """
+        loop = trainer.fit_loop
+        held = (
+            (loop._combined_loader, "train_dataloader"),
+            (loop.epoch_loop.val_loop._combined_loader, "val_dataloader"),
+        )
+        for combined, hook in held:
+            if combined is not None and hook in self.hooks:
+                combined.flattened = [self.rebuild(loader, hook) for loader in combined.flattened]
+
     def _rebuilding(self, hook: str, original: Callable[[], Any]) -> Callable[[], Any]:
         def rebuilt() -> Any:
-            loader = original()
-            if not isinstance(loader, DataLoader):
-                return loader
-            settings = self.settings
-            if settings.get(BATCHED) and not fetches_at_once(loader.dataset, loader.collate_fn):
-                settings = {k: v for k, v in settings.items() if k != BATCHED}  # not rows of tensors: the rest only
-            try:
-                return rebuild_dataloader(loader, settings)
-            except NotRebuildableError as error:
-                if self.on_refused is not None:
-                    self.on_refused(f"{hook}: {error}")
-                return loader
+            return self.rebuild(original(), hook)
 
         return rebuilt
 
