@@ -521,3 +521,54 @@ def test_a_source_of_pil_images_is_fingerprinted_by_its_pixels(tmp_path: Path) -
     second = CachedDataset(_Photos(2), tmp_path, pre_transform=_pixels)
     assert int(first[3][0][0, 0, 0]) == 13
     assert int(second[3][0][0, 0, 0]) == 23
+
+
+class _Modes(Dataset[tuple[Any, int]]):
+    """PIL images of the given mode per sample (the first one's for the rest unless ``modes`` says otherwise)."""
+
+    def __init__(self, *modes: str) -> None:
+        self.modes = modes
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        mode = self.modes[min(i, len(self.modes) - 1)]
+        pixels = np.random.default_rng(i).integers(0, 255, (5, 4, 3), dtype=np.uint8)
+        return Image.fromarray(pixels).convert(mode), i
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "RGBA", "I;16", "F"])
+def test_a_pil_image_comes_back_as_one_so_a_pil_transform_takes_it(tmp_path: Path, mode: str) -> None:
+    """A PIL field is served as a PIL image of its mode and pixels: a transform written for the source's samples works.
+
+    It came back as its pixel array, and a transform that flips a PIL image failed with numpy's "axes don't match".
+    """
+    from PIL import Image
+
+    def flip(sample: tuple[Any, int]) -> tuple[Any, int]:
+        return sample[0].transpose(Image.Transpose.FLIP_LEFT_RIGHT), sample[1]
+
+    source = _Modes(mode)
+    cached = CachedDataset(source, tmp_path, transform=flip)
+    for i in range(len(source)):
+        image, label = cached[i]
+        expected = flip(source[i])[0]
+        assert isinstance(image, Image.Image)
+        assert image.mode == mode
+        assert np.array_equal(np.asarray(image), np.asarray(expected))
+        assert label == i
+
+
+def test_a_pil_mode_its_pixel_array_does_not_keep_is_refused_naming_it(tmp_path: Path) -> None:
+    """A palette ("P") or CMYK image would come back as another mode: refused, naming the mode and `pre_transform`."""
+    with pytest.raises(ValueError, match=r"field 0 of sample 0 is a PIL image of mode 'P'.*`pre_transform`"):
+        CachedDataset(_Modes("P"), tmp_path)
+
+
+def test_a_later_sample_of_another_pil_mode_is_refused_naming_it(tmp_path: Path) -> None:
+    """RGB then YCbCr: the same shape and dtype, another mode, refused by sample index rather than served as RGB."""
+    with pytest.raises(ValueError, match=r"field 0 of sample 1 is .*sample 0's a PIL image of mode 'RGB'"):
+        CachedDataset(_Modes("RGB", "YCbCr"), tmp_path)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from lightning_speedkit.checks import check_bool, check_int
@@ -177,7 +178,10 @@ class CachedDataset(Dataset[Any]):
                 fields.append(unpack(words, start)[0])
             else:
                 value = np.ndarray(shape, dtype, words, start)
-                fields.append(torch.from_numpy(value) if kind == "tensor" else value[()] if kind == "numpy" else value)
+                if kind == "tensor":
+                    fields.append(torch.from_numpy(value))
+                else:
+                    fields.append(value[()] if kind == "numpy" else Image.fromarray(value) if kind == "pil" else value)
         sample = tuple(fields) if self._tuple else fields[0]
         return self.transform(sample) if self.transform is not None else sample
 

@@ -39,7 +39,7 @@ __all__ = [
     "write_packed",
 ]
 
-FORMAT_VERSION = 3  # 3: a numpy scalar comes back as its dtype's scalar, not a Python number
+FORMAT_VERSION = 4  # 3: a numpy scalar comes back as its dtype's scalar, not a Python number; 4: a PIL image as one
 DATA_FILE = "samples.npy"
 MANIFEST = "manifest.json"
 DAMAGED = "damaged.txt"  # written by a read that found a damaged row: the next open rebuilds the cache

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 __all__ = [
     "as_fields",
@@ -158,6 +159,15 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
                 " cache holds numbers and arrays or tensors of numbers (bool, int, float, complex)."
             )
         fields.append({"kind": kind, "dtype": array.dtype.str, "shape": list(array.shape)})
+        if kind == "pil":
+            kept = Image.fromarray(array).mode
+            if kept != field.mode:
+                raise ValueError(
+                    f"CachedDataset: field {position} of sample 0 is a PIL image of mode {field.mode!r}, which its"
+                    f" pixel array does not keep (it would come back as {kept!r}); convert it in `pre_transform`"
+                    " (e.g. `image.convert('RGB')`)."
+                )
+            fields[-1]["mode"] = field.mode
     if not fields:
         raise ValueError(f"CachedDataset: sample 0 has no fields, got {sample!r}.")
     offsets, _ = row_layout(fields)
@@ -167,17 +177,20 @@ def describe_fields(sample: Any) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _kind(field: Any) -> str:
-    """How a field is stored and served: ``"tensor"``, ``"array"`` (0-d too), ``"numpy"`` or ``"scalar"``.
+    """How a field is stored and served: ``"tensor"``, ``"array"`` (0-d too), ``"numpy"``, ``"scalar"`` or ``"pil"``.
 
     A numpy scalar comes back as its dtype's scalar, not a Python number: a float32 target became float64 once
-    collated. ``"scalar"`` is a Python number.
+    collated. ``"scalar"`` is a Python number. A PIL image comes back as one (its pixels stored as an array), so a
+    ``transform`` written for the source's samples takes the cache's.
 
     Example:
-        >>> [_kind(v) for v in (torch.zeros(1), np.array(0.5), np.float32(0.5), 0.5)]
-        ['tensor', 'array', 'numpy', 'scalar']
+        >>> [_kind(v) for v in (torch.zeros(1), np.array(0.5), np.float32(0.5), 0.5, Image.new("L", (2, 2)))]
+        ['tensor', 'array', 'numpy', 'scalar', 'pil']
     """
     if isinstance(field, torch.Tensor):
         return "tensor"
+    if isinstance(field, Image.Image):
+        return "pil"
     if isinstance(field, np.generic):
         return "numpy"
     return "array" if isinstance(field, np.ndarray) or np.ndim(field) > 0 else "scalar"
@@ -199,6 +212,11 @@ def pack_row(row: np.ndarray[Any, Any], fields: list[dict[str, Any]], sample: An
                 f"CachedDataset: field {position} of sample {index} has shape {array.shape} and dtype {array.dtype},"
                 f" sample 0's has shape {shape} and dtype {dtype}; every sample must have sample 0's shapes, and"
                 " dtypes that convert to its dtypes without loss."
+            )
+        if "mode" in field and getattr(value, "mode", None) != field["mode"]:
+            raise ValueError(
+                f"CachedDataset: field {position} of sample {index} is {short_repr(value)}, sample 0's a PIL image of"
+                f" mode {field['mode']!r}; every sample must have sample 0's modes."
             )
         start = field["offset"]
         row[start : start + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)[...] = array
