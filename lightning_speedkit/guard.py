@@ -247,7 +247,9 @@ class TrainingGuard(LeanCallback):
         if self._pending:  # the last steps' losses are judged too: a broken last step is rolled back
             self._check(trainer)
 
-    settle_weights = on_train_end  # `Int8Export` calls it before exporting: judged once (a second call finds none)
+    def settle_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """`on_train_end`'s check, which `Int8Export` calls before exporting: judged once (a second call finds none)."""
+        self.on_train_end(trainer, pl_module)
 
     def _check(self, trainer: pl.Trainer) -> bool:
         """Read the pending losses (one sync, one reduction over ranks) and judge them in order; False: rolled back."""

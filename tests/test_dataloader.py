@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 import re
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from conftest import IN_EPOCH_LOOP, RankWriter, callback_of, load_benchmark, rank_records, tiny_trainer
@@ -910,22 +912,35 @@ def test_tensor_data_is_tried_fetched_at_once_and_the_fit_is_the_fit_without_the
 class _TensorSubset(_Tensors):
     """Each ``train_dataloader()`` call trains on a random half of the rows (Lightning calls the hook once a fit).
 
-    The rows are drawn from the global RNG, or from a generator the DataModule holds (``held=True``).
+    The rows are drawn from the global RNG, or from a torch, numpy or Python generator the DataModule holds.
     """
 
-    def __init__(self, held: bool) -> None:
+    def __init__(self, held: str) -> None:
         super().__init__()
-        self.generator = torch.Generator().manual_seed(3) if held else None
+        self.held = held
+        self.generator: Any = {
+            "torch": torch.Generator().manual_seed(3),
+            "numpy": np.random.default_rng(3),
+            "random": random.Random(3),
+        }.get(held)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        rows = torch.randperm(len(self.data), generator=self.generator)[: len(self.data) // 2].tolist()
+        n = len(self.data)
+        if self.held in ("global", "torch"):
+            rows = torch.randperm(n, generator=self.generator)[: n // 2].tolist()
+        else:
+            rows = (
+                self.generator.permutation(n)[: n // 2].tolist()
+                if self.held == "numpy"
+                else self.generator.sample(range(n), n // 2)
+            )
         return DataLoader(torch.utils.data.Subset(self.data, rows), batch_size=self.batch_size, shuffle=True)
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("held", [False, True], ids=["global_rng", "held_generator"])
+@pytest.mark.parametrize("held", ["global", "torch", "numpy", "random"])
 def test_a_hook_that_draws_its_rows_gets_them_once_whether_the_loader_is_rebuilt_or_kept(
-    tmp_path: Path, held: bool
+    tmp_path: Path, held: str
 ) -> None:
     """The tuner calls the user's hook at fit start and rebuilds the loader Lightning built, never calling it again.
 

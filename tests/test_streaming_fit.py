@@ -13,16 +13,21 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("litdata")
 
 from conftest import rank_records
 
 from lightning_speedkit import DataLoaderTuner
+from lightning_speedkit.data.streaming import streaming_dataset
 from lightning_speedkit.dataloader import settings_name
+from lightning_speedkit.dataloader.rebuild import LoaderSettings, complete_settings
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from streaming_fit import NUM_SAMPLES, STOP_AT, Recorded, StreamingData, resume_run, write_numbered
@@ -180,3 +185,65 @@ def test_two_node_torchrun_launch_reads_one_shard_per_rank(numbered: Path, tmp_p
     assert not set(ranks[0]["after"]) & set(ranks[1]["after"])
     assert sorted(ranks[0]["after"] + ranks[1]["after"]) == list(range(NUM_SAMPLES))
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+class _StreamingVal(L.LightningDataModule):
+    """Tensor rows to train on, and a litdata loader of the numbered samples to validate on."""
+
+    def __init__(self, data: Path) -> None:
+        super().__init__()
+        self.data = data
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long(), torch.arange(32)), batch_size=4)
+
+    def val_dataloader(self) -> Any:
+        from litdata import StreamingDataLoader  # type: ignore[import-untyped]
+
+        return StreamingDataLoader(streaming_dataset(self.data, shuffle=False), batch_size=4, num_workers=0)
+
+
+class _ValSeen(Recorded):
+    """The sample indices each validation saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_seen: list[list[int]] = []
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_seen.append([])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_seen[-1] += [int(i) for i in batch[2]]
+
+
+class _RebuildAtFirstEpochEnd(L.Callback):
+    """What `DataLoaderTuner` does at a counted epoch's end when it chose a setting: the held loaders rebuilt."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 0:
+            hooks = ("train_dataloader", "val_dataloader")
+            LoaderSettings(trainer.datamodule, complete_settings(0), hooks).rebuild_in_place(trainer)
+
+
+def test_a_streaming_val_loader_cut_short_starts_every_validation_over_after_a_rebuild(
+    numbered: Path, tmp_path: Path
+) -> None:
+    """A litdata val loader the tuner rebuilds after a validation cut short (``limit_val_batches``) starts over.
+
+    Rebuilt in place, it carried where the last pass stopped: every later validation resumed at sample 8 and scored
+    other samples than the run without the tuner.
+    """
+    seen = []
+    for callbacks in ([], [_RebuildAtFirstEpochEnd()]):
+        model = _ValSeen()
+        trainer = L.Trainer(
+            accelerator="cpu", max_epochs=3, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks,
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(model, _StreamingVal(numbered))
+        seen.append(model.val_seen)
+    assert seen[0] == [list(range(8))] * 3
+    assert seen[1] == seen[0]

@@ -249,13 +249,17 @@ class DataLoaderTuner(Lever):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._serving is not None:  # the next epoch's loader comes from the (rebuilt) hooks again
+        if self._serving is not None:  # the next epoch's loader: the one built at fit start, rebuilt or as it is
             self._serving.close()
             self._serving = None
-            if self._decision is not None and not self._decision.extra.get("rebuilt", True):
-                return  # kept as built: the next epoch continues it, its generator too (the hook is not called again)
-            if self._applied is not None:  # the loader built at fit start, rebuilt: its hook is not called again
-                self._applied.rebuild_in_place(trainer)
+            if self._applied is None:  # kept as built: the next epoch continues it, its generator too
+                return
+            self._applied.rebuild_in_place(trainer)  # its hook is not called again
+            loop = trainer.fit_loop
+            more = loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch + 1 < loop.max_epochs
+            if loop._combined_loader is None and more:  # a litdata loader, built now by its hook, off the run's RNG
+                with isolate_rng(include_cuda=torch.cuda.is_available()):  # (Lightning's setup draws an iterator's
+                    loop.setup_data()  # seed the run without us does not)
 
     @override
     def finish(self, decision: Decision) -> Decision:

@@ -274,15 +274,18 @@ class LoaderSettings(Setting):
         """Rebuild the loaders the fit already holds, in place: the hooks are not called again.
 
         A hook called twice draws twice (a random subset, a generator the DataModule holds): the run would then train
-        or validate on other samples than the run without the tuner, whose Lightning calls each hook once a fit.
+        or validate on other samples than the run without the tuner, whose Lightning calls each hook once a fit. A
+        litdata loader carries where its last pass stopped (a validation cut short would resume there): its loop
+        builds it again from its (patched) hook, as Lightning would after a reload.
         """
         loop = trainer.fit_loop
-        held = (
-            (loop._combined_loader, "train_dataloader"),
-            (loop.epoch_loop.val_loop._combined_loader, "val_dataloader"),
-        )
-        for combined, hook in held:
-            if combined is not None and hook in self.hooks:
+        for held, hook in ((loop, "train_dataloader"), (loop.epoch_loop.val_loop, "val_dataloader")):
+            combined = held._combined_loader
+            if combined is None or hook not in self.hooks:
+                continue
+            if any(is_streaming_loader(loader) for loader in combined.flattened):
+                held._combined_loader = None
+            else:
                 combined.flattened = [self.rebuild(loader, hook) for loader in combined.flattened]
 
     def _rebuilding(self, hook: str, original: Callable[[], Any]) -> Callable[[], Any]:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities.combined_loader import CombinedLoader, _shutdown_workers_and_reset_iterator
@@ -114,23 +116,33 @@ def peek_train_loader(trainer: pl.Trainer, read: Callable[[pl.Trainer], _T]) -> 
 def generators_kept(source: Any) -> Iterator[None]:
     """Put back the generators ``source`` holds (its attributes, and those of its lists, tuples and dicts) on exit.
 
-    A DataModule may hold one generator and hand it to every loader its hook builds: a read that starts an iterator
-    draws the seed of the run's first shuffle from it, and the run would shuffle differently from the run without
-    the read. ``isolate_rng`` keeps only the global generators; one the hook makes afresh needs nothing.
+    A DataModule may hold one generator and hand it to every loader its hook builds, or draw its rows from it: a read
+    of the hook draws from it, and the run would shuffle (or train on rows) other than the run without the read.
+    ``isolate_rng`` keeps only the global generators; one the hook makes afresh needs nothing. Torch's, numpy's
+    (``Generator``, ``RandomState``) and Python's ``random.Random`` are kept.
     """
-    found: list[torch.Generator] = []
+    found: list[Any] = []
     for value in vars(source).values() if hasattr(source, "__dict__") else ():
         for item in (
             value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
         ):
-            if isinstance(item, torch.Generator) and all(item is not g for g in found):
+            if _GENERATOR_STATE.get(type(item)) is not None and all(item is not g for g in found):
                 found.append(item)
-    states = [generator.get_state() for generator in found]
+    states = [_GENERATOR_STATE[type(g)][0](g) for g in found]
     try:
         yield
     finally:
         for generator, state in zip(found, states, strict=True):
-            generator.set_state(state)
+            _GENERATOR_STATE[type(generator)][1](generator, state)
+
+
+_GENERATOR_STATE: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
+    torch.Generator: (lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+    np.random.Generator: (lambda g: g.bit_generator.state, lambda g, s: setattr(g.bit_generator, "state", s)),
+    np.random.RandomState: (lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+    random.Random: (lambda g: g.getstate(), lambda g, s: g.setstate(s)),
+}
+"""How to read and put back the state of each kind of generator `generators_kept` keeps."""
 
 
 def _weak(source: Any) -> Callable[[], Any]:
