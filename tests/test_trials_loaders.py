@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from conftest import TinyClassifier, tiny_trainer
@@ -13,7 +15,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_speedkit.trials import AsIs, TrialSession
-from lightning_speedkit.trials.loaders import loader_generators, run_loaders
+from lightning_speedkit.trials.loaders import generators_kept, loader_generators, run_loaders
 
 
 class _Trials(L.Callback):
@@ -209,3 +211,42 @@ def test_a_batch_size_that_is_not_hashable_is_read_and_kept(tmp_path: Path) -> N
     tiny_trainer(tmp_path, callbacks=[reads], max_epochs=1, limit_val_batches=0).fit(model)
     assert reads.left == [8.0, 8.0]
     assert model.calls == 2  # the read's build, and the fit's own
+
+
+def test_generators_kept_puts_back_torch_numpy_and_python_generators_and_skips_the_rest() -> None:
+    """Every generator a DataModule holds gets its state back (subclasses, in lists); others are left, none crash.
+
+    A kind not kept (numpy's, Python's) let a hook that draws rows from it draw twice; a type looked up by hashing
+    crashed on an attribute whose type cannot be hashed.
+    """
+
+    class Meta(type):
+        def __eq__(cls, other: object) -> bool:
+            return cls is other
+
+        __hash__ = None  # type: ignore[assignment]
+
+    class Odd(metaclass=Meta):
+        pass
+
+    class MyRandom(random.Random):
+        pass
+
+    class Holder:
+        def __init__(self) -> None:
+            self.torch = torch.Generator().manual_seed(1)
+            self.numpy = np.random.default_rng(1)
+            self.legacy = np.random.RandomState(1)
+            self.python = MyRandom(1)
+            self.listed = [random.Random(2)]
+            self.system = random.SystemRandom()
+            self.odd = Odd()
+
+    def draw(h: Holder) -> tuple[Any, ...]:
+        numpy_draws = (h.numpy.random(2).tolist(), h.legacy.rand(2).tolist())
+        return torch.rand(2, generator=h.torch).tolist(), numpy_draws, h.python.random(), h.listed[0].random()
+
+    holder = Holder()
+    with generators_kept(holder):
+        first = draw(holder)
+    assert draw(holder) == first

@@ -121,19 +121,24 @@ def generators_kept(source: Any) -> Iterator[None]:
     ``isolate_rng`` keeps only the global generators; one the hook makes afresh needs nothing. Torch's, numpy's
     (``Generator``, ``RandomState``) and Python's ``random.Random`` are kept.
     """
-    found: list[Any] = []
+    kept: list[tuple[Any, Callable[[Any, Any], None], Any]] = []  # (generator, how to put its state back, state)
     for value in vars(source).values() if hasattr(source, "__dict__") else ():
         for item in (
             value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
         ):
-            if _GENERATOR_STATE.get(type(item)) is not None and all(item is not g for g in found):
-                found.append(item)
-    states = [_GENERATOR_STATE[type(g)][0](g) for g in found]
+            kind = next((k for k in _GENERATOR_STATE if isinstance(item, k)), None)
+            if kind is None or any(item is g for g, _, _ in kept):
+                continue
+            read, put = _GENERATOR_STATE[kind]
+            try:
+                kept.append((item, put, read(item)))
+            except NotImplementedError:  # `random.SystemRandom` has no state to keep
+                continue
     try:
         yield
     finally:
-        for generator, state in zip(found, states, strict=True):
-            _GENERATOR_STATE[type(generator)][1](generator, state)
+        for generator, put, state in kept:
+            put(generator, state)
 
 
 _GENERATOR_STATE: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {
@@ -142,7 +147,7 @@ _GENERATOR_STATE: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], No
     np.random.RandomState: (lambda g: g.get_state(), lambda g, s: g.set_state(s)),
     random.Random: (lambda g: g.getstate(), lambda g, s: g.setstate(s)),
 }
-"""How to read and put back the state of each kind of generator `generators_kept` keeps."""
+"""How to read and put back the state of each kind of generator `generators_kept` keeps (subclasses too)."""
 
 
 def _weak(source: Any) -> Callable[[], Any]:
