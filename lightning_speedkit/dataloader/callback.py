@@ -252,14 +252,9 @@ class DataLoaderTuner(Lever):
         if self._serving is not None:  # the next epoch's loader: the one built at fit start, rebuilt or as it is
             self._serving.close()
             self._serving = None
-            if self._applied is None:  # kept as built: the next epoch continues it, its generator too
-                return
-            self._applied.rebuild_in_place(trainer)  # its hook is not called again
-            loop = trainer.fit_loop
-            more = loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch + 1 < loop.max_epochs
-            if loop._combined_loader is None and more:  # a litdata loader, built now by its hook, off the run's RNG
-                with isolate_rng(include_cuda=torch.cuda.is_available()):  # (Lightning's setup draws an iterator's
-                    loop.setup_data()  # seed the run without us does not)
+            if self._applied is not None:  # else kept as built: the next epoch continues it, its generator too
+                # its hook is not called again; a counted epoch's loader is map-style, never a litdata one
+                self._applied.rebuild_in_place(trainer)
 
     @override
     def finish(self, decision: Decision) -> Decision:
