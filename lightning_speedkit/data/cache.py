@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import psutil
@@ -217,8 +217,7 @@ class CachedDataset(Dataset[Any]):
             manifest = check_cache(self.directory, full)
             if manifest is not None:
                 return manifest
-        self.root.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(self.root / f".{self.directory.name}.lock"):
+        with self._build_lock():
             damage, manifest = None, None
             try:
                 manifest = check_cache(self.directory, full)  # another process may have (re)built it meanwhile
@@ -240,6 +239,20 @@ class CachedDataset(Dataset[Any]):
                     raise
                 message = f"{damage}; rebuilding it from `source` failed: {error!r}"
                 raise CacheDamagedError(message, damage.directory, damage.file, damage.index, damage.problem) from error
+
+    def _build_lock(self) -> contextlib.AbstractContextManager[None]:
+        """This cache's exclusive build lock, in ``path`` (made if missing); a place not writable names ``path``."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            handle = open(self.root / f".{self.directory.name}.lock", "a+")  # noqa: SIM115 (closed by the lock)
+        except OSError as error:
+            raise type(error)(
+                error.errno,
+                f"CachedDataset: the cache {self.directory.name} is not built yet and `path`={str(self.root)!r} cannot"
+                f" hold it ({error.strerror or type(error).__name__}); give a writable `path`, or build the cache"
+                " there once from a process that can write to it",
+            ) from error
+        return _exclusive_lock(handle)
 
     def _write(self) -> dict[str, Any]:
         began = time.perf_counter()
@@ -361,9 +374,9 @@ def _staging(directory: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """An advisory exclusive lock on ``path``, released by the OS if the process dies."""
-    with open(path, "a+") as handle:
+def _exclusive_lock(handle: IO[str]) -> Iterator[None]:
+    """An advisory exclusive lock on the open file ``handle`` (closed after), released by the OS if the process dies."""
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
