@@ -163,8 +163,8 @@ class FusedOptimizer(trials.Lever):
     ``margin`` faster. The choice outlives an optimizer state being loaded (a checkpoint, a
     `TrainingGuard` rollback): a hook on each optimizer puts the flag back. A run too short for the probe to pay
     back keeps the default, and the report says why. The life cycle (checkpointed decision, resume, report) is
-    `lightning_speedkit.trials.Lever`'s. Optimizers built later (a pruning fine-tune rebuilds them) keep torch's
-    default.
+    `lightning_speedkit.trials.Lever`'s. An optimizer rebuilt from one of these with its param groups' settings
+    (a pruning fine-tune's) keeps the fused update; one built anew keeps torch's default.
 
     Args:
         margin: How much faster (relative time of the span timed, in [0, 1)) the fused update must be to be kept.

@@ -462,6 +462,9 @@ def test_pruned_model_is_exported_after_fine_tuning(tmp_path: Path, datamodule: 
     x = next(iter(datamodule.val_dataloader()))[0]
     assert run_ort(report["int8_path"], x).shape == (16, 10)
     assert report["verification"]["top1_agreement"] >= 0.8
+    with torch.no_grad():  # the final weights, whole: not those the checkpoint's matching shapes overwrote
+        final = model.eval()(x).numpy()
+    assert np.abs(run_ort(report["fp32_path"], x) - final).max() < 1e-4
 
 
 @pytest.mark.parametrize("on_metric_drop", ["warn", "raise"])

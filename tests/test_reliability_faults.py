@@ -102,6 +102,26 @@ def test_export_into_an_unwritable_place_fails_clearly_and_writes_nothing(tmp_pa
     assert listing(tmp_path) == before
 
 
+def _kernel_file_system() -> Path:
+    """``/proc``, where no process may create a file, root included (permission bits do not say so); else a skip."""
+    proc = Path("/proc")
+    try:
+        (proc / ".speedkit-probe").touch()
+    except OSError:
+        return proc
+    (proc / ".speedkit-probe").unlink()
+    pytest.skip("/proc takes new files here")
+
+
+def test_export_under_a_place_no_file_can_be_made_fails_naming_path_before_exporting() -> None:
+    """`export_int8` under /proc (not writable even for root): a ValueError naming `path`, not a staging directory."""
+    net, data = mlp_and_data()
+    path = _kernel_file_system() / "speedkit-exports" / "model.onnx"
+    match = re.escape(f"`path` must be a path in a writable directory, got {str(path)!r}: /proc is not writable (")
+    with pytest.raises(ValueError, match=match):
+        export_int8(net, data, path, latency_repeats=0)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="needs RLIMIT_FSIZE and SIGXFSZ (Linux)")
 def test_export_onto_a_full_disk_fails_clearly_and_keeps_the_previous_export(tmp_path: Path) -> None:
     """A write that fails for space (a real EFBIG from RLIMIT_FSIZE) says so, and the previous export is untouched."""
@@ -130,11 +150,21 @@ def test_export_onto_a_full_disk_fails_clearly_and_keeps_the_previous_export(tmp
     assert listing(tmp_path) == before  # no staging directory, no partial file, the old export kept
 
 
-def test_callback_with_an_unwritable_dirpath_fails_before_training(tmp_path: Path, tiny_model: TinyClassifier) -> None:
-    """`Int8Export` checks its directory in ``setup``: the fit fails at step 0 naming `dirpath`, not after training."""
-    (tmp_path / "file").write_text("not a directory")
-    trainer = tiny_trainer(tmp_path, callbacks=[Int8Export(tmp_path / "file" / "int8")])
-    match = r"`dirpath` must be a writable directory, got .*file/int8.* is not a directory"
+@pytest.mark.parametrize("place", ["under a file", "under /proc"])
+def test_callback_with_an_unwritable_dirpath_fails_before_training(
+    tmp_path: Path, tiny_model: TinyClassifier, place: str
+) -> None:
+    """`Int8Export` checks its directory in ``setup``: the fit fails at step 0 naming `dirpath`, not after training.
+
+    Under /proc no file can be made, root included, though the permission bits let root write: the check creates one.
+    """
+    if place == "under a file":
+        (tmp_path / "file").write_text("not a directory")
+        dirpath, problem = tmp_path / "file" / "int8", "file/int8.* is not a directory"
+    else:
+        dirpath, problem = _kernel_file_system() / "speedkit-int8", "/proc is not writable"
+    trainer = tiny_trainer(tmp_path, callbacks=[Int8Export(dirpath)])
+    match = rf"`dirpath` must be a writable directory, got .*{problem}"
     with pytest.raises(ValueError, match=match):
         trainer.fit(tiny_model)
     assert trainer.global_step == 0

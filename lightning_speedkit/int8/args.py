@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ __all__ = [
     "ACTIVATION_TYPES",
     "REPORT_KEYS",
     "ExportPathError",
+    "ExportPlaceError",
     "check_batches",
     "check_export_args",
     "check_export_path",
     "check_metadata",
     "check_metric",
+    "unwritable",
 ]
 
 ACTIONS_ON_METRIC_DROP = ("raise", "warn")
@@ -45,6 +48,13 @@ class ExportPathError(ValueError, NotADirectoryError):
     """
 
 
+class ExportPlaceError(ValueError, PermissionError):
+    """``path`` lies where no file can be made (a read-only directory or mount, ``/proc``).
+
+    A ``ValueError`` like every bad argument, and a ``PermissionError`` (an ``OSError``) like the file system's.
+    """
+
+
 def check_batches(name: str, value: object) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an iterable of batches (not a string).
 
@@ -56,6 +66,12 @@ def check_batches(name: str, value: object) -> None:
     """
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
         raise ValueError(f"`{name}` must be an iterable of batches (e.g. a DataLoader), got {value!r}.")
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, Sequence):  # a tensor or an array: iterating it gives its rows
+        raise ValueError(
+            f"`{name}` must be an iterable of batches (e.g. a DataLoader), got one {type(value).__name__} of shape"
+            f" {tuple(shape)}: iterating it gives its rows, not batches; pass [batch] for one batch."
+        )
 
 
 def check_metric(value: object, names: bool = False) -> None:
@@ -116,6 +132,7 @@ def check_export_path(value: object, name: str = "path") -> Path:
         ValueError: If ``value`` is not a path ending in ``.onnx`` with a name before the suffix.
         ExportPathError: If ``value``, or a file the export writes beside it (`.place.export_paths`), is an existing
             directory, or a file stands where one of its directories must.
+        ExportPlaceError: If no file can be made in its directory (`unwritable`).
 
     Example:
         >>> check_export_path("exports/.onnx")
@@ -140,7 +157,33 @@ def check_export_path(value: object, name: str = "path") -> Path:
         raise ExportPathError(
             f"`{name}` must be a path in a directory, got {str(value)!r}: {parent} is a file, not a directory."
         )
+    problem = unwritable(path.parent)
+    if problem:
+        raise ExportPlaceError(f"`{name}` must be a path in a writable directory, got {str(value)!r}: {problem}.")
     return path
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why files could not be written into ``directory`` (made if missing), or None if they could.
+
+    Its nearest existing directory is asked by creating (and removing) a probe file there: permission bits do not
+    say it for root, a read-only mount or a kernel file system (``/proc``, ``/sys``).
+
+    Example:
+        >>> unwritable(Path("/proc/exports"))
+        '/proc is not writable (No such file or directory)'
+    """
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".speedkit-probe-"):
+            pass
+    except OSError as error:
+        return f"{existing} is not writable ({error.strerror or type(error).__name__})"
+    return None
 
 
 def check_export_args(**values: Any) -> None:

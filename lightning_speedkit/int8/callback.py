@@ -13,12 +13,12 @@ from typing_extensions import override
 
 from lightning_speedkit.checks import check_bool
 from lightning_speedkit.hooks import LeanCallback
-from lightning_speedkit.int8.args import check_export_args, check_metric
+from lightning_speedkit.int8.args import check_export_args, check_metric, unwritable
 from lightning_speedkit.int8.export import Int8VerificationError, export_int8
 from lightning_speedkit.int8.inputs import InputsFromBatch
 from lightning_speedkit.int8.place import export_exists
 from lightning_speedkit.int8.report import drop_message, int8_metrics, summary_line
-from lightning_speedkit.int8.sources import metrics_of, module_to_export, unwritable, validation_loader
+from lightning_speedkit.int8.sources import metrics_of, module_to_export, validation_loader
 from lightning_speedkit.int8.steps import import_export_deps
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import cached_state_key

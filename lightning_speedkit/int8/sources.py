@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,17 +16,18 @@ if TYPE_CHECKING:
     from torch import nn
     from torchmetrics import Metric
 
-__all__ = ["best_checkpoint", "first_line", "metrics_of", "module_to_export", "unwritable", "validation_loader"]
+__all__ = ["best_checkpoint", "first_line", "metrics_of", "module_to_export", "validation_loader"]
 
 
 def module_to_export(
     trainer: pl.Trainer, pl_module: pl.LightningModule, use_best_checkpoint: bool = True
 ) -> tuple[nn.Module, str]:
-    """A CPU FP32 copy of the module with the best checkpoint's weights, and where those weights came from."""
-    callbacks, datamodule = getattr(trainer, "callbacks", []), getattr(trainer, "datamodule", None)
-    keep = [trainer, trainer.strategy, *callbacks, *trainer.loggers, datamodule]
-    memo: dict[int, Any] = {id(o): o for o in keep if o is not None}  # hooks may point at them: share, not copy
-    module = copy.deepcopy(pl_module, memo).to("cpu", torch.float32)
+    """A CPU FP32 copy of the module with the best checkpoint's weights, and where those weights came from.
+
+    A best checkpoint that does not fit the module (saved before pruning) gives a fresh copy of the final weights:
+    ``load_state_dict`` copies the tensors whose shapes match before it raises, so the copy it failed on is a mix.
+    """
+    module = _cpu_copy(trainer, pl_module)
     best = best_checkpoint(trainer) if use_best_checkpoint else None
     if best is None:
         return module, "final weights"
@@ -46,8 +46,16 @@ def module_to_export(
             f"Int8Export: the best checkpoint {best} does not fit the module any more (saved before pruning?),"
             f" exporting the final weights instead: {first_line(error)}"
         )
-        return module, "final weights"
+        return _cpu_copy(trainer, pl_module), "final weights"  # not the half-loaded copy
     return module, f"best checkpoint {best}"
+
+
+def _cpu_copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Module:
+    """A CPU FP32 deep copy of ``pl_module`` sharing (not copying) the trainer, callbacks, loggers and datamodule."""
+    callbacks, datamodule = getattr(trainer, "callbacks", []), getattr(trainer, "datamodule", None)
+    keep = [trainer, trainer.strategy, *callbacks, *trainer.loggers, datamodule]
+    memo: dict[int, Any] = {id(o): o for o in keep if o is not None}  # hooks may point at them: share, not copy
+    return copy.deepcopy(pl_module, memo).to("cpu", torch.float32)
 
 
 def best_checkpoint(trainer: pl.Trainer) -> str | None:
@@ -57,18 +65,6 @@ def best_checkpoint(trainer: pl.Trainer) -> str | None:
             continue
         if callback.best_model_path and Path(callback.best_model_path).is_file():
             return callback.best_model_path
-    return None
-
-
-def unwritable(directory: Path) -> str | None:
-    """Why an export could not be written into ``directory`` (created if missing), or None if it could."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
     return None
 
 
