@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import Self
 
-__all__ = ["STEP_HOOKS", "LeanCallback", "inherited_hooks"]
+__all__ = ["STEP_HOOKS", "LeanCallback", "epoch_start_skipped", "inherited_hooks"]
 
 STEP_HOOKS = (
     "on_train_batch_start",
@@ -78,3 +79,15 @@ class LeanCallback(Callback):
         """Undo `_skip_hooks` for the same ``names`` and ``owner``: Lightning calls them again."""
         for name in inherited_hooks(type(self), names, owner):
             self.__dict__.pop(name, None)
+
+
+def epoch_start_skipped(trainer: pl.Trainer) -> bool:
+    """Whether this fit's first epoch begins without ``on_train_epoch_start`` (ask in ``on_train_start``).
+
+    Lightning (2.6) resumes a checkpoint written at an epoch's last batch (``every_n_train_steps``) as "restarted
+    mid-epoch" and moves to the next epoch's first batch, without calling the epoch-start hooks: a callback that acts
+    at an epoch's start calls its own hook from ``on_train_start`` then, as the uninterrupted run did at that epoch.
+    """
+    fit_loop = trainer.fit_loop
+    restarted_mid_epoch = bool(getattr(fit_loop, "restarted_mid_epoch", False))
+    return restarted_mid_epoch and bool(fit_loop.epoch_loop.batch_progress.is_last_batch)

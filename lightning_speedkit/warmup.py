@@ -9,7 +9,7 @@ from typing_extensions import override
 
 from lightning_speedkit.checks import is_int
 from lightning_speedkit.cooldown import CooldownCheck, check_method, check_window
-from lightning_speedkit.hooks import LeanCallback
+from lightning_speedkit.hooks import LeanCallback, epoch_start_skipped
 from lightning_speedkit.lr import log_step_lrs, scale_trainer_lrs
 from lightning_speedkit.restore import ListOf, StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.schedule import (
@@ -175,6 +175,11 @@ class WarmupScheduler(LeanCallback):
         self._decay, warning = resolve_decay(self.decay, scheduler_names(trainer))  # as its first fit did, on a resume
         if warning:
             rank_zero_warn(f"WarmupScheduler: {warning}.")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if epoch_start_skipped(trainer):  # resumed at an epoch's last batch: the next epoch's start is this
+            self.on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -116,6 +116,50 @@ def test_a_trial_leaves_the_run_exactly_as_without_it(tmp_path: Path) -> None:
     assert all(loss is not None for r in runner.results for loss in r.losses)
 
 
+class _CountsItsHooks(_Dropout):
+    """Counts the module's own fit, train and epoch hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def on_fit_start(self) -> None:
+        self._count("on_fit_start")
+
+    def on_fit_end(self) -> None:
+        self._count("on_fit_end")
+
+    def on_train_start(self) -> None:
+        self._count("on_train_start")
+
+    def on_train_end(self) -> None:
+        self._count("on_train_end")
+
+    def on_train_epoch_end(self) -> None:
+        self._count("on_train_epoch_end")
+
+
+def test_a_trial_runs_the_modules_train_hooks_as_a_short_fit_and_its_fit_hooks_run_once(tmp_path: Path) -> None:
+    """Each trial is a short fit of the module (as Lightning's own LR finder runs): its train hooks run around it.
+
+    ``on_fit_start`` and ``on_fit_end`` run once a fit, the place for once-a-run work (README: measured decisions).
+    """
+    L.seed_everything(0, verbose=False)
+    module = _CountsItsHooks()
+    tiny_trainer(tmp_path, max_epochs=2, callbacks=[_Trials()]).fit(module)
+    trials = 3
+    assert module.calls == {
+        "on_fit_start": 1,
+        "on_fit_end": 1,
+        "on_train_start": 1 + trials,
+        "on_train_end": 1 + trials,
+        "on_train_epoch_end": 2 + trials,
+    }
+
+
 class _MidFitTrials(L.Callback):
     """Runs three trials at the start of epoch 1, once the optimizer and the scheduler hold state."""
 

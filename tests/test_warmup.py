@@ -844,13 +844,16 @@ def test_a_resume_after_the_cool_down_trial_keeps_its_verdict(tmp_path: Path) ->
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+@pytest.mark.parametrize("written", ["at the epoch's end", "at its last batch, by steps"])
 def test_a_cool_down_trial_in_the_first_epoch_of_a_resumed_fit_reaches_the_uninterrupted_verdict(
-    tmp_path: Path,
+    tmp_path: Path, written: str
 ) -> None:
     """A fit resumed at the epoch the trial runs at trains its two sides at their two LRs, as the uninterrupted did.
 
     The trial pins the LR through the optimizer step hooks, attached at the first batch: in a resumed fit's first
-    epoch none was attached yet, so both sides trained at the same LR, the gap was 0 and the verdict flipped.
+    epoch none was attached yet, so both sides trained at the same LR, the gap was 0 and the verdict flipped. A
+    checkpoint written by steps at an epoch's last batch resumes into the next epoch without its
+    ``on_train_epoch_start`` (Lightning 2.6): the trial was skipped ("no epoch started") and the run cooled down.
     """
 
     def run(*callbacks: Callback, ckpt_path: str | None = None) -> None:
@@ -860,7 +863,9 @@ def test_a_cool_down_trial_in_the_first_epoch_of_a_resumed_fit_reaches_the_unint
     run(first)
     step = first.report()["cooldown_check"]["step"]  # one step an epoch: the trial ran at the start of epoch `step`
     full = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
-    run(*full, ModelCheckpoint(tmp_path / "at", every_n_epochs=step, save_top_k=-1, filename="{epoch}"))
+    by_steps = written != "at the epoch's end"
+    every = {"every_n_train_steps": step} if by_steps else {"every_n_epochs": step}
+    run(*full, ModelCheckpoint(tmp_path / "at", **every, save_top_k=-1, filename="{epoch}"))  # type: ignore[arg-type]
     resumed = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
     run(*resumed, ckpt_path=str(tmp_path / "at" / f"epoch={step - 1}.ckpt"))  # the epoch before the trial's
     reports = [r[0].report()["cooldown_check"] for r in (full, resumed)]  # type: ignore[attr-defined]

@@ -56,7 +56,8 @@ class TrialSession:
     Trials run with gradient all-reduce blocked (``strategy.block_backward_sync``): memory is the same (DDP's buckets
     exist from its construction), and a rank that runs out of memory cannot leave the others waiting inside
     backward. Lightning's info lines about the trials' own loops ("`Trainer.fit` stopped: `max_steps=4` reached.")
-    are held back.
+    are held back. A trial runs Lightning's fit loop, so the module's train and epoch hooks run around its steps, as in
+    Lightning's own LR finder; the run's callbacks and loggers are set aside, and the module's fit hooks run once.
 
     Args:
         trainer: The Trainer, in ``on_fit_start`` (optimizers set up, strategy wrapped) or at an epoch's start, where
