@@ -90,8 +90,9 @@ class StructuredPruning(LeanCallback):
         iterative_steps: Pruning steps, one per epoch.
         finetune_epochs: Epochs after the last step's epoch before the report is final.
         importance: One of ``"magnitude"`` (group L2 norm) or ``"l1"``.
-        ignored_layers: A list of submodules (or their names in the LightningModule) to leave whole; one name is
-            ``["net.0"]`` (a bare string is refused, not read as its characters).
+        ignored_layers: A list of submodules (or their names in the LightningModule) whose output channels are never
+            pruned (torch-pruning's ``ignored_layers``: their input channels still follow the layer before them when
+            it is pruned); one name is ``["net.0"]`` (a bare string is refused, not read as its characters).
         round_to: Keep channel counts a multiple of this (None: any count).
         example_input: An input for tracing (tensor, tuple or dict); default the module's ``example_input_array``,
             else the first sample of the first training batch. Run once through the model at fit start.

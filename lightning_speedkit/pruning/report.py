@@ -113,12 +113,19 @@ def warn_if_nothing_removed(removed: int, ratio: float, round_to: int | None) ->
 
 
 def finish_line(report: Mapping[str, Any], metrics: Mapping[str, float], monitor: str | None) -> str:
-    """The line `StructuredPruning` prints when the fine-tune ends: MACs, parameters, latency and the monitor."""
+    """The line `StructuredPruning` prints when the fine-tune ends: MACs, parameters, latency and the monitor (if any).
+
+    Example:
+        >>> report = {"params_before": 1000, "params_after": 500, "latency_ms_before": 2.0, "latency_ms_after": 1.2}
+        >>> metrics = {"macs_before": 4e6, "macs_after": 2e6, "macs_speedup": 2.0}
+        >>> finish_line(report, metrics, None)
+        'StructuredPruning: MACs 4,000,000 -> 2,000,000 (2.00x), params 1,000 -> 500, latency 2.0 -> 1.2 ms.'
+    """
     return (
         f"StructuredPruning: MACs {metrics['macs_before']:,.0f} -> {metrics['macs_after']:,.0f}"
         f" ({metrics['macs_speedup']:.2f}x), params {report['params_before']:,} -> {report['params_after']:,}, latency"
-        f" {report['latency_ms_before']} -> {report['latency_ms_after']} ms, {monitor} {report.get('metric_before')} ->"
-        f" {report.get('metric_after')}."
+        f" {report['latency_ms_before']} -> {report['latency_ms_after']} ms"
+        + (f", {monitor} {report.get('metric_before')} -> {report.get('metric_after')}." if monitor else ".")
     )
 
 
