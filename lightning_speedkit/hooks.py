@@ -84,10 +84,17 @@ class LeanCallback(Callback):
 def epoch_start_skipped(trainer: pl.Trainer) -> bool:
     """Whether this fit's first epoch begins without ``on_train_epoch_start`` (ask in ``on_train_start``).
 
-    Lightning (2.6) resumes a checkpoint written at an epoch's last batch (``every_n_train_steps``) as "restarted
-    mid-epoch" and moves to the next epoch's first batch, without calling the epoch-start hooks: a callback that acts
-    at an epoch's start calls its own hook from ``on_train_start`` then, as the uninterrupted run did at that epoch.
+    Lightning (2.6) resumes a checkpoint written at the end of an epoch's last batch (``every_n_train_steps``) as
+    "restarted mid-epoch" and moves to the next epoch's first batch, without calling the epoch-start hooks: a
+    callback that acts at an epoch's start calls its own hook from ``on_train_start`` then, as the uninterrupted run
+    did at that epoch. Not when the fit has nothing left to train, and not for a checkpoint written at a validation's
+    end after that batch (the loop then starts the next epoch with its hooks).
     """
     fit_loop = trainer.fit_loop
-    restarted_mid_epoch = bool(getattr(fit_loop, "restarted_mid_epoch", False))
-    return restarted_mid_epoch and bool(fit_loop.epoch_loop.batch_progress.is_last_batch)
+    epoch_loop = fit_loop.epoch_loop
+    return (
+        bool(getattr(fit_loop, "restarted_mid_epoch", False))
+        and bool(getattr(epoch_loop, "restarted_on_train_batch_end", False))
+        and bool(epoch_loop.batch_progress.is_last_batch)
+        and not fit_loop.done
+    )

@@ -142,12 +142,6 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str, str]] = [
     (speedkit.export_int8, {"model": MODEL, "calibration_data": 3, "path": "x.onnx"}, "calibration_data", "3"),
     (
         speedkit.export_int8,
-        {"model": MODEL, "calibration_data": torch.zeros(4, 2), "path": "x.onnx"},
-        "calibration_data",
-        "one Tensor of shape (4, 2): iterating it gives its rows",
-    ),
-    (
-        speedkit.export_int8,
         {"model": MODEL, "calibration_data": DATA, "path": "x.onnx", "validation_data": 3},
         "validation_data",
         "3",

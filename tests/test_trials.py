@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyClassifier, rank_records, tiny_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torchmetrics import SumMetric
@@ -158,6 +159,46 @@ def test_a_trial_runs_the_modules_train_hooks_as_a_short_fit_and_its_fit_hooks_r
         "on_train_end": 1 + trials,
         "on_train_epoch_end": 2 + trials,
     }
+
+
+class _TrialAtTrainStart(L.Callback):
+    """Runs one trial from ``on_train_start`` (where a callback does its epoch-start work that Lightning skips)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with TrialSession(trainer, steps=2) as session:
+            session.run(AsIs())
+
+
+class _EpochStarts(L.Callback):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epochs.append(trainer.current_epoch)
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+def test_a_trial_at_the_start_of_a_fit_resumed_mid_epoch_keeps_lightnings_restart_stage(tmp_path: Path) -> None:
+    """A resumed fit with a trial at its start runs the epochs, hooks and weights of the resumed fit without one.
+
+    Resumed from a checkpoint written at an epoch's last batch, Lightning goes on into the next epoch without its
+    epoch-start hooks; the trial's loop reset its restart stage, and Lightning then called them as for a new epoch.
+    """
+    L.seed_everything(0, verbose=False)
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1, filename="{step}")
+    tiny_trainer(tmp_path, max_epochs=3, callbacks=[every], enable_checkpointing=True).fit(_Dropout())
+    resumed = []
+    for trial in (False, True):
+        L.seed_everything(0, verbose=False)
+        module, starts = _Dropout(), _EpochStarts()
+        callbacks = [_TrialAtTrainStart(), starts] if trial else [starts]
+        tiny_trainer(tmp_path, max_epochs=3, callbacks=callbacks).fit(
+            module, ckpt_path=str(tmp_path / "ckpt" / "step=8.ckpt")
+        )
+        resumed.append((starts.epochs, [p.detach().clone() for p in module.parameters()]))
+    (plain_epochs, plain), (trial_epochs, tried) = resumed
+    assert trial_epochs == plain_epochs == [2]  # epoch 1 (batches 8-15) began without its hooks, as Lightning does
+    assert all(torch.equal(a, b) for a, b in zip(plain, tried, strict=True))
 
 
 class _MidFitTrials(L.Callback):

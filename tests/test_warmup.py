@@ -844,7 +844,7 @@ def test_a_resume_after_the_cool_down_trial_keeps_its_verdict(tmp_path: Path) ->
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
-@pytest.mark.parametrize("written", ["at the epoch's end", "at its last batch, by steps"])
+@pytest.mark.parametrize("written", ["at the epoch's end", "at its last batch, by steps", "at a validation's end"])
 def test_a_cool_down_trial_in_the_first_epoch_of_a_resumed_fit_reaches_the_uninterrupted_verdict(
     tmp_path: Path, written: str
 ) -> None:
@@ -853,18 +853,32 @@ def test_a_cool_down_trial_in_the_first_epoch_of_a_resumed_fit_reaches_the_unint
     The trial pins the LR through the optimizer step hooks, attached at the first batch: in a resumed fit's first
     epoch none was attached yet, so both sides trained at the same LR, the gap was 0 and the verdict flipped. A
     checkpoint written by steps at an epoch's last batch resumes into the next epoch without its
-    ``on_train_epoch_start`` (Lightning 2.6): the trial was skipped ("no epoch started") and the run cooled down.
+    ``on_train_epoch_start`` (Lightning 2.6): the trial was skipped ("no epoch started") and the run cooled down; run
+    from ``on_train_start`` instead, it reset Lightning's restart stage, and a checkpoint written at a validation's
+    end (whose next epoch Lightning starts with its hooks) trained that epoch twice, one step more than uninterrupted.
     """
+    validates = written == "at a validation's end"
 
     def run(*callbacks: Callback, ckpt_path: str | None = None) -> None:
-        fit(tmp_path, full_batch(0.05), *callbacks, max_epochs=300, ckpt_path=ckpt_path, enable_checkpointing=True)
+        trainer = tiny_trainer(
+            tmp_path,
+            callbacks=list(callbacks),
+            max_epochs=300,
+            enable_checkpointing=True,
+            limit_val_batches=1 if validates else 0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(full_batch(0.05), ckpt_path=ckpt_path)
 
     first = WarmupScheduler(cooldown=0.5, cooldown_check="trial")
     run(first)
     step = first.report()["cooldown_check"]["step"]  # one step an epoch: the trial ran at the start of epoch `step`
     full = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
-    by_steps = written != "at the epoch's end"
-    every = {"every_n_train_steps": step} if by_steps else {"every_n_epochs": step}
+    every = {
+        "at the epoch's end": {"every_n_epochs": step},
+        "at its last batch, by steps": {"every_n_train_steps": step},
+        "at a validation's end": {"every_n_epochs": step, "save_on_train_epoch_end": False},
+    }[written]
     run(*full, ModelCheckpoint(tmp_path / "at", **every, save_top_k=-1, filename="{epoch}"))  # type: ignore[arg-type]
     resumed = [WarmupScheduler(cooldown=0.5, cooldown_check="trial"), LRRecorder()]
     run(*resumed, ckpt_path=str(tmp_path / "at" / f"epoch={step - 1}.ckpt"))  # the epoch before the trial's

@@ -246,12 +246,12 @@ class CachedDataset(Dataset[Any]):
             self.root.mkdir(parents=True, exist_ok=True)
             handle = open(self.root / f".{self.directory.name}.lock", "a+")  # noqa: SIM115 (closed by the lock)
         except OSError as error:
-            raise type(error)(
-                error.errno,
+            message = (
                 f"CachedDataset: the cache {self.directory.name} is not built yet and `path`={str(self.root)!r} cannot"
-                f" hold it ({error.strerror or type(error).__name__}); give a writable `path`, or build the cache"
-                " there once from a process that can write to it",
-            ) from error
+                f" hold it ({error.strerror or error}); give a writable `path`, or build the cache there once from a"
+                " process that can write to it"
+            )
+            raise _same_kind(error, message) from error
         return _exclusive_lock(handle)
 
     def _write(self) -> dict[str, Any]:
@@ -371,6 +371,21 @@ def _staging(directory: Path) -> Iterator[Path]:
         os.rename(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _same_kind(error: OSError, message: str) -> OSError:
+    """An error of ``error``'s type and errno saying ``message`` (a plain ``OSError`` if that type takes other args).
+
+    Example:
+        >>> denied = _same_kind(PermissionError(13, "Permission denied"), "`path` cannot hold it")
+        >>> type(denied).__name__, str(denied), str(_same_kind(OSError("no errno"), "`path` cannot hold it"))
+        ('PermissionError', '[Errno 13] `path` cannot hold it', '`path` cannot hold it')
+    """
+    arguments = (message,) if error.errno is None else (error.errno, message)
+    try:
+        return type(error)(*arguments)
+    except TypeError:
+        return OSError(*arguments)
 
 
 @contextlib.contextmanager

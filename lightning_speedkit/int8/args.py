@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,6 @@ def check_batches(name: str, value: object) -> None:
     """
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
         raise ValueError(f"`{name}` must be an iterable of batches (e.g. a DataLoader), got {value!r}.")
-    shape = getattr(value, "shape", None)
-    if shape is not None and not isinstance(value, Sequence):  # a tensor or an array: iterating it gives its rows
-        raise ValueError(
-            f"`{name}` must be an iterable of batches (e.g. a DataLoader), got one {type(value).__name__} of shape"
-            f" {tuple(shape)}: iterating it gives its rows, not batches; pass [batch] for one batch."
-        )
 
 
 def check_metric(value: object, names: bool = False) -> None:

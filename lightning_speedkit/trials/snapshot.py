@@ -121,20 +121,26 @@ def _loops(loop: _Loop) -> list[_Loop]:
     return found
 
 
-def loop_flags(loop: _Loop) -> list[tuple[_Loop, bool, bool]]:
-    """``(loop, restarting, resuming)`` of ``loop`` and every loop under it, for `restore_loop_flags`.
+def loop_flags(loop: _Loop) -> list[tuple[_Loop, bool, bool, Any]]:
+    """``(loop, restarting, resuming, restart stage)`` of ``loop`` and every loop under it, for `restore_loop_flags`.
 
     Loading a loop's state marks it (and its children) restarting and resuming from a checkpoint; a trial loads the
     fit loop's state, so a session started mid-fit puts these flags back, or the run's next epoch would take itself
-    for a resumed one (and skip its data iterator's reset).
+    for a resumed one (and skip its data iterator's reset). The restart stage (Lightning 2.5+) too: a trial at the
+    start of a fit resumed mid-epoch reset it, and Lightning then began that epoch again with its start hooks.
     """
-    return [(each, each._restarting, each._resuming_from_checkpoint) for each in _loops(loop)]
+    return [
+        (each, each._restarting, each._resuming_from_checkpoint, getattr(each, "_restart_stage", None))
+        for each in _loops(loop)
+    ]
 
 
-def restore_loop_flags(flags: list[tuple[_Loop, bool, bool]]) -> None:
+def restore_loop_flags(flags: list[tuple[_Loop, bool, bool, Any]]) -> None:
     """Put back what `loop_flags` read."""
-    for loop, restarting, resuming in flags:
+    for loop, restarting, resuming, stage in flags:
         loop._restarting, loop._resuming_from_checkpoint = restarting, resuming
+        if stage is not None:
+            loop._restart_stage = stage  # type: ignore[attr-defined]
 
 
 def reset_grad_scaler(plugin: Any) -> None:
