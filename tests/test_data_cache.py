@@ -348,7 +348,10 @@ def test_disk_budget_is_refused_clearly(tmp_path: Path) -> None:
 
 
 def test_memory_budget_and_in_memory_mode(tmp_path: Path) -> None:
-    """``in_memory`` loads the arrays into RAM within the budget and refuses beyond it."""
+    """``in_memory`` loads the arrays into RAM within the budget and refuses beyond it, before building the cache."""
+    with pytest.raises(CacheBudgetError, match="max_memory_bytes"):
+        CachedDataset(Source(), tmp_path / "first", in_memory=True, max_memory_bytes=10)
+    assert not list((tmp_path / "first").glob("cache-*"))  # nothing decoded or written for a cache it refuses
     cached = CachedDataset(Source(), tmp_path, in_memory=True)
     assert _same(cached[2], Source()[2])
     with pytest.raises(CacheBudgetError, match="max_memory_bytes"):

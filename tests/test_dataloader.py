@@ -243,6 +243,22 @@ def test_counted_blocks_shorten_to_what_the_first_epoch_holds(
     assert {len(b["step_s"]) for b in report["blocks"]} == {block}
 
 
+@pytest.mark.parametrize("limit", [30, 0.5])
+def test_counted_blocks_fit_the_batches_limit_train_batches_leaves(tmp_path: Path, limit: float) -> None:
+    """A loader of 60 batches limited to 30 an epoch: blocks of 5 steps, as for 30 batches, all in the first epoch.
+
+    Sized from the loader's 60, 6-step blocks ran past the first epoch's end: the next epoch's loader could not be
+    served, and the report said "skipped" after worker blocks had trained the run.
+    """
+    tuner = DataLoaderTuner(max_workers=1, probe_steps=6, remember=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], max_epochs=12, limit_val_batches=0, limit_train_batches=limit)
+    trainer.fit(Model(), SlowData(n=4 * 60))
+    report = tuner.report()
+    assert report["counted"]
+    assert report["reason"].endswith("counted trials")
+    assert {len(b["step_s"]) for b in report["blocks"]} == {5}
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_restored_trials_also_stop_after_the_loaders_own_trial_when_its_wait_cannot_repay(tmp_path: Path) -> None:
     """An epoch too short for counted trials probes on restored ones, and the same wait rule applies there.
@@ -620,21 +636,30 @@ def test_the_probe_goes_on_only_when_the_loaders_wait_for_data_can_repay_it(
         assert decision.step_s == {names[0]: pytest.approx(0.026)}
 
 
-def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path) -> None:
-    """A fit too short for the probe to pay back runs no trial: the loader is kept, the reason is the payback rule."""
+@pytest.mark.parametrize("limit", [4, 1.0])
+def test_a_short_job_skips_the_probe_and_says_why(tmp_path: Path, limit: float) -> None:
+    """A fit too short for the probe runs no trial: the loader is kept, the reason is the epoch's batches or payback.
+
+    Four batches an epoch (`limit_train_batches=4`) hold no 6-step block; 16 batches, one epoch, cannot repay it.
+    """
     counter = tmp_path / "reads.txt"
     tuner = DataLoaderTuner(max_workers=2)
-    trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_train_batches=4, limit_val_batches=0)
-    trainer.fit(Model(), SlowData(delay=0.005, counter=counter))
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner], limit_train_batches=limit, limit_val_batches=0)
+    trainer.fit(Model(), SlowData(n=64 if limit == 1.0 else 256, delay=0.005, counter=counter))
     report = tuner.report()
     assert report["probed"] is False
-    assert report["reason"].startswith("skipped: the probe (")
-    assert "cannot pay back in 4 steps left" in report["reason"]
+    if limit == 1.0:
+        assert report["reason"].startswith("skipped: the probe (")
+        assert "cannot pay back in 16 steps left" in report["reason"]
+    else:
+        assert report["reason"] == (
+            "skipped: the train loader has 4 batches per rank (limit_train_batches=4), fewer than probe_steps"
+        )
     assert report["decision"] == "num_workers=0, persistent_workers=False, prefetch_factor=None, pin_memory=False"
     assert report["rebuilt"] is False
     assert report["probe_s"] == 0.0
     assert trainer.train_dataloader.num_workers == 0
-    assert len(counter.read_text()) == 16 + 1  # the 4 training batches of 4 samples, no probe; the fingerprint's one
+    assert len(counter.read_text()) == (64 if limit == 1.0 else 16) + 1  # the batches' samples; the fingerprint's
 
 
 def test_probing_does_not_change_training(tmp_path: Path) -> None:

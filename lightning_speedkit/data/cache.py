@@ -11,7 +11,6 @@ is pickled but the path).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import itertools
@@ -21,10 +20,9 @@ import os
 import shutil
 import struct
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import psutil
@@ -43,6 +41,7 @@ from lightning_speedkit.data.packed import (
     mark_damaged,
     write_packed,
 )
+from lightning_speedkit.data.place import build_lock, check_path, staging
 from lightning_speedkit.data.rows import describe_fields, row_layout, short_repr
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ class CachedDataset(Dataset[Any]):
         max_memory_bytes: int | None = None,
     ) -> None:
         self._source_length = check_source("source", source)
-        self.root = _check_path(path)
+        self.root = check_path(path)
         if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.strip()):
             shown = short_repr(fingerprint)
             raise ValueError(f"`fingerprint` must be a non-empty str (e.g. a data-set version) or None, got {shown}.")
@@ -217,7 +216,7 @@ class CachedDataset(Dataset[Any]):
             manifest = check_cache(self.directory, full)
             if manifest is not None:
                 return manifest
-        with self._build_lock():
+        with build_lock(self.root, self.directory.name):
             damage, manifest = None, None
             try:
                 manifest = check_cache(self.directory, full)  # another process may have (re)built it meanwhile
@@ -240,20 +239,6 @@ class CachedDataset(Dataset[Any]):
                 message = f"{damage}; rebuilding it from `source` failed: {error!r}"
                 raise CacheDamagedError(message, damage.directory, damage.file, damage.index, damage.problem) from error
 
-    def _build_lock(self) -> contextlib.AbstractContextManager[None]:
-        """This cache's exclusive build lock, in ``path`` (made if missing); a place not writable names ``path``."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            handle = open(self.root / f".{self.directory.name}.lock", "a+")  # noqa: SIM115 (closed by the lock)
-        except OSError as error:
-            message = (
-                f"CachedDataset: the cache {self.directory.name} is not built yet and `path`={str(self.root)!r} cannot"
-                f" hold it ({error.strerror or error}); give a writable `path`, or build the cache there once from a"
-                " process that can write to it"
-            )
-            raise _same_kind(error, message) from error
-        return _exclusive_lock(handle)
-
     def _write(self) -> dict[str, Any]:
         began = time.perf_counter()
         first = self._decoded(0)
@@ -269,9 +254,10 @@ class CachedDataset(Dataset[Any]):
             raise CacheBudgetError(
                 f"CachedDataset: the cache needs {total:,} bytes, but {self.root} has {free:,} free."
             )
+        self._check_memory(total)  # before decoding and writing it, as the disk budgets
         self.build_report = {}
         samples = itertools.chain([first], decode_all(self._decoded, 1, length, report=self.build_report))
-        with _staging(self.directory) as tmp:
+        with staging(self.directory) as tmp:
             manifest = write_packed(tmp, samples, length, fields, is_tuple)
             check_cache(tmp, full=True)  # read back: a bad write fails here, not in training
         way = self.build_report
@@ -311,14 +297,19 @@ class CachedDataset(Dataset[Any]):
             )
             for field in manifest["fields"]
         ]
-        if self.in_memory:
-            budget = self.max_memory_bytes if self.max_memory_bytes is not None else psutil.virtual_memory().available
-            if self.nbytes > budget:
-                raise CacheBudgetError(
-                    f"CachedDataset: loading the cache into memory needs {self.nbytes:,} bytes, more than the budget"
-                    f" of {budget:,} bytes (`max_memory_bytes`); use in_memory=False to read it from the file instead."
-                )
+        self._check_memory(self.nbytes)
         self._rows: PackedRows = PackedRows(self.directory, manifest, self.in_memory)
+
+    def _check_memory(self, nbytes: int) -> None:
+        """With ``in_memory``, a `CacheBudgetError` when ``nbytes`` of rows exceed the memory budget."""
+        if not self.in_memory:
+            return
+        budget = self.max_memory_bytes if self.max_memory_bytes is not None else psutil.virtual_memory().available
+        if nbytes > budget:
+            raise CacheBudgetError(
+                f"CachedDataset: loading the cache into memory needs {nbytes:,} bytes, more than the budget"
+                f" of {budget:,} bytes (`max_memory_bytes`); use in_memory=False to read it from the file instead."
+            )
 
 
 def _number_reader(dtype: np.dtype[Any]) -> Callable[[Any, int], tuple[Any, ...]]:
@@ -336,64 +327,3 @@ def _number_reader(dtype: np.dtype[Any]) -> Callable[[Any, int], tuple[Any, ...]
 
 def _number(dtype: np.dtype[Any], buffer: Any, offset: int) -> tuple[Any]:
     return (np.ndarray((), dtype, buffer, offset).item(),)
-
-
-def _check_path(path: object) -> Path:
-    """``path`` as a Path if it names a directory, or a place where one can be made; else a ``ValueError``."""
-    text = os.fspath(path) if isinstance(path, os.PathLike) else path
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"`path` must be a directory path (a non-empty str or os.PathLike), got {path!r}.")
-    root = Path(text)
-    for place in (root, *root.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(
-                    f"`path` must be a directory or where one can be made, got {path!r}: {place} is a file."
-                )
-            break
-    return root
-
-
-@contextlib.contextmanager
-def _staging(directory: Path) -> Iterator[Path]:
-    """A private directory beside ``directory`` that replaces it (a damaged one is moved aside) when the block succeeds.
-
-    Call under the build lock. A crash leaves only ``.<name>.tmp-*`` or ``.<name>.old-*``, which the next build removes.
-    """
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if directory.exists():  # the damaged cache: readers that have it open keep their descriptors
-            old = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(directory, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _same_kind(error: OSError, message: str) -> OSError:
-    """An error of ``error``'s type and errno saying ``message`` (a plain ``OSError`` if that type takes other args).
-
-    Example:
-        >>> denied = _same_kind(PermissionError(13, "Permission denied"), "`path` cannot hold it")
-        >>> type(denied).__name__, str(denied), str(_same_kind(OSError("no errno"), "`path` cannot hold it"))
-        ('PermissionError', '[Errno 13] `path` cannot hold it', '`path` cannot hold it')
-    """
-    arguments = (message,) if error.errno is None else (error.errno, message)
-    try:
-        return type(error)(*arguments)
-    except TypeError:
-        return OSError(*arguments)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(handle: IO[str]) -> Iterator[None]:
-    """An advisory exclusive lock on the open file ``handle`` (closed after), released by the OS if the process dies."""
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

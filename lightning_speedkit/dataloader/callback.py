@@ -175,7 +175,10 @@ class DataLoaderTuner(Lever):
         self._planned = {**plan, "owner": owner}
         baseline, candidates = plan["baseline"], plan["candidates"]
         if plan["batches"] is not None and plan["batches"] < self.probe_steps and candidates:
-            why = f"skipped: the train loader has {plan['batches']} batches per rank, fewer than probe_steps"
+            limited = (
+                f" (limit_train_batches={trainer.limit_train_batches})" if trainer.limit_train_batches != 1.0 else ""
+            )
+            why = f"skipped: the train loader has {plan['batches']} batches per rank{limited}, fewer than probe_steps"
             return Decision.skipped(settings_name(baseline), why)
         loaders = trainer.fit_loop._combined_loader
         single = loaders is None or len(loaders.flattened) == 1
@@ -382,6 +385,9 @@ class DataLoaderTuner(Lever):
             batches: int | None = len(loader) // (1 if streaming else trainer.world_size)
         except TypeError:
             batches = None
+        limit = trainer.limit_train_batches  # the first epoch's batches, which the counted blocks must fit in
+        if batches is not None and limit is not None:
+            batches = int(batches * limit) if isinstance(limit, float) else min(batches, int(limit))
         # batches a sampler draws (the counted probe serves them); not `batch_size=None`'s samples one by one
         map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
         plan = {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
