@@ -201,6 +201,55 @@ def test_a_trial_at_the_start_of_a_fit_resumed_mid_epoch_keeps_lightnings_restar
     assert all(torch.equal(a, b) for a, b in zip(plain, tried, strict=True))
 
 
+class _ValidatingTrialAtFitStart(L.Callback):
+    """Runs one trial with a validation batch at fit start, as `ChannelsLast`'s check of a resumed NHWC fit does."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with TrialSession(trainer, steps=2, validate=True) as session:
+            session.run(AsIs())
+
+
+class _Batches(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.validations = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.seen.append((trainer.current_epoch, idx))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validations += 1
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+@pytest.mark.parametrize("max_steps", [-1, 20])
+def test_a_validating_trial_at_a_resumed_fits_start_leaves_it_training(tmp_path: Path, max_steps: int) -> None:
+    """A trial's validation batch at the start of a fit resumed from a validation's end leaves the run as without it.
+
+    It left the validation loop marked as run: the resumed epoch loop, still restarting, took each epoch for done and
+    the fit trained no batch (with ``max_steps``, it ran empty epochs without end).
+    """
+    L.seed_everything(0, verbose=False)
+    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    tiny_trainer(tmp_path, max_epochs=1, val_check_interval=0.5, callbacks=[last], enable_checkpointing=True).fit(
+        _Dropout()
+    )
+    runs = []
+    for trial in (False, True):
+        L.seed_everything(0, verbose=False)
+        module, batches = _Dropout(), _Batches()
+        callbacks = [_ValidatingTrialAtFitStart(), batches] if trial else [batches]
+        trainer = tiny_trainer(tmp_path, max_epochs=3, max_steps=max_steps, val_check_interval=0.5, callbacks=callbacks)
+        trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+        runs.append(
+            (batches.seen, batches.validations, trainer.global_step, [p.detach().clone() for p in module.parameters()])
+        )
+    (seen, validations, step, weights), (seen_t, validations_t, step_t, weights_t) = runs
+    assert step == (24 if max_steps == -1 else 20)
+    assert (seen_t, validations_t, step_t) == (seen, validations, step)
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights_t, strict=True))
+
+
 class _MidFitTrials(L.Callback):
     """Runs three trials at the start of epoch 1, once the optimizer and the scheduler hold state."""
 

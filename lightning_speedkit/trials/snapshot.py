@@ -121,26 +121,29 @@ def _loops(loop: _Loop) -> list[_Loop]:
     return found
 
 
-def loop_flags(loop: _Loop) -> list[tuple[_Loop, bool, bool, Any]]:
-    """``(loop, restarting, resuming, restart stage)`` of ``loop`` and every loop under it, for `restore_loop_flags`.
+_LOOP_FLAGS = ("_restarting", "_resuming_from_checkpoint", "_loaded_from_state_dict", "_restart_stage", "_has_run")
+"""What a loop's run and its state loading set beside its progress (those a Lightning version has)."""
+
+
+def loop_flags(loop: _Loop) -> list[tuple[_Loop, dict[str, Any]]]:
+    """The flags (`_LOOP_FLAGS`) of ``loop`` and every loop under it, for `restore_loop_flags`.
 
     Loading a loop's state marks it (and its children) restarting and resuming from a checkpoint; a trial loads the
     fit loop's state, so a session started mid-fit puts these flags back, or the run's next epoch would take itself
     for a resumed one (and skip its data iterator's reset). The restart stage (Lightning 2.5+) too: a trial at the
-    start of a fit resumed mid-epoch reset it, and Lightning then began that epoch again with its start hooks.
+    start of a fit resumed mid-epoch reset it, and Lightning then began that epoch again with its start hooks. And
+    whether the validation loop has run: a trial's validation batch at the start of a resumed fit left it set, and the
+    resumed epoch loop, still restarting, took its epoch for done: the fit trained no batch (or, with ``max_steps``,
+    ran empty epochs without end).
     """
-    return [
-        (each, each._restarting, each._resuming_from_checkpoint, getattr(each, "_restart_stage", None))
-        for each in _loops(loop)
-    ]
+    return [(each, {name: getattr(each, name) for name in _LOOP_FLAGS if hasattr(each, name)}) for each in _loops(loop)]
 
 
-def restore_loop_flags(flags: list[tuple[_Loop, bool, bool, Any]]) -> None:
+def restore_loop_flags(flags: list[tuple[_Loop, dict[str, Any]]]) -> None:
     """Put back what `loop_flags` read."""
-    for loop, restarting, resuming, stage in flags:
-        loop._restarting, loop._resuming_from_checkpoint = restarting, resuming
-        if stage is not None:
-            loop._restart_stage = stage  # type: ignore[attr-defined]
+    for loop, values in flags:
+        for name, value in values.items():
+            setattr(loop, name, value)
 
 
 def reset_grad_scaler(plugin: Any) -> None:
