@@ -150,6 +150,22 @@ def short_job_reason(lever: str) -> str:
     return "skipped: the probe"
 
 
+def refusing_files(*places: Path, why: str) -> Path:
+    """The first of ``places`` where this process cannot create a file (each asked with a probe file); else a skip.
+
+    Permission bits do not say it for root, so a read-only directory of ours is tried beside places no one may write
+    to (``/proc``, ``/sys``); ``why`` is the skip's reason when every place took the probe.
+    """
+    for place in places:
+        probe = place / ".speedkit-probe"
+        try:
+            probe.touch()
+        except OSError:
+            return place
+        probe.unlink()
+    pytest.skip(why)
+
+
 class OutlierClassifier(TinyClassifier):
     """TinyClassifier whose first validation batch is 1000x larger: calibrated on it alone, INT8 loses accuracy."""
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import refusing_files
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_speedkit.data import CacheBudgetError, CachedDataset, callable_fingerprint, dataset_fingerprint
@@ -430,23 +431,12 @@ def test_a_path_at_or_under_a_file_is_refused(tmp_path: Path, below: str) -> Non
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
-def _unwritable_directory(tmp_path: Path) -> Path:
-    """A directory this process cannot create files in: a read-only one of ours, or, as root, ``/sys``."""
-    place = tmp_path / "read-only"
-    place.mkdir()
-    place.chmod(0o555)
-    for candidate in (place, Path("/sys")):
-        try:
-            (candidate / ".speedkit-probe").touch()
-        except OSError:
-            return candidate
-        (candidate / ".speedkit-probe").unlink()
-    pytest.skip("no directory here refuses this process's writes (root on a writable /sys)")
-
-
 def test_a_cache_to_build_in_a_place_not_writable_is_refused_naming_path(tmp_path: Path) -> None:
     """A `path` where the cache cannot be built: an OSError naming `path` and what to do, not the lock file."""
-    place = _unwritable_directory(tmp_path)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    place = refusing_files(read_only, Path("/sys"), why="no directory here refuses this process's writes")
     with pytest.raises(OSError, match=re.escape(f"`path`={str(place)!r} cannot hold it (")) as caught:
         CachedDataset(Source(), place)
     assert ".lock" not in str(caught.value)

@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import TinyClassifier, tiny_trainer
+from conftest import TinyClassifier, refusing_files, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from typing_extensions import override
@@ -104,13 +104,7 @@ def test_export_into_an_unwritable_place_fails_clearly_and_writes_nothing(tmp_pa
 
 def _kernel_file_system() -> Path:
     """``/proc``, where no process may create a file, root included (permission bits do not say so); else a skip."""
-    proc = Path("/proc")
-    try:
-        (proc / ".speedkit-probe").touch()
-    except OSError:
-        return proc
-    (proc / ".speedkit-probe").unlink()
-    pytest.skip("/proc takes new files here")
+    return refusing_files(Path("/proc"), why="/proc takes new files here")
 
 
 def test_export_under_a_place_no_file_can_be_made_fails_naming_path_before_exporting() -> None:

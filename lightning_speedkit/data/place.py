@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["build_lock", "check_path", "same_kind", "staging"]
+__all__ = ["build_lock", "check_path", "staging"]
 
 
 def check_path(path: object) -> Path:
@@ -56,7 +56,7 @@ def build_lock(root: Path, name: str) -> contextlib.AbstractContextManager[None]
             f" ({error.strerror or error}); give a writable `path`, or build the cache there once from a process that"
             " can write to it"
         )
-        raise same_kind(error, message) from error
+        raise _same_kind(error, message) from error
     return _exclusive_lock(handle)
 
 
@@ -79,12 +79,12 @@ def staging(directory: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def same_kind(error: OSError, message: str) -> OSError:
+def _same_kind(error: OSError, message: str) -> OSError:
     """An error of ``error``'s type and errno saying ``message`` (a plain ``OSError`` if that type takes other args).
 
     Example:
-        >>> denied = same_kind(PermissionError(13, "Permission denied"), "`path` cannot hold it")
-        >>> type(denied).__name__, str(denied), str(same_kind(OSError("no errno"), "`path` cannot hold it"))
+        >>> denied = _same_kind(PermissionError(13, "Permission denied"), "`path` cannot hold it")
+        >>> type(denied).__name__, str(denied), str(_same_kind(OSError("no errno"), "`path` cannot hold it"))
         ('PermissionError', '[Errno 13] `path` cannot hold it', '`path` cannot hold it')
     """
     arguments = (message,) if error.errno is None else (error.errno, message)

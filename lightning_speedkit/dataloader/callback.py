@@ -386,7 +386,7 @@ class DataLoaderTuner(Lever):
         except TypeError:
             batches = None
         limit = trainer.limit_train_batches  # the first epoch's batches, which the counted blocks must fit in
-        if batches is not None and limit is not None:
+        if batches is not None:
             batches = int(batches * limit) if isinstance(limit, float) else min(batches, int(limit))
         # batches a sampler draws (the counted probe serves them); not `batch_size=None`'s samples one by one
         map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
