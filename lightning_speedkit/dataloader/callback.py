@@ -175,9 +175,7 @@ class DataLoaderTuner(Lever):
         self._planned = {**plan, "owner": owner}
         baseline, candidates = plan["baseline"], plan["candidates"]
         if plan["batches"] is not None and plan["batches"] < self.probe_steps and candidates:
-            limited = (
-                f" (limit_train_batches={trainer.limit_train_batches})" if trainer.limit_train_batches != 1.0 else ""
-            )
+            limited = f" (limit_train_batches={trainer.limit_train_batches})" if plan["limited"] else ""
             why = f"skipped: the train loader has {plan['batches']} batches per rank{limited}, fewer than probe_steps"
             return Decision.skipped(settings_name(baseline), why)
         loaders = trainer.fit_loop._combined_loader
@@ -385,12 +383,13 @@ class DataLoaderTuner(Lever):
             batches: int | None = len(loader) // (1 if streaming else trainer.world_size)
         except TypeError:
             batches = None
-        limit = trainer.limit_train_batches  # the first epoch's batches, which the counted blocks must fit in
+        limit, loader_batches = trainer.limit_train_batches, batches  # the first epoch's, which the blocks must fit in
         if batches is not None:
             batches = int(batches * limit) if isinstance(limit, float) else min(batches, int(limit))
         # batches a sampler draws (the counted probe serves them); not `batch_size=None`'s samples one by one
         map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
         plan = {"baseline": baseline, "candidates": candidates, "max_workers": max_workers, "batches": batches}
+        plan["limited"] = batches != loader_batches  # the limit cut the epoch: the skip reason names it
         plan |= {"map_style": map_style, "streaming": streaming}
         return plan | ({"not_tuned": untuned_settings(loader)} if streaming else {})
 
