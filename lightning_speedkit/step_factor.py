@@ -22,7 +22,18 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["StepFactor"]
+__all__ = ["StepFactor", "has_lrs"]
+
+
+def has_lrs(optimizer: Optimizer) -> bool:
+    """Whether every param group of ``optimizer`` has an ``lr`` (an LR-free optimizer's have none).
+
+    Example:
+        >>> import torch
+        >>> has_lrs(torch.optim.SGD([torch.zeros(1)], lr=0.1))
+        True
+    """
+    return all("lr" in group for group in optimizer.param_groups)
 
 
 class StepFactor:
@@ -47,6 +58,8 @@ class StepFactor:
         self._handles: list[RemovableHandle] = []
         self._inflight: dict[int, tuple[list[Any], list[Any]]] = {}  # per optimizer index: (the user's, ours)
         self._warned = False
+        self.left_alone: list[str] = []
+        """The optimizers with no ``lr`` in a param group (an LR-free one): no factor applies to their steps."""
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Hook the fit's optimizers (again, when they changed: an optimizer compares by identity)."""
@@ -79,14 +92,14 @@ class StepFactor:
                         group["lr"] = original
 
     def reset_warning(self) -> None:
-        """Warn again, once, in the next fit."""
+        """Warn again, once, in the next fit (and list its LR-free optimizers afresh)."""
         self._warned = False
+        self.left_alone = []
 
     def _before(self, trainer: pl.Trainer, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if index in self._inflight:  # nested: a subclass's step calling super().step()
             return
-        factor = self.factor(trainer, index)
-        if factor is None:
+        if not self._has_lrs(index, optimizer) or (factor := self.factor(trainer, index)) is None:
             return
         originals = [group["lr"] for group in optimizer.param_groups]
         for group, lr in zip(optimizer.param_groups, ours := [lr * factor for lr in originals], strict=True):
@@ -94,6 +107,15 @@ class StepFactor:
         self._inflight[index] = (originals, ours)
         if self.written is not None:
             self.written(trainer, index, factor, ours)
+
+    def _has_lrs(self, index: int, optimizer: Optimizer) -> bool:
+        """Whether every param group has an ``lr``; an LR-free optimizer's steps are left as they are, said once."""
+        if has_lrs(optimizer):
+            return True
+        if (name := f"optimizer {index} ({type(optimizer).__name__})") not in self.left_alone:
+            self.left_alone.append(name)
+            rank_zero_warn(f"{self.owner}: {name} has no `lr` in its param groups; its steps are left as they are.")
+        return False
 
     def _after(self, index: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if index in self._inflight:

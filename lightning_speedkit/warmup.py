@@ -31,7 +31,7 @@ from lightning_speedkit.schedule import (
     warmup_factor,
     warmup_steps_of,
 )
-from lightning_speedkit.step_factor import StepFactor
+from lightning_speedkit.step_factor import StepFactor, has_lrs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -183,7 +183,8 @@ class WarmupScheduler(LeanCallback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._method == "trial" and self._check_window(trial=True) is not None:  # undecided, "wsd", step budget
+        lr_free = not all(has_lrs(optimizer) for optimizer in trainer.optimizers)  # no LR for a trial to cool down
+        if self._method == "trial" and not lr_free and self._check_window(trial=True) is not None:  # undecided, "wsd"
             self._attach(trainer)  # a resumed fit's first epoch: no batch has hooked the steps the trial pins yet
             line = self._check.try_at_epoch_start(trainer, self.schedule, self.cooldown, self._pin)  # type: ignore[arg-type]
             if line is not None:
@@ -268,7 +269,8 @@ class WarmupScheduler(LeanCallback):
         before the first training batch), ``cooldown_check`` (`lightning_speedkit.cooldown.CooldownCheck.report`:
         ``enabled``, ``method``; ``held``: None until decided, then whether the LR is held to the end; the loss
         check's ``drop`` and ``steps`` watched; the trial's ``gap``, ``z``, ``probe_s``, ``step``; the ``reason``
-        no verdict was reached) and ``probe_s`` (the trial's seconds, 0 without one).
+        no verdict was reached), ``probe_s`` (the trial's seconds, 0 without one) and, when an optimizer has no ``lr``
+        in its param groups (an LR-free one, whose steps the schedule leaves as they are), ``left_alone``.
         """
         return {
             "warmup": self._warmup_spec,
@@ -279,7 +281,7 @@ class WarmupScheduler(LeanCallback):
             "resolved": None if self._schedule is None else dict(self._schedule._asdict()),
             "cooldown_check": self._check.report(self._method),
             "probe_s": self._check.probe_s,
-        }
+        } | ({"left_alone": list(self._steps.left_alone)} if self._steps.left_alone else {})
 
     def factor(self, step: int) -> float:
         """The multiplier applied at ``trainer.global_step == step`` (1.0 before the schedule is resolved)."""

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
 from typing_extensions import override
 
+from lightning_speedkit import preset
 from lightning_speedkit.cooldown import TRIAL_Z
 from lightning_speedkit.warmup import WarmupScheduler, warmup_factor
 
@@ -371,6 +372,55 @@ def test_an_exception_inside_a_step_leaves_no_multiplier_in_the_optimizer_or_its
     fit(tmp_path / "whole", TinyClassifier(), WarmupScheduler(warmup=8), whole, max_epochs=3)
     fit(tmp_path / "resumed", TinyClassifier(), WarmupScheduler(warmup=8), resumed, max_epochs=3, ckpt_path=str(path))
     assert resumed.lrs() == pytest.approx(whole.lrs()[4:])
+
+
+class _FixedStep(torch.optim.Optimizer):
+    """An LR-free optimizer: its param groups have no ``lr``; each step moves by 0.05 times the gradient."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    @override
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.05)
+        return loss
+
+
+class _LRFree(TinyClassifier):
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _FixedStep(self.parameters())
+
+
+@pytest.mark.parametrize("use_preset", [False, True])
+def test_an_optimizer_without_lr_trains_as_without_the_schedule(tmp_path: Path, use_preset: bool) -> None:
+    """No ``lr`` in the param groups (an LR-free optimizer): its steps run as they are, said once, no trial is run.
+
+    Under `preset()` too (which adds the schedule by default): the first step used to fail with ``KeyError: 'lr'``.
+    """
+    weights = []
+    for callbacks in ([], [WarmupScheduler()]):
+        L.seed_everything(0, verbose=False)
+        model = _LRFree()
+        if use_preset:  # preset's fit, without its schedule (taken out) and with it
+            trainer = preset(max_epochs=5, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+            callbacks = [callback_of(trainer, WarmupScheduler)] if callbacks else []
+            trainer.callbacks = [c for c in trainer.callbacks if callbacks or not isinstance(c, WarmupScheduler)]
+            trainer.fit(model)
+        else:
+            fit(tmp_path, model, *callbacks, max_epochs=5)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        if callbacks:
+            report = callbacks[0].report()
+            assert report["left_alone"] == ["optimizer 0 (_FixedStep)"]
+            assert report["cooldown_check"]["held"] is None  # nothing to cool down: no trial, no verdict
+            assert report["probe_s"] == 0.0
+    assert torch.equal(weights[0], weights[1])
 
 
 def test_a_checkpoint_from_before_the_timed_warmup_resumes_its_schedule() -> None:

@@ -95,7 +95,8 @@ class CachedDataset(Dataset[Any]):
         pre_transform: Deterministic work to cache (decode, resize); part of the fingerprint.
         transform: Per-access work after the cache (random crop, flip, normalise).
         fingerprint: Overrides the source's fingerprint (e.g. a data-set version string).
-        max_disk_bytes: Refuse to build a cache larger than this.
+        max_disk_bytes: Refuse to build a cache whose rows (`nbytes`) exceed this; the data file's header and the
+            manifest add under a few KiB.
         in_memory: Load the packed rows into RAM instead of reading them from the file.
         max_memory_bytes: With ``in_memory``, refuse when the rows exceed this (default: available RAM).
 
