@@ -28,6 +28,7 @@ __all__ = [
     "CUT_AFTER",
     "DROP_AFTER",
     "GROSSLY",
+    "NOISE_Z",
     "PAYBACK",
     "block_medians",
     "check_margin",
@@ -289,6 +290,11 @@ def may_lose(rounds: int) -> int:
         [0, 1, 2, 3]
     """
     return rounds // 4
+
+
+NOISE_Z = 3.0
+"""A counted block's loss is clearly worse only this many standard errors above the block it is checked against
+(`loss_is_sound`'s ``noise_z``): counted blocks train on other batches, whose losses differ by themselves."""
 
 
 def loss_is_sound(

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.checks import check_bool, check_margin, check_number, check_probe_steps
-from lightning_speedkit.decisions import loss_is_sound
+from lightning_speedkit.decisions import NOISE_Z, loss_is_sound
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.trials.counted import CountedTrials
 from lightning_speedkit.trials.settings import loss_of, loss_tensor
@@ -39,10 +39,6 @@ AUTOCAST_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 
 _MAX_GAIN = 0.5
 """The most a precision is taken to save of a step when deciding whether a probe can pay back (bf16 measured 1.5x)."""
-
-
-_NOISE_Z = 3.0
-"""A counted candidate block's loss is clearly worse only this many standard errors above the reference block's."""
 
 
 def precision_candidates(device_type: str, cpu_bf16: bool = False, cuda_bf16: bool = False) -> list[str]:
@@ -103,7 +99,7 @@ class _PrecisionTrials(CountedTrials):
 
     Before a candidate's block the weights and optimizer state are copied to host memory; after it, its mean loss is
     compared with the block of the Trainer's precision just before it (other batches, and the weights a few steps
-    younger, so only a clearly worse loss counts: more than the tolerance, and `_NOISE_Z` standard errors). A
+    younger, so only a clearly worse loss counts: more than the tolerance, and `decisions.NOISE_Z` standard errors). A
     non-finite or clearly worse loss on any rank puts the copy back and rejects the candidate: it gets no more blocks
     and is not chosen, and the decision says why.
     """
@@ -144,7 +140,7 @@ class _PrecisionTrials(CountedTrials):
              if block == self.current.name), [],
         )  # fmt: skip
         values, reference = ([loss_of(loss) for loss in losses] for losses in (self.losses[-1], before))
-        why = loss_is_sound(values, reference, self.tolerance, noise_z=_NOISE_Z)
+        why = loss_is_sound(values, reference, self.tolerance, noise_z=NOISE_Z)
         if not trainer.strategy.reduce_boolean_decision(bool(why), all=False):
             self._saved = None
             return None

@@ -18,7 +18,7 @@ from lightning_speedkit.checks import check_bool, check_int, check_margin, check
 from lightning_speedkit.compile.counted import DECISION_FIELDS, EAGER, CountedCompile
 from lightning_speedkit.compile.dynamo import CompiledCall, CompileWatch, graph_breaks, tag_compile_cache
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_pays_back
-from lightning_speedkit.decisions import loss_is_sound
+from lightning_speedkit.decisions import NOISE_Z, loss_is_sound
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec
 from lightning_speedkit.trials.counted import COUNTED_ROUNDS, counted_cost
@@ -32,7 +32,7 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 
 _EAGER, _COMPILED = EAGER, "compiled"
 _LOSS_TOLERANCE = 0.1
-"""How much higher (relative) the compiled trial's mean loss may be than eager's on the same batches."""
+"""How much higher (relative) the first compiled block's mean loss may be than eager's, beyond the batches' noise."""
 
 
 class _Compiled(trials.Setting):
@@ -327,7 +327,7 @@ class Compile(trials.Lever):
             rank_zero_warn(f"Compile: {report['reason'][7:]}; training goes on eager.")
             return
         if own[_EAGER]:
-            unsound = loss_is_sound(own[_COMPILED][0].losses, own[_EAGER][0].losses, _LOSS_TOLERANCE)
+            unsound = loss_is_sound(own[_COMPILED][0].losses, own[_EAGER][0].losses, _LOSS_TOLERANCE, NOISE_Z)
             if unsound:
                 report["rejected"][_COMPILED] = report["reason"] = f"eager: the compiled loss differs ({unsound})"
                 rank_zero_warn(f"Compile: the compiled module trains differently ({unsound}); training goes on eager.")
