@@ -33,6 +33,7 @@ from lightning_speedkit.trials.snapshot import (
     snapshot_bytes,
     snapshot_interval,
     take_state,
+    tell_rolled_back,
 )
 
 __all__ = ["SNAPSHOT_EVERY", "SNAPSHOT_SHARE", "TrainingGuard", "robust_z", "snapshot_bytes", "snapshot_interval"]
@@ -395,6 +396,4 @@ class TrainingGuard(LeanCallback):
         put_back(trainer, snapshot)
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if callable(told := getattr(callback, "rolled_back", None)):
-                told(trainer, snapshot["step"])
+        tell_rolled_back(trainer, snapshot["step"])

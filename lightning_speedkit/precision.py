@@ -30,7 +30,7 @@ from lightning_speedkit.decisions import NOISE_Z, loss_is_sound
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.trials.counted import CountedTrials
 from lightning_speedkit.trials.settings import loss_of, loss_tensor
-from lightning_speedkit.trials.snapshot import put_back, take_state
+from lightning_speedkit.trials.snapshot import put_back, take_state, tell_rolled_back
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -120,6 +120,7 @@ class _PrecisionTrials(CountedTrials):
         if setting is not self.current:
             began = time.perf_counter()
             self._saved = take_state(trainer, schedulers=False, precision=False)  # the LR schedule counts the steps
+            self._saved["step"] = trainer.global_step
             self.snapshot_s += time.perf_counter() - began
 
     def keep_run_state(self) -> None:
@@ -148,6 +149,7 @@ class _PrecisionTrials(CountedTrials):
         began = time.perf_counter()
         if self._saved is not None:  # every rank puts its own copy back (the same weights under DDP)
             put_back(trainer, self._saved)
+            tell_rolled_back(trainer, self._saved["step"])  # a WeightAverage drops the steps undone
             self._saved = None
             self.undone.append(self.blocks[-1][1])
         self.snapshot_s += time.perf_counter() - began

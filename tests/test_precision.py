@@ -281,6 +281,24 @@ def test_a_guard_rollback_inside_a_candidates_block_stands(tmp_path: Path) -> No
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_a_rejected_block_is_undone_in_the_weight_average_too(tmp_path: Path) -> None:
+    """A bf16 block rejected (a NaN loss) puts its start's weights back, and the `WeightAverage` starts again there.
+
+    Nothing told the average, which had taken in every step of the undone block: it ended the fit not finite (a
+    block merely worse leaves it ahead of the weights the run trained, for its whole time constant).
+    """
+    from lightning_speedkit import WeightAverage
+
+    torch.manual_seed(0)
+    model, tuner = _NanAt(step=6), PrecisionTuner(candidates=BOTH, probe_steps=4)
+    average = WeightAverage(decay=0.9)
+    trainer = tiny_trainer(tmp_path, callbacks=[tuner, average], max_epochs=2, limit_val_batches=0)
+    trainer.fit(model)
+    assert tuner.report()["rejected"] == {"bf16-mixed": "non-finite loss"}
+    assert average.report()["restarts"] == ["rolled back to step 4"]  # the bf16 block's first step
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the average, put in at the fit's end
+
+
 class _FailsInBf16(TinyClassifier):
     """Raises in its first bf16 step when asked to: a fit an exception ends inside the probe's candidate block."""
 

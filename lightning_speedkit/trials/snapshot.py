@@ -33,6 +33,7 @@ __all__ = [
     "snapshot_bytes",
     "snapshot_interval",
     "take_state",
+    "tell_rolled_back",
 ]
 
 
@@ -110,6 +111,18 @@ def put_back(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     if "precision" in state:
         reset_grad_scaler(trainer.precision_plugin)
         trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
+
+
+def tell_rolled_back(trainer: pl.Trainer, step: int) -> None:
+    """Call ``rolled_back(trainer, step)`` on every callback that has it: the run's state of ``step`` was put back.
+
+    A `~lightning_speedkit.average.WeightAverage` starts its average again (it holds the steps undone); whoever
+    undoes steps of the run (`~lightning_speedkit.guard.TrainingGuard`'s rollback, a rejected precision block) tells
+    them.
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if callable(told := getattr(callback, "rolled_back", None)):
+            told(trainer, step)
 
 
 def _loops(loop: _Loop) -> list[_Loop]:
