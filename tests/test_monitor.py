@@ -342,6 +342,36 @@ def test_without_a_peak_the_report_says_why_there_is_no_mfu(tmp_path: Path) -> N
     assert "pass `peak_flops`" in report["mfu_reason"]
 
 
+class _DictBatch(TinyClassifier):
+    """A forward that takes the whole dict batch: the FLOP count, which calls it with the first tensor, fails."""
+
+    @override
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch["x"])  # type: ignore[no-any-return]
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self(batch), batch["y"])
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader([{"x": x, "y": y} for x, y in self._data(0)], batch_size=self.batch_size)
+
+
+def test_flops_that_cannot_be_counted_keep_the_peak_and_say_why(tmp_path: Path) -> None:
+    """The FLOP count fails (a dict batch): the report keeps the user's ``peak_flops`` and names what is missing.
+
+    It used to drop the peak and say "no peak FLOP/s known: pass `peak_flops`" to a user who had passed it.
+    """
+    with pytest.warns(UserWarning, match="could not count FLOPs"):
+        report = fit(
+            tmp_path, _DictBatch(), UtilizationMonitor(window=4, peak_flops=1e11), limit_val_batches=0
+        ).report()
+    assert (report["mfu"], report["peak_flops"], report["flops_per_batch"]) == (None, 1e11, None)
+    assert report["mfu_reason"].startswith("could not count FLOPs (")
+    assert report["mfu_reason"].endswith("): pass `flops_per_batch`")
+
+
 def test_given_flops_per_batch_and_impossible_mfu_warns(tmp_path: Path) -> None:
     """`flops_per_batch` is used as given (no counting), and an MFU above 1 warns that the peak or FLOPs are wrong."""
     with pytest.warns(UserWarning, match=r"MFU .* > 1 is impossible"):

@@ -125,6 +125,7 @@ class UtilizationMonitor(LeanCallback):
         self._label_counts: dict[str, int] = {}
         self._last: dict[str, Any] = {}
         self._flops: float | None = None
+        self._flops_error = ""  # why the FLOPs could not be counted: no MFU, the peak kept for the report
         self._flops_input: torch.Tensor | None = None
         self._peak: float | None = None
         self._cuda = False
@@ -201,7 +202,13 @@ class UtilizationMonitor(LeanCallback):
         if self._timer is None:
             return
         first = first_tensor(batch)
-        if self._flops is None and self.flops_per_batch is None and self._peak is not None and first is not None:
+        if (
+            self._flops is None
+            and self.flops_per_batch is None
+            and self._peak
+            and not self._flops_error
+            and first is not None
+        ):
             self._flops_input = first
         self._timer.step_start(int(first.shape[0]) if first is not None and first.dim() else 0)
 
@@ -304,7 +311,7 @@ class UtilizationMonitor(LeanCallback):
             },
             "utilization": last.get("utilization"),
             "mfu": last.get("mfu"),
-            "mfu_reason": None if self._peak else f"no peak FLOP/s known for {self._device_name!r}: pass `peak_flops`",
+            "mfu_reason": self._mfu_reason(),
             "flops_per_batch": self.flops_per_batch or self._flops,
             "peak_flops": self._peak,
             "device": self._device_name,
@@ -355,13 +362,18 @@ class UtilizationMonitor(LeanCallback):
         self._last = {**judged.figures, "steps": trainer.global_step}
         log_rank_zero(trainer, {f"speedkit/monitor/{name}": value for name, value in judged.metrics.items()})
 
+    def _mfu_reason(self) -> str | None:
+        """Why there is no MFU: no peak FLOP/s, or FLOPs that could not be counted; None when it can be had."""
+        if not self._peak:
+            return f"no peak FLOP/s known for {self._device_name!r}: pass `peak_flops`"
+        return None if self.flops_per_batch or self._flops else self._flops_error or None
+
     def _measure_flops(self, pl_module: pl.LightningModule, first: torch.Tensor) -> None:
         self._flops_input = None
         try:
             self._flops = float(measure_flops(pl_module, [first]))
         except Exception as err:  # an unusual forward signature: MFU is a nicety, not a reason to stop
-            self._flops = None
-            self._peak = None if self.flops_per_batch is None else self._peak
+            self._flops, self._flops_error = None, f"could not count FLOPs ({err}): pass `flops_per_batch`"
             rank_zero_warn(f"UtilizationMonitor: could not count FLOPs ({err}); pass `flops_per_batch` for MFU.")
 
     def _alloc_retries(self, device: torch.device) -> int:
