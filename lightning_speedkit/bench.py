@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.checks import unwritable
 from lightning_speedkit.report import write_json_atomic, write_text_atomic
 
 __all__ = [
@@ -124,10 +125,15 @@ def run_benchmarks(
     if timeout_s is not None and not 0 < timeout_s < math.inf:  # inf: the timer thread crashed, the limit was gone
         raise ValueError(f"`timeout_s` must be a positive number of seconds, finite, or None, got {timeout_s!r}.")
     out = Path(out_dir)
+    if not os.fspath(out_dir).strip():  # Path("") is the working directory
+        raise ValueError(f"`out_dir` must be a directory, got {os.fspath(out_dir)!r}.")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        problem = unwritable(out)  # an existing directory no file can be made in: before any benchmark runs
     except OSError as err:  # a file there, or no permission
-        shown = f"{os.fspath(out_dir)!r} ({err.strerror or err})"
+        problem = err.strerror or str(err)
+    if problem:
+        shown = f"{os.fspath(out_dir)!r} ({problem})"
         raise ValueError(f"`out_dir` must be a directory this user can write to, got {shown}.") from None
     out = out.resolve()
     report: dict[str, Any] = {

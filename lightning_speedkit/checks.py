@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import tempfile
 from collections.abc import Collection
+from pathlib import Path
 from typing import Literal, TypeGuard, TypeVar, overload
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "check_probe_steps",
     "is_int",
     "is_number",
+    "unwritable",
 ]
 
 T = TypeVar("T")
@@ -219,3 +222,26 @@ def check_probe_steps(name: str, value: object, low: int = 1) -> int:
     if not is_int(value, low):
         raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
     return value
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why files could not be written into ``directory`` (made if missing), or None if they could.
+
+    Its nearest existing directory is asked by creating (and removing) a probe file there: permission bits do not
+    say it for root, a read-only mount or a kernel file system (``/proc``, ``/sys``).
+
+    Example:
+        >>> unwritable(Path("/proc/exports"))
+        '/proc is not writable (No such file or directory)'
+    """
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".speedkit-probe-"):
+            pass
+    except OSError as error:
+        return f"{existing} is not writable ({error.strerror or type(error).__name__})"
+    return None

@@ -10,8 +10,7 @@ The rules every lever follows, in one place (the trials themselves run in `light
   tens of steps is never slowed by probing; a candidate grossly slower stops early (`cut_short`, `grossly_slower`).
 - **A candidate is kept only when it wins by a margin** over the setting in place, measured in the same run
   (`choose_setting`), so noise never flips a decision and "without it" is always the reference.
-- **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's on the same
-  batches from the same weights (`loss_is_sound`).
+- **A faster candidate must also train alike:** a finite loss, not clearly worse than the reference's (`loss_is_sound`).
 
 Arguments are checked with `lightning_speedkit.checks` (`check_margin` and `check_probe_steps` re-exported here).
 """
@@ -215,9 +214,8 @@ def grossly_slower(
     A counted probe runs ``current``'s second block right after the candidates' first ones. A load change on a shared
     machine that hits one block (`trials.counted.DROP_AFTER` rounds are the rule for that) slows some of its steps,
     or the blocks beside it too; three in four of a candidate's steps far behind three in four of the steps on both
-    sides of it is the setting's own slowness, and a second block would only repeat it (bf16 autocast steps of the LR
-    benchmark's small transformer take 2.1-2.8x fp32's on an AVX-512 CPU, 2.7x on an Intel Xeon). The quartiles
-    leave out the odd slow step (a collection, a page fault); each block's first ``warmup`` steps too.
+    sides of it is the setting's own slowness (bf16 autocast on a small transformer: 2.1-2.8x fp32's on an AVX-512
+    CPU). The quartiles leave out the odd slow step (a GC, a page fault); each block's first ``warmup`` steps too.
 
     Example:
         >>> blocks = [("a", [1.0, 1.1, 1.0]), ("b", [2.5, 2.4, 2.6]), ("c", [1.2, 3.0, 3.1]), ("a", [1.0, 3.0, 1.0])]
@@ -292,9 +290,7 @@ def may_lose(rounds: int) -> int:
     return rounds // 4
 
 
-NOISE_Z = 3.0
-"""A counted block's loss is clearly worse only this many standard errors above the block it is checked against
-(`loss_is_sound`'s ``noise_z``): counted blocks train on other batches, whose losses differ by themselves."""
+NOISE_Z = 3.0  # standard errors a counted block's loss must be over its reference's to be worse (`loss_is_sound`)
 
 
 def loss_is_sound(
@@ -348,8 +344,7 @@ DROP_AFTER = 2
 """Rounds in each of which a candidate must be clearly slower (`clearly_slower`) before it gets no more blocks.
 
 A load spike can hit one block of ten steps (`benchmarks/results/avx512/layout_stability.json`: channels_last lost its
-first block by 18.5%, and 12% faster over a long timing); a really slower candidate's block costs only its extra
-seconds, so a second round to confirm is cheap."""
+first block by 18.5%, 12% faster over a long timing); a slower candidate's block costs only its extra seconds."""
 
 
 def counted_cost(settings: int, steps: int, rounds: int, margin: float) -> int:
@@ -357,11 +352,10 @@ def counted_cost(settings: int, steps: int, rounds: int, margin: float) -> int:
 
     A restored probe costs every trial step (`trials.measure.PROBE_ROUNDS` rounds of every setting); a counted one
     (`trials.counted`) only the extra time of the slower blocks. A candidate block twice as slow as the setting in
-    place costs its length; such a candidate is dropped after its first block (`grossly_slower`), one
-    `clearly_slower` in each of its first `DROP_AFTER` rounds after those. A candidate that is not dropped is at most
-    that bound (`clearly_slower_bound` of ``margin``) slower in most of its rounds. So the worst case is `DROP_AFTER`
-    blocks at full length, and the bound's fraction of each later round's block (every round at full length priced
-    `ChannelsLast`'s 12 short rounds at four times what they can cost).
+    place costs its length; such a candidate is dropped after its first block (`grossly_slower`), one `clearly_slower`
+    in each of its first `DROP_AFTER` rounds after those; one not dropped is at most that bound (`clearly_slower_bound`
+    of ``margin``) slower in most rounds. So the worst case is `DROP_AFTER` full blocks, and the bound's share of each
+    later round's block (every round at full length priced `ChannelsLast`'s 12 short rounds at 4x their cost).
 
     Example:
         >>> counted_cost(settings=2, steps=10, rounds=3, margin=0.05)

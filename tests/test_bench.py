@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, load_benchmark, refusing_files
 
 from lightning_speedkit.bench import (
     BenchmarksNotFoundError,
@@ -223,6 +223,25 @@ def test_main_exit_code_and_listing(scripts: Path, tmp_path: Path, capsys: pytes
     (tmp_path / "a_file").write_text("")
     assert main(["ok", "--benchmarks-dir", str(scripts), "--out", str(tmp_path / "a_file")]) == 2  # no traceback
     assert "--out must be a directory this user can write to" in capsys.readouterr().err
+
+
+def test_an_out_dir_that_takes_no_file_is_refused_before_any_benchmark_runs(
+    scripts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An existing directory where no file can be made, or an empty ``--out``: exit 2 at once, nothing run.
+
+    The existing directory passed ``mkdir``, every benchmark ran, then writing its log ended the command with a
+    traceback; an empty ``--out`` wrote the report into the working directory.
+    """
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    place = refusing_files(read_only, Path("/proc"), why="every directory here takes this process's files")
+    for out in (str(place), "", " "):
+        assert main(["ok", "--benchmarks-dir", str(scripts), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert f"--out must be a directory{' this user can write to' if out.strip() else ''}, got {out!r}" in err
+        assert "Traceback" not in err
+    assert not (scripts.parent / "report.md").exists()
 
 
 def test_markdown_shows_a_benchmark_that_printed_nothing() -> None:

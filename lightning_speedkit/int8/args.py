@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_speedkit.checks import check_bool, check_choice, check_int, is_int, is_number
+from lightning_speedkit.checks import check_bool, check_choice, check_int, is_int, is_number, unwritable
 from lightning_speedkit.int8.place import export_paths
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "check_export_path",
     "check_metadata",
     "check_metric",
-    "unwritable",
 ]
 
 ACTIONS_ON_METRIC_DROP = ("raise", "warn")
@@ -155,29 +153,6 @@ def check_export_path(value: object, name: str = "path") -> Path:
     if problem:
         raise ExportPlaceError(f"`{name}` must be a path in a writable directory, got {str(value)!r}: {problem}.")
     return path
-
-
-def unwritable(directory: Path) -> str | None:
-    """Why files could not be written into ``directory`` (made if missing), or None if they could.
-
-    Its nearest existing directory is asked by creating (and removing) a probe file there: permission bits do not
-    say it for root, a read-only mount or a kernel file system (``/proc``, ``/sys``).
-
-    Example:
-        >>> unwritable(Path("/proc/exports"))
-        '/proc is not writable (No such file or directory)'
-    """
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".speedkit-probe-"):
-            pass
-    except OSError as error:
-        return f"{existing} is not writable ({error.strerror or type(error).__name__})"
-    return None
 
 
 def check_export_args(**values: Any) -> None:

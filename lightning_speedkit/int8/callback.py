@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_speedkit.checks import check_bool
+from lightning_speedkit.checks import check_bool, unwritable
 from lightning_speedkit.hooks import LeanCallback
-from lightning_speedkit.int8.args import check_export_args, check_metric, unwritable
+from lightning_speedkit.int8.args import check_export_args, check_metric
 from lightning_speedkit.int8.export import Int8VerificationError, export_int8
 from lightning_speedkit.int8.inputs import InputsFromBatch
 from lightning_speedkit.int8.place import export_exists
