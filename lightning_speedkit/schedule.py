@@ -290,7 +290,8 @@ def warmup_factor(
         time_fraction: The share of a time budget already spent, or None when the run has none.
         warmup_share: With a time budget and no step budget (``total_steps`` None): the share of the time left at the
             schedule's start the warmup takes, in [0, 1) (0: ``warmup_steps`` alone); the ramp follows the clock.
-        time_start: The share of the time budget spent when the schedule started (``time_fraction`` at step 0).
+        time_start: The share of the time budget spent when the schedule started (``time_fraction`` at step 0): the
+            warmup and the decay by time span the time left then.
 
     Raises:
         ValueError: If an argument is out of range (the message names it and its value).
@@ -333,17 +334,22 @@ def factor_at(
     warmup_share: float = 0.0,
     time_start: float = 0.0,
 ) -> float:
-    """`warmup_factor` of arguments already checked (a callback's, once per optimizer step: no checks here)."""
+    """`warmup_factor` of arguments already checked (a callback's, once per optimizer step: no checks here).
+
+    The time the schedule has had is the share of the time left at its start (``time_start``: a restarted schedule's
+    warmup and decay span the time left then, as its steps span the steps left).
+    """
+    spent = None if time_fraction is None else max(0.0, time_fraction - time_start) / max(1e-9, 1.0 - time_start)
     done = step / warmup_steps if step < warmup_steps else 1.0
-    if time_fraction is not None and total_steps is None and warmup_share:  # no step budget: a ramp over time
-        done = min(1.0, max(0.0, time_fraction - time_start) / (warmup_share * max(1e-9, 1.0 - time_start)))
-    elif done < 1.0 and time_fraction is not None and total_steps:  # the warmup's share of the time: whichever first
-        done = min(1.0, max(done, time_fraction * total_steps / warmup_steps))
+    if spent is not None and total_steps is None and warmup_share:  # no step budget: a ramp over time
+        done = min(1.0, spent / warmup_share)
+    elif done < 1.0 and spent is not None and total_steps:  # the warmup's share of the time: whichever first
+        done = min(1.0, max(done, spent * total_steps / warmup_steps))
     if done < 1.0:
         return start_factor + (1.0 - start_factor) * done
     if decay == "constant":
         return 1.0
-    progress = decay_progress(step, warmup_steps, total_steps, decay, cooldown, time_fraction)
+    progress = decay_progress(step, warmup_steps, total_steps, decay, cooldown, spent)
     if decay == "wsd":
         remaining = 1.0 - math.sqrt(progress)
     elif decay == "cosine":

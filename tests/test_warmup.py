@@ -259,15 +259,14 @@ def test_a_raised_lr_gets_a_ramp_even_without_a_warmup(tmp_path: Path, tiny_mode
     assert recorder.lrs() == pytest.approx([4 * BASE_LR * min(1.0, k / ramp) for k in range(40)])
 
 
-def _fit_on_a_fake_clock(tmp_path: Path, model: L.LightningModule, *callbacks: Callback) -> None:
-    """Fit with ``max_time`` and no step budget, on a clock that each reading moves 1% of the time on."""
+def _fit_on_a_fake_clock(tmp_path: Path, model: L.LightningModule, *callbacks: Callback, **kwargs: Any) -> None:
+    """Fit with ``max_time`` and no step budget (unless given), on a clock that each reading moves 1% of the time on."""
     from lightning.pytorch.callbacks import Timer
 
     from lightning_speedkit import budget
 
-    trainer = tiny_trainer(
-        tmp_path, callbacks=list(callbacks), limit_val_batches=0, max_epochs=-1, max_time={"seconds": 2}
-    )
+    kwargs = {"max_epochs": -1, "max_time": {"seconds": 2}, **kwargs}
+    trainer = tiny_trainer(tmp_path, callbacks=list(callbacks), limit_val_batches=0, **kwargs)
     clock = iter(range(10_000))
 
     class FakeTimer(Timer):
@@ -332,6 +331,34 @@ def test_a_warmup_share_under_a_time_budget_alone_is_a_share_of_the_time(
     assert all(b >= a for a, b in itertools.pairwise(lrs))
     assert 1 < sum(lr < BASE_LR * (1 - 1e-9) for lr in lrs) < len(lrs) // 4
     assert lrs[-1] == pytest.approx(BASE_LR)
+
+
+def test_a_restart_under_a_time_budget_ramps_over_its_own_steps_and_time(
+    tmp_path: Path, tiny_model: TinyClassifier
+) -> None:
+    """`restart` with a step and a time budget: the new warmup starts at 0 and ramps over its own steps.
+
+    The time side of "whichever ends first" read the share of the time spent since the fit began, not since the
+    restart: a third of the time gone made the new warmup start near its peak (under a shorter budget, no ramp at all).
+    """
+
+    class Restart(Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 16 and warmup.schedule is not None and warmup.schedule[2] == 0:
+                warmup.restart(warmup=8)
+
+    recorder, warmup = LRRecorder(), WarmupScheduler(warmup=4, decay="constant")
+    _fit_on_a_fake_clock(tmp_path, tiny_model, warmup, Restart(), recorder, max_steps=40)
+    assert warmup.schedule == (8, 23, 17)  # from the next batch
+    assert warmup.report()["resolved"]["time_start"] > 0.2  # the clock: a third of the time gone at the restart
+    steps = [lr for step, _, (lr, *_) in recorder.steps if step >= 17]
+    assert steps[0] < 0.1 * BASE_LR  # the fake clock moves 1% between the restart's reading and its first step's
+    assert all(b > a for a, b in itertools.pairwise(steps[:9]))
+    assert steps[4] < 0.75 * BASE_LR  # a ramp over its 8 steps (the time side, on the time left, ends later)
+    assert steps[8:] == pytest.approx([BASE_LR] * len(steps[8:]))
+    assert warmup_factor(0, 20, 150, "constant", time_fraction=0.6, time_start=0.6) == 0.0
+    half = warmup_factor(10, 20, 150, "cosine", time_fraction=0.6 + 0.4 * 10 / 150, time_start=0.6)
+    assert half == pytest.approx(0.5)  # the steps and the time left agree: half the warmup
 
 
 class _CrashInsideStep(Callback):
