@@ -213,6 +213,21 @@ def test_over_the_memory_budget_it_only_watches(tmp_path: Path) -> None:
     assert guard.report()["watch_only"].startswith("a snapshot takes")
 
 
+def test_a_later_snapshot_over_the_budget_leaves_none_to_roll_back_to(tmp_path: Path) -> None:
+    """The first snapshot fits (the optimizer has no state before its first step); the next, with momentum, does not.
+
+    From then on the guard only watches, as it warns: a NaN stops the run. It kept the first snapshot, and the NaN
+    rolled the run back to step 0, throwing every step since away, while the report said it only watched.
+    """
+    guard = TrainingGuard(every_n_steps=5, max_snapshot_bytes=4000)  # weights 2.7 kB; with SGD's momentum 5.4 kB
+    with pytest.raises(RuntimeError, match="no rollback left: a snapshot takes"):
+        _fit(tmp_path, _Faulty(nan_at=(8,)), guard)
+    report = guard.report()
+    assert report["watch_only"].startswith("a snapshot takes")
+    assert report["rollbacks"] == 0
+    assert report["snapshot_bytes"] > 4000  # the snapshot refused, not the first one
+
+
 def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
     """After a rollback in epoch 0, a fit resumed from that epoch's checkpoint still counts it and lists its event."""
     ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
