@@ -345,7 +345,7 @@ class TrainingGuard(LeanCallback):
         }
         size = snapshot_bytes(states)
         budget = self.max_snapshot_bytes if self.max_snapshot_bytes is not None else host_memory() // 4
-        if size > budget:  # the snapshots so far go too (the first one's optimizer had no state yet): none to go back to
+        if size > budget:  # the snapshots so far go too (the first one had no optimizer state yet): none to go back to
             self._watch_only = f"a snapshot takes {size / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
             rank_zero_warn(f"TrainingGuard: {self._watch_only}; watching only (a trigger stops the run).")
             self._snapshot, self._first, self._snapshot_size = None, None, size
