@@ -75,12 +75,16 @@ class StepTime(NamedTuple):
         h2d_s: The part of the data wait the host spent in the host-to-device copy (wall clock, both devices).
         compute_s: From the start of the step to its end (forward, backward, optimizer).
         samples: Samples in the batch (0 when unknown).
+        between_s: The part of the time between the steps before the loader was asked for this batch (Lightning's
+            loop, callbacks' hooks, logging), not in ``data_wait_s``: on the wall clock, when `StepTimer.fetch_start`
+            is told; else 0.
     """
 
     data_wait_s: float
     h2d_s: float
     compute_s: float
     samples: int
+    between_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,17 @@ class WindowStats:
     data_wait_s: float
     h2d_s: float
     compute_s: float
+    between_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Data wait plus compute."""
-        return self.data_wait_s + self.compute_s
+        """Data wait, compute and the host's work between the steps."""
+        return self.data_wait_s + self.compute_s + self.between_s
+
+    @property
+    def between_fraction(self) -> float:
+        """Share of the step time the host spent between steps outside the loader (`StepTime.between_s`)."""
+        return self.between_s / self.total_s if self.total_s > 0 else 0.0
 
     @property
     def data_wait_fraction(self) -> float:
@@ -135,32 +145,34 @@ def summarize(steps: Iterable[StepTime]) -> WindowStats:
         0.0
     """
     count = samples = 0
-    wait = h2d = compute = 0.0
+    wait = h2d = compute = between = 0.0
     for step in steps:
         count += 1
         samples += step.samples
         wait += step.data_wait_s
         h2d += step.h2d_s
         compute += step.compute_s
-    return WindowStats(count, samples, wait, h2d, compute)
+        between += step.between_s
+    return WindowStats(count, samples, wait, h2d, compute, between)
 
 
-def median_fractions(steps: Sequence[StepTime]) -> tuple[float, float]:
-    """The median over steps of each step's data-wait share and host-to-device-copy share (0 for no steps).
+def median_fractions(steps: Sequence[StepTime]) -> tuple[float, float, float]:
+    """The median over steps of each step's data-wait, host-to-device-copy and between-steps shares (0 for no steps).
 
     Unlike `WindowStats` fractions (shares of the summed time), one slow step (a warm-up, a checkpoint write, the
     process being descheduled) cannot swing it, so it describes the typical step.
 
     Example:
         >>> median_fractions([StepTime(0.5, 0.0, 0.5, 8), StepTime(0.6, 0.1, 0.4, 8), StepTime(0.0, 0.0, 9.0, 8)])
-        (0.5, 0.0)
+        (0.5, 0.0, 0.0)
     """
     if not steps:
-        return 0.0, 0.0
-    totals = [step.data_wait_s + step.compute_s for step in steps]
+        return 0.0, 0.0, 0.0
+    totals = [step.data_wait_s + step.compute_s + step.between_s for step in steps]
     waits = [step.data_wait_s / t if t > 0 else 0.0 for step, t in zip(steps, totals, strict=True)]
     copies = [min(1.0, step.h2d_s / t) if t > 0 else 0.0 for step, t in zip(steps, totals, strict=True)]
-    return statistics.median(waits), statistics.median(copies)
+    between = [step.between_s / t if t > 0 else 0.0 for step, t in zip(steps, totals, strict=True)]
+    return statistics.median(waits), statistics.median(copies), statistics.median(between)
 
 
 class _Pending(NamedTuple):
@@ -175,8 +187,10 @@ class StepTimer:
     """Times steps with `step_start`/`step_end` and keeps the last ``window`` completed ones.
 
     Call `mark` where a data wait begins that does not follow a step (an epoch start, the end of validation);
-    `add_h2d` adds host time spent copying the next batch to the device. On CUDA, steps complete lazily: a step is
-    counted once the GPU has passed its end event, so ``completed`` may trail ``started`` by a few steps.
+    `add_h2d` adds host time spent copying the next batch to the device; `fetch_start`, told when the loop asks the
+    loader for the next batch, ends the host's own work after a step (on the wall clock: its `StepTime.between_s`,
+    not data wait). On CUDA, steps complete lazily: a step is counted once the GPU has passed its end event, so
+    ``completed`` may trail ``started`` by a few steps; the data wait there is the GPU's idle time between steps.
 
     Args:
         window: How many completed steps `window_stats` covers.
@@ -211,7 +225,9 @@ class StepTimer:
         self._total_wait = self._total_h2d = self._total_compute = 0.0
         self._samples = 0
         self._pending: deque[_Pending] = deque()
-        self._h2d = 0.0
+        self._h2d = self._between = 0.0
+        self._total_between = 0.0
+        self._since_end: float | None = None  # the last step's end, until the loader is asked for the next batch
         self._wall_before: float | None = None
         self._wall_start = 0.0
         self._event_before: torch.cuda.Event | None = None
@@ -219,7 +235,8 @@ class StepTimer:
 
     def mark(self) -> None:
         """Start a data wait now (at an epoch start or after validation) and forget any copy time so far."""
-        self._h2d = 0.0
+        self._h2d = self._between = 0.0
+        self._since_end = None
         self._wall_before = time.perf_counter()
         if self.cuda:
             self._event_before = self._record()
@@ -227,6 +244,12 @@ class StepTimer:
     def add_h2d(self, seconds: float) -> None:
         """Add host seconds spent copying the coming batch to the device."""
         self._h2d += seconds
+
+    def fetch_start(self) -> None:
+        """The loop asks the loader for a batch: the host's work since the last step's end was not a data wait."""
+        if self._since_end is not None:
+            self._between += time.perf_counter() - self._since_end
+            self._since_end = None
 
     def step_start(self, samples: int = 0) -> None:
         """The batch is on the device and the step begins; ends the data wait."""
@@ -254,8 +277,11 @@ class StepTimer:
                 self._read_ready()
         else:
             before = self._wall_before if self._wall_before is not None else self._wall_start
-            self._add(StepTime(self._wall_start - before, h2d, now - self._wall_start, self._samples))
-        self._wall_before = now
+            between = min(self._between, self._wall_start - before)
+            wait = self._wall_start - before - between
+            self._add(StepTime(wait, h2d, now - self._wall_start, self._samples, between))
+        self._wall_before, self._between = now, 0.0
+        self._since_end = None if self.cuda else now
 
     def flush(self) -> None:
         """Wait for every pending CUDA step and count it (for the end of a run, not for every step)."""
@@ -276,12 +302,20 @@ class StepTimer:
     def total_stats(self) -> WindowStats:
         """Stats over every completed step since construction or `restore`."""
         self._read_ready()
-        return WindowStats(self.completed, self._total_samples, self._total_wait, self._total_h2d, self._total_compute)
+        return WindowStats(
+            self.completed,
+            self._total_samples,
+            self._total_wait,
+            self._total_h2d,
+            self._total_compute,
+            self._total_between,
+        )
 
     def restore(self, totals: WindowStats) -> None:
         """Continue the running totals from ``totals`` (saved from an earlier run, for a resume)."""
         self.completed, self._total_samples = totals.steps, totals.samples
         self._total_wait, self._total_h2d, self._total_compute = totals.data_wait_s, totals.h2d_s, totals.compute_s
+        self._total_between = totals.between_s
 
     def _add(self, step: StepTime) -> None:
         self.completed += 1
@@ -290,6 +324,7 @@ class StepTimer:
         self._total_wait += step.data_wait_s
         self._total_h2d += step.h2d_s
         self._total_compute += step.compute_s
+        self._total_between += step.between_s
 
     def _read_ready(self) -> None:
         while self._pending and self._pending[0].end.query():  # type: ignore[no-untyped-call]

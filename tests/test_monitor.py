@@ -276,6 +276,30 @@ def test_slow_dataset_is_data_bound_and_advice_names_workers(tmp_path: Path) -> 
     assert not sampler_threads()
 
 
+class _SlowHook(L.Callback):
+    """Host work after each step, in a callback placed after the monitor: 20 ms a batch."""
+
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(0.02)
+
+
+def test_a_slow_hook_after_the_step_is_the_loop_not_the_data(tmp_path: Path) -> None:
+    """In-memory batches and a slow callback: ``loop_bound``, never advice to add loader workers.
+
+    The time from the monitor's batch end to the next step's start was all data wait: ``data_bound: 92%`` and
+    "try num_workers=2", which made an in-memory loader 2.7x slower.
+    """
+    monitor = UtilizationMonitor(window=4)
+    with pytest.warns(UserWarning, match="UtilizationMonitor: loop_bound"):
+        tiny_trainer(tmp_path, callbacks=[monitor, _SlowHook()], max_steps=8).fit(TinyClassifier())
+    report = monitor.report()
+    assert report["diagnosis"] == "loop_bound"
+    assert report["total"]["between_fraction"] > report["total"]["data_wait_fraction"]
+    assert report["total"]["between_s"] >= 7 * 0.02  # the hook's sleeps before the 7 steps after the first
+    assert "num_workers" not in report["advice"]
+
+
 class _SlowStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     """A plain IterableDataset that does not shard itself by worker: each worker would yield all of it."""
 

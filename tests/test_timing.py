@@ -75,6 +75,35 @@ def test_wall_clock_split_on_cpu(clock: Clock) -> None:
     assert timer.window_stats() == WindowStats(steps=2, samples=16, data_wait_s=5.0, h2d_s=0.5, compute_s=2.0)
 
 
+def test_the_hosts_work_before_the_fetch_is_between_steps_not_data_wait(clock: Clock) -> None:
+    """After a step, the time until the loop asks the loader for a batch (`fetch_start`) is ``between_s``.
+
+    It was all data wait: other callbacks' hooks and Lightning's logging made an in-memory loader look slow.
+    """
+    timer = StepTimer(window=4)
+    timer.mark()
+    clock.now += 2.0  # fetching: after a mark, the wait begins at once
+    timer.fetch_start()
+    timer.step_start(samples=8)
+    clock.now += 1.0
+    timer.step_end()
+    clock.now += 3.0  # the hooks after the step, the loop's logging
+    timer.fetch_start()
+    clock.now += 0.5  # fetching
+    timer.step_start(samples=8)
+    clock.now += 1.0
+    timer.step_end()
+    clock.now += 4.0  # no fetch told (a loop without the seam): the whole gap is data wait, as before
+    timer.step_start(samples=8)
+    clock.now += 1.0
+    timer.step_end()
+    stats = timer.total_stats()
+    assert stats == WindowStats(steps=3, samples=24, data_wait_s=6.5, h2d_s=0.0, compute_s=3.0, between_s=3.0)
+    assert [step.between_s for step in timer.recent_steps()] == [0.0, 3.0, 0.0]
+    assert stats.between_fraction == pytest.approx(3.0 / 12.5)
+    assert timing.median_fractions(timer.recent_steps())[2] == 0.0  # the median step's
+
+
 def test_mark_starts_a_new_wait_and_forgets_copy_time(clock: Clock) -> None:
     """Time and copy time before `mark` (validation, an epoch boundary) is not counted as data wait."""
     timer = StepTimer()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -15,10 +14,11 @@ from lightning_speedkit.batch import first_tensor
 from lightning_speedkit.checks import check_bool, check_callable, check_int, check_number
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.hooks import LeanCallback
-from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, first_loader, format_summary, judge_window
+from lightning_speedkit.monitor.diagnosis import LoaderSettings, RankWindow, format_summary, judge_window
 from lightning_speedkit.monitor.flops import measure_flops, training_peak_flops
-from lightning_speedkit.monitor.loader import loader_in_use
+from lightning_speedkit.monitor.loader import first_loader, loader_in_use
 from lightning_speedkit.monitor.readings import DeviceReadings
+from lightning_speedkit.monitor.seams import Seams
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import StateSpec, cached_state_key, check_checkpoints
 from lightning_speedkit.sampling import DeviceSampler, open_sampler
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["UtilizationMonitor"]
+
+_FRACTIONS = ("data_wait_fraction", "h2d_fraction", "between_fraction")
 
 
 class UtilizationMonitor(LeanCallback):
@@ -44,7 +46,9 @@ class UtilizationMonitor(LeanCallback):
 
     Timing goes through `lightning_speedkit.timing.StepTimer`: wall clock on CPU; on CUDA, events read only once
     the GPU has passed them, so no step waits for the GPU. Host time in ``strategy.batch_to_device`` is timed as the
-    host-to-device copy (the method is wrapped on the strategy instance during fit and restored at teardown).
+    host-to-device copy; on the wall clock, the host's work after a step until the loop asks the loader for the next
+    batch (Lightning's loop, other callbacks' hooks, logging) is not data wait but ``between`` (`monitor.seams`: both
+    wrapped on their instances during fit, put back at teardown); the diagnosis tells that ``loop_bound``.
     Device readings come from a `lightning_speedkit.sampling.DeviceSampler` (NVML on CUDA, else this process's CPU
     share and RSS) in a daemon thread that stops at the end of fit, on an exception and at teardown; if it fails
     mid-run it warns once, falls back to the process reading and training goes on. On CPU the utilisation is
@@ -69,11 +73,11 @@ class UtilizationMonitor(LeanCallback):
         ValueError: In ``__init__`` for a bad argument (the message names it and its value).
 
     Logged metrics (to every Trainer logger, rank zero, each window, at ``step=trainer.global_step``), all under
-    ``speedkit/monitor/``: ``data_wait_fraction``, ``h2d_fraction``, ``step_time_s``, ``samples_per_second``,
-    ``diagnosis`` (index in `LABELS`); with readings ``gpu_utilization``, ``gpu_memory_used_gb``, ``gpu_power_w``,
-    ``gpu_temperature_c``, ``gpu_sm_clock_mhz`` (NVML) or ``cpu_utilization``, ``rss_gb`` (process); on CUDA
-    ``alloc_retries``; with FLOPs and a peak ``mfu``; under DDP ``slowest_rank``, ``step_time_max_s``,
-    ``median_data_wait_fraction_max``, ``utilization_min``, ``utilization_max``.
+    ``speedkit/monitor/``: ``data_wait_fraction``, ``h2d_fraction``, ``between_fraction``, ``step_time_s``,
+    ``samples_per_second``, ``diagnosis`` (index in `LABELS`); with readings ``gpu_utilization``,
+    ``gpu_memory_used_gb``, ``gpu_power_w``, ``gpu_temperature_c``, ``gpu_sm_clock_mhz`` (NVML) or
+    ``cpu_utilization``, ``rss_gb`` (process); on CUDA ``alloc_retries``; with FLOPs and a peak ``mfu``; under DDP
+    ``slowest_rank``, ``step_time_max_s``, ``median_data_wait_fraction_max``, ``utilization_min``, ``utilization_max``.
 
     Example:
         >>> import lightning as L
@@ -116,7 +120,7 @@ class UtilizationMonitor(LeanCallback):
         """The run's state as before any fit: the one list of it (here, before the hooks, so mypy reads its types)."""
         self._timer: StepTimer | None = None
         self._readings = DeviceReadings(self.sample_interval)
-        self._wrapped: tuple[Any, Any] | None = None
+        self._seams = Seams()
         self._loader: LoaderSettings | None = None
         self._base = WindowStats(0, 0, 0.0, 0.0, 0.0)
         self._batches = self._windows = self._retries = 0
@@ -144,7 +148,8 @@ class UtilizationMonitor(LeanCallback):
 
     state_spec: ClassVar[StateSpec] = {
         "batches": int,
-        "totals": {"steps": int, "samples": int, "data_wait_s": float, "h2d_s": float, "compute_s": float},
+        "totals": {"steps": int, "samples": int}
+        | dict.fromkeys(("data_wait_s", "h2d_s", "compute_s", "between_s"), float),
         "label": (str, None),
         "advice": (str, None),
         "label_counts": dict,
@@ -161,17 +166,7 @@ class UtilizationMonitor(LeanCallback):
             return
         self._stop()
         self._reset()  # a checkpoint's state, if any, is loaded after this
-        strategy, original = trainer.strategy, trainer.strategy.batch_to_device
-
-        def timed_batch_to_device(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            if self._timer is not None:
-                self._timer.add_h2d(time.perf_counter() - start)
-            return out
-
-        strategy.batch_to_device = timed_batch_to_device  # type: ignore[method-assign]
-        self._wrapped = (strategy, timed_batch_to_device)
+        self._seams.wrap(trainer, self._copied, self._fetching)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -307,7 +302,7 @@ class UtilizationMonitor(LeanCallback):
             "label_counts": dict(self._label_counts),
             "total": {  # steps, samples, data_wait_s, h2d_s, compute_s, and the fractions and rate over them all
                 **asdict(totals),
-                **{k: getattr(totals, k) for k in ("data_wait_fraction", "h2d_fraction", "samples_per_second")},
+                **{k: getattr(totals, k) for k in (*_FRACTIONS, "samples_per_second")},
             },
             "utilization": last.get("utilization"),
             "mfu": last.get("mfu"),
@@ -330,9 +325,9 @@ class UtilizationMonitor(LeanCallback):
         readings = self._readings.take()
         retries_now = self._alloc_retries(trainer.strategy.root_device)
         retries, self._retries = retries_now - self._retries, retries_now
-        wait, h2d = median_fractions(self._timer.recent_steps())
+        wait, h2d, between = median_fractions(self._timer.recent_steps())
         util = readings.get("gpu_utilization") if self._cuda else None
-        mine = RankWindow(wait, h2d, util, stats.total_s / stats.steps, retries)
+        mine = RankWindow(wait, h2d, util, stats.total_s / stats.steps, retries, between)
         flops = self.flops_per_batch or self._flops
         self._loader = loader_in_use(self._loader, trainer)  # a loader tuner rebuilds it after the fit started
         judged = judge_window(
@@ -383,18 +378,23 @@ class UtilizationMonitor(LeanCallback):
 
     def _stop(self) -> None:
         self._readings.stop()
-        if self._wrapped is not None:
-            strategy, wrapper = self._wrapped
-            if strategy.__dict__.get("batch_to_device") is wrapper:
-                del strategy.batch_to_device
-            self._wrapped = None
+        self._seams.restore()
+
+    def _copied(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.add_h2d(seconds)
+
+    def _fetching(self) -> None:
+        if self._timer is not None:
+            self._timer.fetch_start()
 
 
 def _gather(trainer: pl.Trainer, mine: RankWindow) -> list[RankWindow]:
     """Every rank's figures for the window, in rank order (every rank gets here at the same batch)."""
     if trainer.world_size == 1:
         return [mine]
-    row = [*mine[:2], -1.0 if mine.utilization is None else mine.utilization, mine.step_time_s, mine.alloc_retries]
+    utilization = -1.0 if mine.utilization is None else mine.utilization
+    row = [*mine[:2], utilization, mine.step_time_s, mine.alloc_retries, mine.between_fraction]
     local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
     rows = trainer.strategy.all_gather(local).cpu().reshape(-1, len(row)).tolist()
-    return [RankWindow(w, h, None if u < 0 else u, t, int(r)) for w, h, u, t, r in rows]
+    return [RankWindow(w, h, None if u < 0 else u, t, int(r), b) for w, h, u, t, r, b in rows]

@@ -1,4 +1,4 @@
-"""The diagnosis of a window of steps (data, copy, memory or compute bound) with advice from the dataloader settings."""
+"""The diagnosis of a window of steps (data, copy, loop, memory or compute bound), with advice from its loader."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ __all__ = [
     "WindowDiagnosis",
     "WindowJudgement",
     "diagnose",
-    "first_loader",
     "format_summary",
     "judge_window",
 ]
 
-LABELS = ("compute_bound", "data_bound", "h2d_bound", "memory_thrash", "underutilized")
+LABELS = ("compute_bound", "data_bound", "h2d_bound", "loop_bound", "memory_thrash", "underutilized")
 """The diagnoses; ``speedkit/monitor/diagnosis`` logs the index of one in this tuple."""
 
 
@@ -106,12 +105,14 @@ def diagnose(
     loader: LoaderSettings | None = None,
     warn_util_below: float = 0.7,
     warn_data_wait_above: float = 0.2,
+    between_fraction: float = 0.0,
 ) -> WindowDiagnosis:
     r"""Label a window of steps and say what to change, from the dataloader settings actually in use.
 
     In order: ``memory_thrash`` (the CUDA allocator retried), ``h2d_bound`` (the data wait is high and mostly the
-    host-to-device copy), ``data_bound`` (the data wait is high), ``underutilized`` (the device is idle although
-    data is ready: batches too small, launch overhead), else ``compute_bound``.
+    host-to-device copy), ``data_bound`` (the data wait is high), ``loop_bound`` (the host's own work between steps,
+    outside the loader, takes as much), ``underutilized`` (the device is idle although data is ready: batches too
+    small, launch overhead), else ``compute_bound``.
 
     Args:
         data_wait_fraction: Share of the step time waiting for data, in [0, 1].
@@ -120,7 +121,9 @@ def diagnose(
         alloc_retries: CUDA allocator retries during the window.
         loader: The training dataloader's settings, for concrete advice.
         warn_util_below: Utilisation below which the device counts as underutilised.
-        warn_data_wait_above: Data-wait share above which the window counts as data bound.
+        warn_data_wait_above: Data-wait (or ``between_fraction``) share above which the window is data (loop) bound.
+        between_fraction: Share of the step time the host worked between steps outside the loader (Lightning's
+            loop, callbacks' hooks, logging: `lightning_speedkit.timing.StepTime.between_s`).
 
     Example:
         >>> loader = LoaderSettings(num_workers=0, batch_size=32, cores=16, accelerator="cuda")
@@ -140,6 +143,9 @@ def diagnose(
         fetch each batch with one indexing call (DataLoaderTuner tries batched_fetch=True on real steps).
         >>> diagnose(0.05, utilization=0.95).label
         'compute_bound'
+        >>> print(*diagnose(0.02, between_fraction=0.9).advice.split("; "), sep="\n")
+        loop_bound: 90% of each step is host work between steps, not data loading (the loop, hooks, logging)
+        find the slow hook with Trainer(profiler="simple"), log less often, or use larger batches.
     """
     wait, h2d = round(100 * data_wait_fraction), round(100 * h2d_fraction)
     batch = f" (batch_size={loader.batch_size})" if loader and loader.batch_size else ""
@@ -164,6 +170,13 @@ def diagnose(
         return WindowDiagnosis(
             "data_bound", f"data_bound: {wait}% of each step waits for data; {_loader_advice(loader)}{batch}."
         )
+    if between_fraction > warn_data_wait_above:
+        return WindowDiagnosis(
+            "loop_bound",
+            f"loop_bound: {round(100 * between_fraction)}% of each step is host work between steps, not data loading"
+            ' (the loop, hooks, logging); find the slow hook with Trainer(profiler="simple"), log less often, or use'
+            " larger batches.",
+        )
     if utilization is not None and utilization < warn_util_below:
         larger = f"a larger batch_size than {loader.batch_size}" if loader and loader.batch_size else "larger batches"
         return WindowDiagnosis(
@@ -174,10 +187,9 @@ def diagnose(
     levers = ["bf16-mixed precision", "torch.compile", "channels_last"] if cuda else ["torch.compile"]
     left = [lever for lever in levers if loader is None or lever not in loader.in_use]  # never what it already has
     speedups = ", ".join(left) if cuda else ", or ".join([*left, "a GPU"])
-    return WindowDiagnosis(
-        "compute_bound",
-        f"compute_bound: {100 - wait}% of each step computes; speed the model up: {speedups or 'a faster GPU'}.",
-    )
+    computes = round(100 * (1 - data_wait_fraction - between_fraction))
+    advice = f"compute_bound: {computes}% of each step computes; speed the model up: {speedups or 'a faster GPU'}."
+    return WindowDiagnosis("compute_bound", advice)
 
 
 class RankWindow(NamedTuple):
@@ -193,6 +205,8 @@ class RankWindow(NamedTuple):
     """Mean seconds per step."""
     alloc_retries: int
     """CUDA allocator retries during the window."""
+    between_fraction: float = 0.0
+    """The median step's share of the host's work between steps, outside the loader."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +262,7 @@ def judge_window(
         raise ValueError("`ranks` must hold at least one rank's figures, got none.")
     readings = dict(readings or {})
     wait, h2d = max(r.data_wait_fraction for r in ranks), max(r.h2d_fraction for r in ranks)
+    between = max(r.between_fraction for r in ranks)
     retries = max(r.alloc_retries for r in ranks)
     utils = [r.utilization for r in ranks if r.utilization is not None]
     util = min(utils) if utils else None
@@ -260,12 +275,13 @@ def judge_window(
         )
         if utils:
             metrics.update(utilization_min=min(utils), utilization_max=max(utils))
-    diagnosis = diagnose(wait, h2d, util, retries, loader, warn_util_below, warn_data_wait_above)
+    diagnosis = diagnose(wait, h2d, util, retries, loader, warn_util_below, warn_data_wait_above, between)
     step_time = stats.total_s / stats.steps if stats.steps else 0.0
     value = mfu(flops_per_batch, step_time, peak_flops) if flops_per_batch and peak_flops else None
     metrics.update(
         data_wait_fraction=stats.data_wait_fraction,
         h2d_fraction=stats.h2d_fraction,
+        between_fraction=stats.between_fraction,
         step_time_s=step_time,
         samples_per_second=stats.samples_per_second,
         diagnosis=float(LABELS.index(diagnosis.label)),
@@ -279,6 +295,7 @@ def judge_window(
         "median_data_wait_fraction": wait,
         "data_wait_fraction": stats.data_wait_fraction,
         "h2d_fraction": stats.h2d_fraction,
+        "between_fraction": stats.between_fraction,
         "samples_per_second": stats.samples_per_second,
         "step_time_s": step_time,
         "utilization": readings.get("gpu_utilization", readings.get("cpu_utilization")),
@@ -286,25 +303,6 @@ def judge_window(
         "slowest_rank": slowest,
     }
     return WindowJudgement(diagnosis, metrics, figures, value)
-
-
-def first_loader(loaders: Any) -> Any:
-    """The first ``DataLoader`` in what ``trainer.train_dataloader`` holds (a loader, or a list/dict of them).
-
-    Example:
-        >>> from torch.utils.data import DataLoader
-        >>> loader = DataLoader(range(4))
-        >>> first_loader({"a": [None, loader]}) is loader, first_loader(None)
-        (True, None)
-    """
-    if loaders is None or hasattr(loaders, "num_workers"):
-        return loaders
-    items = loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else ()
-    for item in items:
-        found = first_loader(item)
-        if found is not None:
-            return found
-    return None
 
 
 def format_summary(report: Mapping[str, Any]) -> str:
@@ -322,12 +320,13 @@ def format_summary(report: Mapping[str, Any]) -> str:
           advice       compute_bound: ...
     """
     total = report.get("total", {})
-    wait, h2d = total.get("data_wait_fraction", 0.0), total.get("h2d_fraction", 0.0)
+    wait, h2d, between = (total.get(f"{k}_fraction", 0.0) for k in ("data_wait", "h2d", "between"))
     lines = [
         f"UtilizationMonitor summary ({report.get('batches', 0)} batches)",
         f"  data wait   {100 * wait:6.1f}%",
         f"  h2d copy    {100 * h2d:6.1f}%",
-        f"  compute     {100 * (1 - wait):6.1f}%",
+        *([f"  between     {100 * between:6.1f}%  (the loop, hooks, logging)"] if between else []),
+        f"  compute     {100 * (1 - wait - between):6.1f}%",
         f"  samples/s   {total.get('samples_per_second', 0.0):7.1f}",
     ]
     for key, name in (("utilization", "utilization"), ("mfu", "MFU")):

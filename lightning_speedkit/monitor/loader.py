@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_speedkit.layout import is_channels_last
-from lightning_speedkit.monitor.diagnosis import LoaderSettings, first_loader
+from lightning_speedkit.monitor.diagnosis import LoaderSettings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["loader_in_use", "speedups_in_use"]
+__all__ = ["first_loader", "loader_in_use", "speedups_in_use"]
 
 
 def loader_in_use(loader: LoaderSettings | None, trainer: pl.Trainer) -> LoaderSettings | None:
@@ -57,3 +58,22 @@ def _compiled(module: pl.LightningModule) -> bool:
     if getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_compiler_ctx", None):
         return True
     return any(type(sub).__name__ == "OptimizedModule" for sub in module.modules())
+
+
+def first_loader(loaders: Any) -> Any:
+    """The first ``DataLoader`` in what ``trainer.train_dataloader`` holds (a loader, or a list/dict of them).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(4))
+        >>> first_loader({"a": [None, loader]}) is loader, first_loader(None)
+        (True, None)
+    """
+    if loaders is None or hasattr(loaders, "num_workers"):
+        return loaders
+    items = loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else ()
+    for item in items:
+        found = first_loader(item)
+        if found is not None:
+            return found
+    return None
