@@ -25,6 +25,7 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.step_factor import has_lrs
 from lightning_speedkit.trials.snapshot import (
     SNAPSHOT_EVERY,
     SNAPSHOT_SHARE,
@@ -89,20 +90,20 @@ class TrainingGuard(LeanCallback):
     - **non-finite**: a NaN or an infinity;
     - **spike**: more than ``spike_z`` robust standard deviations (`robust_z`) above the median of the last
       ``window`` losses, and back up by at least `UNDONE` of the loss's fall since the first steps, on two steps in a
-      row. One batch alone is not enough: late in training a single hard batch
-      can lie 8 MADs out (the demo: a batch loss of 0.55 against a median of 0.18), while weights a bad step broke
-      give a high loss on the next batch too;
+      row. One batch alone is not enough: late in training a single hard batch can lie 8 MADs out (the demo: a batch
+      loss of 0.55 against a median of 0.18), while weights a bad step broke give a high loss on the next batch too;
     - **stall**: with ``stall_steps``, the mean of the latest losses is still above ``stall_fraction`` times the mean
       of the first ones, ``stall_steps`` steps after the start (or after a stall rollback): a run stuck on a plateau
       (at too high an LR, typically). A stall rolls back to the first snapshot.
 
     A rollback restores the snapshot, multiplies every LR by ``backoff`` (through `lightning_speedkit.lr`, so a
-    `WarmupScheduler` follows), calls ``rolled_back(trainer, step)`` on every callback that has it (a `WeightAverage`
-    starts again: its average holds the broken steps) and goes on with the next batch. After ``max_rollbacks``
-    rollbacks the next trigger raises a `RuntimeError` that says what happened. A snapshot larger than
-    ``max_snapshot_bytes`` (default: a quarter of host memory) is not taken: the guard then only watches and raises
-    on the first trigger. Its state is checkpointed (counters, events, the loss window); snapshots are not, since a
-    checkpoint is one: a fit resumed from it rolls back (a stall too) to the resume point at the latest.
+    `WarmupScheduler` follows; an optimizer with no ``lr`` is left as it is, said in the warning), calls
+    ``rolled_back(trainer, step)`` on every callback that has it (a `WeightAverage` starts again: its average holds
+    the broken steps) and goes on with the next batch. After ``max_rollbacks`` rollbacks the next trigger raises a
+    `RuntimeError` that says what happened. A snapshot larger than ``max_snapshot_bytes`` (default: a quarter of host
+    memory) is not taken, nor kept from before: the guard then only watches and raises on the first trigger. Its
+    state is checkpointed (counters, events, the loss window); snapshots are not, since a checkpoint is one: a fit
+    resumed from it rolls back (a stall too) to the resume point at the latest.
 
     Args:
         every_n_steps: Optimizer steps between snapshots; None (default) for the guard's choice (`snapshot_interval`).
@@ -227,11 +228,9 @@ class TrainingGuard(LeanCallback):
             self._unwatched += 1
             if self._unwatched == 1:
                 got = "None" if outputs is None or outputs == {} else repr(outputs)[:80]
-                rank_zero_warn(
-                    f"TrainingGuard: `training_step` returned no scalar loss under manual optimization (got {got}):"
-                    " such steps are not watched, and nothing rolls them back; return the loss (a scalar tensor, or"
-                    " a dict with one under 'loss') to have them guarded."
-                )
+                rank_zero_warn(f"TrainingGuard: `training_step` returned no scalar loss under manual optimization (got"
+                               f" {got}): such steps are not watched, and nothing rolls them back; return the loss (a"
+                               " scalar tensor, or a dict with one under 'loss') to have them guarded.")  # fmt: skip
             return
         self._pending.append((schedule_step(trainer), loss.detach().float().reshape(())))
         if (len(self._pending) >= self.check_every_n_steps or trainer.is_last_batch) and not self._check(trainer):
@@ -373,7 +372,8 @@ class TrainingGuard(LeanCallback):
         self._restore(trainer, snapshot)
         self._snapshot = snapshot  # after a stall, the stalled run's later snapshot is no state to go back to
         self._rollbacks += 1
-        new_scale = self._lr_scale * self.backoff
+        lr_free = not any(has_lrs(optimizer) for optimizer in trainer.optimizers)  # no LR to back off
+        new_scale = self._lr_scale * (1.0 if lr_free else self.backoff)
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
         self._lr_scale = new_scale
         self._losses.clear()
@@ -383,10 +383,10 @@ class TrainingGuard(LeanCallback):
         finite = loss if math.isfinite(loss) else None  # None for NaN/inf: the report stays plain JSON
         self._events.append({"step": step, "trigger": trigger, "loss": finite, "restored_step": snapshot["step"],
                              "lr_scale": new_scale})  # fmt: skip
+        lr = "left the LR as it is (no `lr` in the optimizer)" if lr_free else f"multiplied the LR by {self.backoff}"
         rank_zero_warn(
-            f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and"
-            f" multiplied the LR by {self.backoff} (now x{new_scale:.3g}); rollback {self._rollbacks}"
-            f" of {self.max_rollbacks}."
+            f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and {lr}"
+            f" (now x{new_scale:.3g}); rollback {self._rollbacks} of {self.max_rollbacks}."
         )
         metrics = {"speedkit/guard/rollbacks": float(self._rollbacks), "speedkit/guard/lr_scale": new_scale}
         log_rank_zero(trainer, metrics, step=step)

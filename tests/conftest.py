@@ -77,6 +77,23 @@ class TinyClassifier(L.LightningModule):
         return DataLoader(self._data(1), batch_size=self.batch_size)
 
 
+class FixedStep(torch.optim.Optimizer):
+    """An LR-free optimizer: its param groups have no ``lr``; each step moves by 0.05 times the gradient."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    @override
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.05)
+        return loss
+
+
 class KeyLogger(Logger):
     """A logger that remembers which metric keys reached it (on whatever rank it was called)."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
+from conftest import FixedStep, RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
@@ -226,6 +226,26 @@ def test_a_later_snapshot_over_the_budget_leaves_none_to_roll_back_to(tmp_path: 
     assert report["watch_only"].startswith("a snapshot takes")
     assert report["rollbacks"] == 0
     assert report["snapshot_bytes"] > 4000  # the snapshot refused, not the first one
+
+
+class _FaultyLRFree(_Faulty):
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return FixedStep(self.parameters())
+
+
+def test_a_rollback_of_an_lr_free_optimizer_says_the_lr_was_left_as_it_is(tmp_path: Path) -> None:
+    """No ``lr`` in the param groups: the rollback restores the snapshot and says it could not back the LR off.
+
+    It warned "multiplied the LR by 0.5" and reported ``lr_scale: 0.5`` while nothing had changed.
+    """
+    guard = TrainingGuard(every_n_steps=5)
+    with pytest.warns(UserWarning, match="restored step 5 and left the LR as it is"):
+        _fit(tmp_path, _FaultyLRFree(nan_at=(8,)), guard)
+    report = guard.report()
+    assert report["rollbacks"] == 1
+    assert report["lr_scale"] == 1.0
+    assert report["events"][0]["lr_scale"] == 1.0
 
 
 def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
+from conftest import FixedStep, RankWriter, TinyClassifier, callback_of, rank_records, tiny_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
@@ -401,27 +401,10 @@ def test_an_exception_inside_a_step_leaves_no_multiplier_in_the_optimizer_or_its
     assert resumed.lrs() == pytest.approx(whole.lrs()[4:])
 
 
-class _FixedStep(torch.optim.Optimizer):
-    """An LR-free optimizer: its param groups have no ``lr``; each step moves by 0.05 times the gradient."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {})
-
-    @override
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-0.05)
-        return loss
-
-
 class _LRFree(TinyClassifier):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return _FixedStep(self.parameters())
+        return FixedStep(self.parameters())
 
 
 @pytest.mark.parametrize("use_preset", [False, True])
@@ -444,7 +427,7 @@ def test_an_optimizer_without_lr_trains_as_without_the_schedule(tmp_path: Path, 
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         if callbacks:
             report = callbacks[0].report()
-            assert report["left_alone"] == ["optimizer 0 (_FixedStep)"]
+            assert report["left_alone"] == ["optimizer 0 (FixedStep)"]
             assert report["cooldown_check"]["held"] is None  # nothing to cool down: no trial, no verdict
             assert report["probe_s"] == 0.0
     assert torch.equal(weights[0], weights[1])
