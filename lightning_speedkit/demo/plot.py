@@ -37,6 +37,8 @@ def plot_demo(report: dict[str, Any], path: str | Path) -> str | None:
     computes = [runs[n]["step_compute_ms"] for n in names]
     split.bar(names, computes, label="compute")
     split.bar(names, waits, bottom=computes, label="data wait")
+    between = [runs[n].get("step_between_ms", 0.0) for n in names]  # absent from reports made before it was timed
+    split.bar(names, between, bottom=[c + w for c, w in zip(computes, waits, strict=True)], label="between steps")
     split.set(ylabel="ms per training step", title="step time")
     split.tick_params(axis="x", labelrotation=20)
     split.legend()

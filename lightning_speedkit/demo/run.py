@@ -182,7 +182,8 @@ def train_variant(
     Returns:
         ``time_to_target_s`` (None when not reached), ``total_s``, ``epochs``, ``final_val_acc``, ``samples_per_s``
         (training samples over training-step time), ``data_wait_fraction``, ``diagnosis``, ``advice``,
-        ``step_data_wait_ms`` / ``step_compute_ms``, ``choices`` (what preset chose, for speedkit) and ``timeline``.
+        ``step_data_wait_ms`` / ``step_compute_ms`` / ``step_between_ms`` (the loop's and hooks' work between steps),
+        ``choices`` (what preset chose, for speedkit) and ``timeline``.
     """
     if variant not in ABLATION:
         raise ValueError(f"`variant` must be one of {', '.join(ABLATION)}, got {variant!r}.")
@@ -259,6 +260,7 @@ def train_variant(
         "data_wait_fraction": totals["data_wait_fraction"],
         "step_data_wait_ms": 1e3 * totals["data_wait_s"] / steps,
         "step_compute_ms": 1e3 * totals["compute_s"] / steps,
+        "step_between_ms": 1e3 * totals.get("between_s", 0.0) / steps,  # the loop's and hooks' work between steps
         "diagnosis": monitored["diagnosis"],
         "advice": monitored["advice"],
         "choices": choices,
