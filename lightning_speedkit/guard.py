@@ -25,7 +25,6 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
-from lightning_speedkit.step_factor import has_lrs
 from lightning_speedkit.trials.snapshot import (
     SNAPSHOT_EVERY,
     SNAPSHOT_SHARE,
@@ -372,8 +371,8 @@ class TrainingGuard(LeanCallback):
         self._restore(trainer, snapshot)
         self._snapshot = snapshot  # after a stall, the stalled run's later snapshot is no state to go back to
         self._rollbacks += 1
-        lr_free = not any(has_lrs(optimizer) for optimizer in trainer.optimizers)  # no LR to back off
-        new_scale = self._lr_scale * (1.0 if lr_free else self.backoff)
+        with_lr = ["lr" in group for optimizer in trainer.optimizers for group in optimizer.param_groups]
+        new_scale = self._lr_scale * (self.backoff if any(with_lr) else 1.0)  # no LR at all (LR-free): none to back off
         rescale_run_lrs(trainer, new_scale / snapshot["lr_scale"], lengthen_warmup=False)
         self._lr_scale = new_scale
         self._losses.clear()
@@ -383,7 +382,8 @@ class TrainingGuard(LeanCallback):
         finite = loss if math.isfinite(loss) else None  # None for NaN/inf: the report stays plain JSON
         self._events.append({"step": step, "trigger": trigger, "loss": finite, "restored_step": snapshot["step"],
                              "lr_scale": new_scale})  # fmt: skip
-        lr = "left the LR as it is (no `lr` in the optimizer)" if lr_free else f"multiplied the LR by {self.backoff}"
+        lr = f"multiplied the LR by {self.backoff}" if any(with_lr) else "left the LR as it is (no `lr` to scale)"
+        lr += "" if all(with_lr) or not any(with_lr) else " (the param groups with no `lr` left as they are)"
         rank_zero_warn(
             f"TrainingGuard: {trigger} at step {step} (loss {loss:.4g}); restored step {snapshot['step']} and {lr}"
             f" (now x{new_scale:.3g}); rollback {self._rollbacks} of {self.max_rollbacks}."

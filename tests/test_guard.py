@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -229,23 +230,33 @@ def test_a_later_snapshot_over_the_budget_leaves_none_to_roll_back_to(tmp_path: 
 
 
 class _FaultyLRFree(_Faulty):
+    """An LR-free optimizer; with ``mixed``, its first layer's group has an ``lr`` (which the guard can back off)."""
+
+    def __init__(self, mixed: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mixed = mixed
+
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return FixedStep(self.parameters())
+        first, second = (list(layer.parameters()) for layer in (self.net[0], self.net[2]))
+        return FixedStep([{"params": first, **({"lr": 0.1} if self.mixed else {})}, {"params": second}])
 
 
-def test_a_rollback_of_an_lr_free_optimizer_says_the_lr_was_left_as_it_is(tmp_path: Path) -> None:
-    """No ``lr`` in the param groups: the rollback restores the snapshot and says it could not back the LR off.
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_rollback_backs_off_only_the_lrs_there_are(tmp_path: Path, mixed: bool) -> None:
+    """No ``lr`` in any param group: the rollback says it left the LR as it is; a group with one is backed off.
 
     It warned "multiplied the LR by 0.5" and reported ``lr_scale: 0.5`` while nothing had changed.
     """
     guard = TrainingGuard(every_n_steps=5)
-    with pytest.warns(UserWarning, match="restored step 5 and left the LR as it is"):
-        _fit(tmp_path, _FaultyLRFree(nan_at=(8,)), guard)
+    said = "multiplied the LR by 0.5 (the param groups with no `lr` left" if mixed else "left the LR as it is"
+    with pytest.warns(UserWarning, match=re.escape(f"restored step 5 and {said}")):
+        trainer = _fit(tmp_path, _FaultyLRFree(mixed, nan_at=(8,)), guard)
     report = guard.report()
     assert report["rollbacks"] == 1
-    assert report["lr_scale"] == 1.0
-    assert report["events"][0]["lr_scale"] == 1.0
+    assert report["lr_scale"] == report["events"][0]["lr_scale"] == (0.5 if mixed else 1.0)
+    groups = trainer.optimizers[0].param_groups
+    assert [group.get("lr") for group in groups] == ([0.05, None] if mixed else [None, None])
 
 
 def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
