@@ -280,14 +280,6 @@ class PrecisionTuner(trials.Lever):
             return trials.Decision.skipped(current, reason)
         return _Autocast(current), others
 
-    def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
-        """`TrainingGuard` put the state of ``step`` back and backed the LR off: a candidate's block keeps that state.
-
-        The copy the block took at its start is dropped: put back at a rejected block's end, it undid the rollback.
-        """
-        if isinstance(self._counted, _PrecisionTrials):
-            self._counted.keep_run_state()
-
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A validation inside a candidate's block runs in the run's precision: its metric may pick a checkpoint."""

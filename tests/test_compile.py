@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,49 @@ def test_a_compiled_module_that_computes_something_else_stays_eager(tmp_path: Pa
     assert report["decision"] == "eager", report["reason"]
     assert report["reason"].startswith("eager: the compiled loss differs (mean loss ")
     assert any("trains differently" in w for w in _ours(caught))
+
+
+def _nan_after(calls: int) -> Callable[..., Any]:
+    """A backend whose graph's output turns NaN after ``calls`` calls (0: from the first)."""
+    made = [0]
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        def run(*args: Any) -> Any:
+            made[0] += 1
+            out = graph.forward(*args)
+            scale = 1.0 if made[0] <= calls else float("nan")
+            return tuple(o * scale for o in out) if isinstance(out, (tuple, list)) else out * scale
+
+        return run
+
+    return backend
+
+
+@pytest.mark.parametrize(
+    ("calls", "measure", "reason"),
+    [
+        (0, True, "eager: the compiled loss differs (non-finite loss) (its steps undone, back to step 4)"),
+        (8, True, "eager: a compiled block's loss was not finite (its steps undone, back to step 12)"),
+        (0, False, "eager: the compiled loss differs (non-finite loss)"),
+    ],
+)
+def test_a_compiled_module_whose_loss_breaks_stays_eager_on_finite_weights(
+    tmp_path: Path, calls: int, measure: bool, reason: str
+) -> None:
+    """A NaN in a compiled block (the first, a later one, or ``measure=False``'s trial): eager, the block undone.
+
+    The probe's blocks train the run, so the NaN steps were kept: "training goes on eager" went on with NaN weights;
+    a NaN after the first compiled block was not even looked at, and ``measure=False`` checked no loss at all.
+    """
+    torch.manual_seed(0)
+    callback = Compile(backend=_nan_after(calls), min_compile_s=0.0, measure=measure)
+    model = TinyClassifier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, max_epochs=-1, max_steps=2000, callbacks=[callback, _StopAfter(40)]).fit(model)
+    assert callback.report()["reason"] == reason
+    assert any("training goes on eager" in w for w in _ours(caught))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------- real compiles

@@ -327,12 +327,11 @@ class Compile(trials.Lever):
             )
             rank_zero_warn(f"Compile: {report['reason'][7:]}; training goes on eager.")
             return
-        if own[_EAGER]:
-            unsound = loss_is_sound(own[_COMPILED][0].losses, own[_EAGER][0].losses, _LOSS_TOLERANCE)
-            if unsound:
-                report["rejected"][_COMPILED] = report["reason"] = f"eager: the compiled loss differs ({unsound})"
-                rank_zero_warn(f"Compile: the compiled module trains differently ({unsound}); training goes on eager.")
-                return
+        first = {name: rs[0].losses if rs else [] for name, rs in own.items()}  # measure=False: no eager, a NaN still
+        if own[_COMPILED] and (unsound := loss_is_sound(first[_COMPILED], first[_EAGER], _LOSS_TOLERANCE)):
+            report["rejected"][_COMPILED] = report["reason"] = f"eager: the compiled loss differs ({unsound})"
+            rank_zero_warn(f"Compile: the compiled module trains differently ({unsound}); training goes on eager.")
+            return
         if not self.measure:
             report.update(decision=_COMPILED, reason="compiled without timing (measure=False)")
             return

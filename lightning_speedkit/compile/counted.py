@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_speedkit import trials
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_worth_probing
 from lightning_speedkit.trials.counted import CountedTrials
+from lightning_speedkit.trials.snapshot import put_back, take_state, tell_rolled_back
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,7 +33,9 @@ class CountedCompile(CountedTrials):
     Beside the step times it keeps each block's losses (for the compiled loss check), stops after the first eager
     block when no speed-up could repay a compile (`compile_worth_probing`) and after a block in which compiling failed
     on any rank, and concludes with `compile_pays_back` (the compile seconds against the saving over the steps left),
-    not with a plain step-time margin; so it adds no rounds (``extra_rounds`` 0).
+    not with a plain step-time margin; so it adds no rounds (``extra_rounds`` 0). Before each compiled block the
+    weights and optimizer state are copied to host memory: a compiled block with a non-finite loss on any rank is
+    undone (the copy put back, every callback told through ``rolled_back``), the probe ends and the module stays eager.
     """
 
     extra_rounds = 0
@@ -41,6 +45,18 @@ class CountedCompile(CountedTrials):
         super().__init__(trials.AsIs(EAGER), [compiled], callback.probe_steps, callback.margin, warmup=1)
         self.callback, self.compiled, self.left = callback, compiled, left
         self.losses: list[list[float | None]] = []
+        self._saved: dict[str, Any] | None = None
+        self.undone: str | None = None  # how a compiled block with a non-finite loss was undone
+
+    def keep_run_state(self) -> None:
+        """Drop the block's copy: the state a rollback put back since stands (`trials.Lever.rolled_back`)."""
+        self._saved = None
+
+    @override
+    def block_starting(self, trainer: pl.Trainer, setting: trials.Setting) -> None:
+        self._saved = None
+        if setting is self.compiled:  # its steps are undone if its loss breaks: the step count goes on, as a rollback's
+            self._saved = {**take_state(trainer, schedulers=False, precision=False), "step": trainer.global_step}
 
     def record_loss(self, outputs: Any) -> None:
         """The loss of the step that just ended, in its block's list (called before `step_ended` closes the block)."""
@@ -64,6 +80,17 @@ class CountedCompile(CountedTrials):
         failed = not trainer.strategy.reduce_boolean_decision(self.callback._failure is None, all=True)
         if failed:
             return self._finish(trainer, failed=True)
+        ended = self.losses[-1] if self.losses and len(self.losses) == len(self.blocks) else []
+        broke = any(loss is not None and not math.isfinite(loss) for loss in ended)
+        if trainer.strategy.reduce_boolean_decision(broke, all=False) and self.blocks[-1][0] == self.compiled.name:
+            self.undone = "a rollback had put an earlier state back"  # a guard's, inside the block: it stands
+            if self._saved is not None:
+                put_back(trainer, self._saved)  # every rank its own copy (the same weights under DDP)
+                self.undone = f"its steps undone, back to step {self._saved['step']}"
+                tell_rolled_back(trainer, self._saved["step"])
+            self._saved = None
+            return self._finish(trainer, failed=False)
+        self._saved = None
         if len(self.blocks) != 1:
             return None
         eager_s = self.results()[0].median_step_s or 0.0
@@ -86,6 +113,13 @@ class CountedCompile(CountedTrials):
         report["steps_left"] = None if math.isinf(self.left) else self.left
         results = self.results()
         self.callback._conclude(report, results, self.compiled, self.left, failed)
+        if (undone := self.undone) is not None:  # a compiled block after the first, which `_conclude` reads, broke
+            if not report["rejected"].get(self.compiled.name):
+                report.update(decision=EAGER, reason=f"eager: a compiled block's loss was not finite ({undone})")
+                report["rejected"][self.compiled.name] = report["reason"]
+                rank_zero_warn(f"Compile: a compiled block's loss was not finite ({undone}); training goes on eager.")
+            else:
+                report["reason"] += f" ({undone})"
         report = dict(trainer.strategy.broadcast(report, src=0))
         extra = {**self.counted_fields(), **{k: v for k, v in report.items() if k not in DECISION_FIELDS}}
         extra["trials"] = [r.as_dict() for r in results]

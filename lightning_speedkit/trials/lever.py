@@ -280,6 +280,16 @@ class Lever(LeanCallback):
             " did not have one); the setting in place is kept"
         )
 
+    def rolled_back(self, trainer: pl.Trainer, step: int) -> None:
+        """A rollback (`TrainingGuard`'s) put the state of ``step`` back: a counted probe's block keeps that state.
+
+        A probe that copied the state at a block's start, to undo the block, drops the copy (its ``keep_run_state``):
+        put back at the block's end, it would undo the rollback and its LR backoff.
+        """
+        keep = getattr(self._counted, "keep_run_state", None)
+        if callable(keep):
+            keep()
+
     def report(self) -> dict[str, Any]:
         """The decision (`Decision.summary`) after the lever's own `status`, and `~.memory`'s notes; {} before one."""
         memory = self._memory.report() if self._memory is not None else {"remember": self.remember}
