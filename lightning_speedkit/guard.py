@@ -10,7 +10,6 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -25,6 +24,7 @@ from lightning_speedkit.hooks import LeanCallback
 from lightning_speedkit.lr import rescale_run_lrs
 from lightning_speedkit.report import log_rank_zero
 from lightning_speedkit.restore import ListOf, StateSpec, check_checkpoints
+from lightning_speedkit.robust import robust_z
 from lightning_speedkit.trials.snapshot import (
     SNAPSHOT_EVERY,
     SNAPSHOT_SHARE,
@@ -44,34 +44,6 @@ _TIMED_STEPS = 10
 UNDONE = 0.5
 """The share of the loss's fall since the first steps (``window`` losses) a spike must take back: a classifier near a
 loss of 0.01 from 1.4 met two hard batches at 0.2 in a row (z far over 8), and the guard halved its LR for them."""
-
-
-def robust_z(value: float, window: Sequence[float]) -> float:
-    """How many robust standard deviations ``value`` lies above the window's median (median absolute deviation).
-
-    One outlier in the window barely moves the median or the MAD, so a spike cannot hide the next one. 0 when the
-    window has fewer than two values or no spread.
-
-    Example:
-        >>> robust_z(10.0, [1.0, 1.1, 0.9, 1.0, 1.2])
-        60.7
-        >>> robust_z(1.05, [1.0, 1.1, 0.9, 1.0, 1.2])
-        0.34
-    """
-    if len(window) < 2:
-        return 0.0
-    ordered = sorted(window)  # checked after every step: one sort, no `statistics` call overhead
-    median = _middle(ordered)
-    mad = _middle(sorted([abs(v - median) for v in ordered]))
-    if mad <= 0:
-        return 0.0
-    return round((value - median) / (1.4826 * mad), 2)
-
-
-def _middle(ordered: Sequence[float]) -> float:
-    """The median of an already sorted sequence."""
-    half = len(ordered) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 class TrainingGuard(LeanCallback):
@@ -236,10 +208,11 @@ class TrainingGuard(LeanCallback):
             return
         if self.every_n_steps is None and len(self._step_s) < _TIMED_STEPS and not self._watch_only:
             self._time_step(trainer)
-        if schedule_step(trainer) % self._every == 0 and not self._watch_only:
+        stale = self._stale(trainer)  # the optimizer was rebuilt (pruning: new shapes): a new first snapshot
+        if (stale or schedule_step(trainer) % self._every == 0) and not self._watch_only:
             if self._pending and not self._check(trainer):  # a snapshot of checked steps only
                 return
-            self._take(trainer, first=False)
+            self._take(trainer, first=stale)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -349,16 +322,27 @@ class TrainingGuard(LeanCallback):
             self._snapshot, self._first, self._snapshot_size = None, None, size
             return
         snapshot = take_state(trainer)
-        snapshot["step"], snapshot["lr_scale"] = schedule_step(trainer), self._lr_scale
+        snapshot["step"], snapshot["lr_scale"], snapshot["built"] = (
+            schedule_step(trainer),
+            self._lr_scale,
+            trainer.optimizers,
+        )
         self._snapshot, self._snapshot_size = snapshot, size
         if first:
             self._first, self._snapshot_s = snapshot, time.perf_counter() - started
             log_rank_zero(trainer, {"speedkit/guard/snapshot_mb": size / 2**20})
 
+    def _stale(self, trainer: pl.Trainer) -> bool:
+        """Whether the snapshot is of optimizers since rebuilt (pruning's: its weights no longer fit the module)."""
+        return self._snapshot is not None and self._snapshot["built"] != trainer.optimizers
+
     def _roll_back(self, trainer: pl.Trainer, trigger: str, loss: float) -> None:
         step = schedule_step(trainer)
+        if stale := self._stale(trainer):
+            self._snapshot = self._first = None
         if self._rollbacks >= self.max_rollbacks or self._snapshot is None:
             why = self._watch_only or f"{self._rollbacks} rollbacks already (max_rollbacks={self.max_rollbacks})"
+            why = "the module changed (pruned) since the last snapshot" if stale else why
             kept = "no snapshot to put back: the weights are those of the failed step"
             if self._snapshot is not None:  # leave the model as it was last good, not with the failed step's weights
                 self._restore(trainer, self._snapshot)

@@ -259,6 +259,31 @@ def test_a_rollback_backs_off_only_the_lrs_there_are(tmp_path: Path, mixed: bool
     assert [group.get("lr") for group in groups] == ([0.05, None] if mixed else [None, None])
 
 
+@pytest.mark.parametrize("nan_at", [34, 32])
+def test_a_rollback_after_pruning_goes_back_to_the_pruned_model(tmp_path: Path, nan_at: int) -> None:
+    """Pruning rebuilds the optimizer: the guard snapshots the pruned model at once, and a later NaN goes back to it.
+
+    The snapshot from before pruning held the old shapes, and the rollback ended the fit with a size mismatch in
+    ``load_state_dict``. A NaN in the pruning step itself has no snapshot of the new shapes: it stops the run, saying
+    so.
+    """
+    from lightning_speedkit.pruning import StructuredPruning
+
+    guard = TrainingGuard(every_n_steps=100)  # one snapshot at the start, none before step 100 on their own
+    pruning = StructuredPruning(amount=0.5, start_epoch=1, finetune_epochs=1, round_to=None, latency_batch_sizes=())
+    model = _Faulty(nan_at=(nan_at,))  # 32 steps an epoch: pruned at step 32
+    if nan_at == 32:
+        with pytest.raises(
+            RuntimeError, match=r"no rollback left: the module changed \(pruned\) since the last snapshot"
+        ):
+            _fit(tmp_path, model, guard, callbacks=[pruning], max_epochs=3)
+        return
+    _fit(tmp_path, model, guard, callbacks=[pruning], max_epochs=3)
+    assert [(event["step"], event["restored_step"]) for event in guard.report()["events"]] == [(35, 33)]
+    assert model.net[0].out_features == 16  # pruned, and trained on
+    assert _finite(model)
+
+
 def test_a_resume_keeps_the_counters(tmp_path: Path) -> None:
     """After a rollback in epoch 0, a fit resumed from that epoch's checkpoint still counts it and lists its event."""
     ckpt = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
