@@ -82,8 +82,8 @@ SLOTS: tuple[Slot, ...] = (
     Slot("tune_precision", lambda: PrecisionTuner, True, lever=True),
     Slot("channels_last", lambda: ChannelsLast, True, lever=True),
     Slot("fused_optimizer", lambda: FusedOptimizer, True, lever=True),
-    Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
     Slot("batch_size", lambda: BatchSizeFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
+    Slot("tune_data", lambda: DataLoaderTuner, True, lever=True),
     Slot("lr", lambda: LRFinder, False, lever=True, shorthand=('"auto" (its defaults)', _auto)),
     Slot("compile", lambda: Compile, False, lever=True),
     Slot("warmup", lambda: WarmupScheduler, True, options=(("decay", "auto"), ("cooldown_check", "trial"))),
@@ -94,8 +94,9 @@ SLOTS: tuple[Slot, ...] = (
     Slot("export", _int8_export, False, shorthand=("a directory for the INT8 model", _directory)),
 )
 """speedkit's callbacks in acting order. The compute levers are decided first (the precision before the layout, whose
-gain depends on it; counted probes run one after another in this order), so the loader is tuned against the
-step the run will really take (workers compete with it for cores); the LR is found for the batch size the run will
+gain depends on it; counted probes run one after another in this order), and the batch size, so the loader is tuned
+against the step the run will really take (workers compete with it for cores; the batch-size search replaces the
+loader, which a tuner that planned before it could no longer serve); the LR is found for the batch size the run will
 use; the warmup ramps to the LR found; the weight average follows the guard (a rolled-back step is not averaged);
 pruning and the export act last (the export takes the averaged weights the fit ends with)."""
 

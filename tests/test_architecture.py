@@ -17,7 +17,7 @@ FOUNDATION = {
     "__about__", "batch", "budget", "checks", "cooldown", "data", "decisions", "hardware", "hooks", "layout", "lr",
     "lr_range", "lr_search", "lr_trial", "oom",
     "recommend",
-    "report", "restore", "sampling", "schedule", "step_factor", "timing", "trials",
+    "report", "restore", "robust", "sampling", "schedule", "step_factor", "timing", "trials",
 }  # fmt: skip
 CONCERNS = {
     "average", "batch_size", "bench", "channels_last", "compile", "dataloader", "doctor", "fused", "guard", "int8",
