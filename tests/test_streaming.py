@@ -141,6 +141,18 @@ def test_rebuilding_a_streaming_loader_mid_epoch_keeps_its_state(numbered: Path)
     assert loader.dataset.num_workers == 1  # the user's dataset keeps its own worker count
 
 
+def test_a_streaming_loader_rebuilt_after_a_whole_epoch_starts_the_next(numbered: Path) -> None:
+    """A loader iterated to its end, rebuilt with workers: the next epoch, every sample once (no state carried).
+
+    litdata counts a partial last batch whole (65 of 64 samples here): the finished epoch's state was carried as a
+    place mid-epoch, and the rebuilt loader's worker failed ("num_samples_yielded ... greater than the dataset length").
+    """
+    loader = litdata.StreamingDataLoader(streaming_dataset(numbered), batch_size=5)
+    assert sorted(_indices(loader)) == list(range(64))
+    rebuilt = rebuild_dataloader(loader, {"num_workers": 2, "prefetch_factor": 2})
+    assert sorted(_indices(rebuilt)) == list(range(64))
+
+
 def test_a_fresh_streaming_loader_rebuilt_yields_the_same_epoch(numbered: Path) -> None:
     """Rebuilt before it is used, a streaming loader yields the same shuffled epoch as the user's loader."""
     loader = litdata.StreamingDataLoader(streaming_dataset(numbered, shuffle=True, seed=3), batch_size=8)

@@ -113,6 +113,53 @@ def test_tuner_times_workers_on_a_streaming_loader_and_rebuilds_it_as_one(tmp_pa
         assert sorted(seen) == list(range(640))
 
 
+class _HeldData(StreamingData):
+    """``StreamingData`` whose loader is built once, in ``setup``: every call of the hook returns the same loader."""
+
+    def setup(self, stage: str) -> None:
+        self.loader = super().train_dataloader()
+
+    def train_dataloader(self) -> Any:
+        return self.loader
+
+
+class _TrialAtStart(L.Callback):
+    """Runs a restored trial of 3 steps at fit start: they iterate the run's own loader when the source holds it."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_speedkit.trials import AsIs, TrialSession
+
+        with TrialSession(trainer, steps=3) as session:
+            session.run(AsIs())
+
+
+@pytest.mark.parametrize("held", ["datamodule", "fit"])
+def test_a_trial_leaves_a_held_streaming_loader_where_it_was(numbered: Path, tmp_path: Path, held: str) -> None:
+    """Trials on the run's own StreamingDataLoader: the fit sees every sample of each epoch once, in the plain order.
+
+    The loader keeps its epoch and the samples it yielded on itself: the trial moved them, and the fit began one
+    shuffle epoch ahead, its first epoch 12 samples short (the tuner's probe lost 16 of 320 that way).
+    """
+    from litdata import StreamingDataLoader
+
+    runs = []
+    for callbacks in ([], [_TrialAtStart()]):
+        model, epochs = Recorded(), _Epochs()
+        data = _HeldData(numbered)
+        trainer = L.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, callbacks=[*callbacks, epochs], default_root_dir=tmp_path,
+        )  # fmt: skip
+        if held == "fit":
+            dataset = streaming_dataset(numbered, shuffle=True, seed=7)
+            trainer.fit(model, train_dataloaders=StreamingDataLoader(dataset, batch_size=4))
+        else:
+            trainer.fit(model, data)
+        runs.append([seen[-64:] for seen in epochs.epochs])  # epoch 0 also holds the trial's 12 samples
+    assert runs[1] == runs[0]
+    assert all(sorted(seen) == list(range(64)) for seen in runs[1])
+
+
 class _StopAt(L.Callback):
     """Stop the fit after ``step`` optimizer steps, as a preempted job would."""
 

@@ -12,6 +12,7 @@ Nothing here imports litdata until it is used: without it the pack imports and w
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -29,8 +30,10 @@ __all__ = [
     "check_litdata_version",
     "check_streaming_dir",
     "is_streaming_loader",
+    "put_streaming_position",
     "require_litdata",
     "streaming_dataset",
+    "streaming_position",
     "write_streaming",
 ]
 
@@ -144,6 +147,36 @@ def is_streaming_loader(loader: object) -> bool:
     """
     module = sys.modules.get("litdata")
     return module is not None and isinstance(loader, module.StreamingDataLoader)
+
+
+STREAMING_POSITION = (
+    "current_epoch",
+    "restore",
+    "_latest_worker_idx",
+    "_num_samples_yielded_streaming",
+    "_num_samples_yielded_wrapper",
+    "_num_cycles",
+)
+"""What a litdata ``StreamingDataLoader`` keeps of its place in its epochs (0.2.70-0.2.x): iterating it moves them."""
+
+
+def streaming_position(loader: object) -> dict[str, Any]:
+    """Copies of a litdata ``StreamingDataLoader``'s place in its epochs (`STREAMING_POSITION`); {} for another loader.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> streaming_position(DataLoader(range(4)))
+        {}
+    """
+    if not is_streaming_loader(loader):
+        return {}
+    return {name: copy.deepcopy(getattr(loader, name)) for name in STREAMING_POSITION if hasattr(loader, name)}
+
+
+def put_streaming_position(loader: object, position: dict[str, Any]) -> None:
+    """Put back what `streaming_position` copied (copies again: the same position may be put back twice)."""
+    for name, value in position.items():
+        setattr(loader, name, copy.deepcopy(value))
 
 
 class _Sample:

@@ -11,6 +11,7 @@ which of litdata's settings it leaves alone, and why.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -98,7 +99,8 @@ def rebuild_streaming(loader: Any, settings: dict[str, Any]) -> DataLoader[Any]:
         kwargs["prefetch_factor"] = settings.get("prefetch_factor") or 2
     new: DataLoader[Any] = type(loader)(dataset, **kwargs)
     new.current_epoch = loader.current_epoch  # type: ignore[attr-defined]
-    if loader.restore or getattr(loader, "_num_samples_yielded_streaming", 0):
+    yielded = getattr(loader, "_num_samples_yielded_streaming", 0)  # litdata counts a partial last batch whole
+    if loader.restore or 0 < yielded < _length(loader.dataset):  # mid-epoch; a finished epoch has no place to carry
         try:
             new.load_state_dict(loader.state_dict())  # type: ignore[attr-defined]
         except Exception as error:
@@ -111,3 +113,11 @@ def rebuild_streaming(loader: Any, settings: dict[str, Any]) -> DataLoader[Any]:
 def _remote(dataset: Any) -> bool:
     """Whether a StreamingDataset streams from a URL (s3://, gs://...) rather than a local directory."""
     return getattr(getattr(dataset, "input_dir", None), "url", None) is not None
+
+
+def _length(dataset: Any) -> float:
+    """The dataset's length, or infinity when it has none."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return math.inf

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader, _shutdow
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from lightning_speedkit.data.streaming import put_streaming_position, streaming_position
 from lightning_speedkit.report import quiet_logger
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ __all__ = [
     "put_back_iterators",
     "run_loaders",
     "set_aside_iterators",
+    "streaming_kept",
 ]
 
 LIGHTNING_INFO = "lightning.pytorch.utilities.rank_zero"
@@ -122,23 +124,49 @@ def generators_kept(source: Any) -> Iterator[None]:
     (``Generator``, ``RandomState``) and Python's ``random.Random`` are kept.
     """
     kept: list[tuple[Any, Callable[[Any, Any], None], Any]] = []  # (generator, how to put its state back, state)
-    for value in vars(source).values() if hasattr(source, "__dict__") else ():
-        for item in (
-            value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        ):
-            kind = next((k for k in _GENERATOR_STATE if isinstance(item, k)), None)
-            if kind is None or any(item is g for g, _, _ in kept):
-                continue
-            read, put = _GENERATOR_STATE[kind]
-            try:
-                kept.append((item, put, read(item)))
-            except NotImplementedError:  # `random.SystemRandom` has no state to keep
-                continue
+    for item in _held(source):
+        kind = next((k for k in _GENERATOR_STATE if isinstance(item, k)), None)
+        if kind is None or any(item is g for g, _, _ in kept):
+            continue
+        read, put = _GENERATOR_STATE[kind]
+        try:
+            kept.append((item, put, read(item)))
+        except NotImplementedError:  # `random.SystemRandom` has no state to keep
+            continue
     try:
         yield
     finally:
         for generator, put, state in kept:
             put(generator, state)
+
+
+def _held(source: Any) -> Iterator[Any]:
+    """What ``source`` holds: its attributes, and the items of those that are lists, tuples and dicts."""
+    for value in vars(source).values() if hasattr(source, "__dict__") else ():
+        yield from value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+
+
+def streaming_kept(trainer: pl.Trainer) -> Callable[[], None]:
+    """Copies of where the litdata loaders the run holds are in their epochs; the function returned puts them back.
+
+    A litdata ``StreamingDataLoader`` keeps its epoch and the samples it yielded on itself, not in a sampler: when the
+    data source holds the loader (loaders passed to ``fit``, a DataModule that builds it once), the trials iterate the
+    run's own loader, and the run then began one shuffle epoch ahead, its first epoch short of the samples the trials
+    drew. The loaders are found on the data source (itself, or what it holds) and in the fit loop's built loader.
+    """
+    fit_loop = trainer.fit_loop
+    source = getattr(fit_loop._data_source, "instance", None)
+    built = fit_loop._combined_loader.flattened if fit_loop._combined_loader is not None else []
+    kept: list[tuple[Any, dict[str, Any]]] = []
+    for loader in [source, *_held(source), *built]:
+        if not any(loader is seen for seen, _ in kept) and (position := streaming_position(loader)):
+            kept.append((loader, position))
+
+    def put_back() -> None:
+        for loader, position in kept:
+            put_streaming_position(loader, position)
+
+    return put_back
 
 
 _GENERATOR_STATE: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], None]]] = {

@@ -23,6 +23,7 @@ from lightning_speedkit.trials.loaders import (
     put_back_iterators,
     run_loaders,
     set_aside_iterators,
+    streaming_kept,
 )
 from lightning_speedkit.trials.probe import PeerFailed, _Probe, agree, agree_failed
 from lightning_speedkit.trials.replay import fetch_batches, replaying
@@ -113,6 +114,7 @@ class TrialSession:
             "limits": (trainer.limit_train_batches, trainer.limit_val_batches, trainer.accumulate_grad_batches),
             "loop_limits": (fit_loop.max_epochs, fit_loop.min_epochs, epoch_loop.max_steps, epoch_loop.min_steps),
             "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
+            "streaming": streaming_kept(trainer),  # a litdata loader's own place in its epochs
             # A train loader built before the trials (its iterator already drew from the RNG) is put back as it was.
             "data": (
                 (fit_loop._combined_loader, fit_loop._data_fetcher, fit_loop.max_batches, trainer.val_check_batch)
@@ -299,6 +301,7 @@ class TrialSession:
         trainer.strategy.precision_plugin = saved["precision_plugin"]
         put_back(trainer, saved)  # copies: the next trial puts the same state back
         self._load_loop(saved["loader_states"])
+        saved["streaming"]()
         trainer.fit_loop.restarting = False
         self._restore_rng()
 
