@@ -30,7 +30,7 @@ from lightning_speedkit.decisions import NOISE_Z, loss_is_sound
 from lightning_speedkit.hardware import cpu_info
 from lightning_speedkit.trials.counted import CountedTrials
 from lightning_speedkit.trials.settings import loss_of, loss_tensor
-from lightning_speedkit.trials.snapshot import put_back, take_state, tell_rolled_back
+from lightning_speedkit.trials.snapshot import take_state, undo_block
 
 __all__ = ["AUTOCAST_PRECISIONS", "PrecisionTuner", "precision_candidates"]
 
@@ -148,8 +148,7 @@ class _PrecisionTrials(CountedTrials):
         why = trainer.strategy.broadcast(why or "an unsound loss on another rank", src=0)
         began = time.perf_counter()
         if self._saved is not None:  # every rank puts its own copy back (the same weights under DDP)
-            put_back(trainer, self._saved)
-            tell_rolled_back(trainer, self._saved["step"])  # a WeightAverage drops the steps undone
+            undo_block(trainer, self._saved)  # a WeightAverage drops the steps undone; the LRs the schedule reached
             self._saved = None
             self.undone.append(self.blocks[-1][1])
         self.snapshot_s += time.perf_counter() - began

@@ -350,6 +350,28 @@ def test_a_compiled_module_whose_loss_breaks_stays_eager_on_finite_weights(
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class _ExponentialLR(TinyClassifier):
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_an_undone_block_keeps_the_lr_the_schedule_reached(tmp_path: Path) -> None:
+    """The undo puts back the weights and moments of the block's start, not its LR: the step count goes on.
+
+    Put back with the optimizer's state, the block's first LR went on under ``ExponentialLR`` (which steps from the
+    current LR): 4% above the schedule's for the rest of the run.
+    """
+    torch.manual_seed(0)
+    callback = Compile(backend=_nan_after(3), min_compile_s=0.0)  # NaN at the first compiled block's last step
+    trainer = tiny_trainer(tmp_path, max_epochs=-1, max_steps=200, callbacks=[callback], limit_val_batches=0)
+    trainer.fit(_ExponentialLR(num_samples=512))
+    assert callback.report()["reason"].endswith("(its steps undone, back to step 4)")
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.99**200)
+
+
 # ---------------------------------------------------------------------------------------------------- real compiles
 def test_a_compiled_fit_trains_with_clean_keys_and_few_recompiles(tmp_path: Path) -> None:
     """measure=False compiles (inductor) and trains; a partial last batch and a batch-size change recompile once.

@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_speedkit import trials
 from lightning_speedkit.compile.payback import MAX_GAIN, compile_worth_probing
 from lightning_speedkit.trials.counted import CountedTrials
-from lightning_speedkit.trials.snapshot import put_back, take_state, tell_rolled_back
+from lightning_speedkit.trials.snapshot import take_state, undo_block
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,9 +85,8 @@ class CountedCompile(CountedTrials):
         if trainer.strategy.reduce_boolean_decision(broke, all=False) and self.blocks[-1][0] == self.compiled.name:
             self.undone = "a rollback had put an earlier state back"  # a guard's, inside the block: it stands
             if self._saved is not None:
-                put_back(trainer, self._saved)  # every rank its own copy (the same weights under DDP)
                 self.undone = f"its steps undone, back to step {self._saved['step']}"
-                tell_rolled_back(trainer, self._saved["step"])
+                undo_block(trainer, self._saved)  # every rank its own copy (the same weights under DDP)
             self._saved = None
             return self._finish(trainer, failed=False)
         self._saved = None

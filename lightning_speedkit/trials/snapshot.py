@@ -34,6 +34,7 @@ __all__ = [
     "snapshot_interval",
     "take_state",
     "tell_rolled_back",
+    "undo_block",
 ]
 
 
@@ -123,6 +124,21 @@ def tell_rolled_back(trainer: pl.Trainer, step: int) -> None:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if callable(told := getattr(callback, "rolled_back", None)):
             told(trainer, step)
+
+
+def undo_block(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Put back a counted block's start (`take_state` without schedulers, with its ``"step"``); tell every callback.
+
+    The step count goes on, so the LRs stay where the schedule has taken them: a scheduler that steps from the
+    current LR (``ExponentialLR``, ``StepLR``) would otherwise carry the block's first LR on for the rest of the run.
+    """
+    lrs = [[group.get("lr") for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+    put_back(trainer, state)
+    for optimizer, kept in zip(trainer.optimizers, lrs, strict=True):
+        for group, lr in zip(optimizer.param_groups, kept, strict=False):
+            if lr is not None:
+                group["lr"] = lr
+    tell_rolled_back(trainer, state["step"])
 
 
 def _loops(loop: _Loop) -> list[_Loop]:
